@@ -1,0 +1,22 @@
+"""agck: crash-safe binary checkpoints for long GPU pipelines.
+
+    import agck
+    agck.save("model.agck", {"weights": tensor, "step": 10})
+    ckpt = agck.load("model.agck")        # verified: every byte checksummed
+"""
+
+from .checkpoint import Checkpoint, dumps, inspect, load, loads, save
+from .errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
+                     DurabilityError, EncodeError, FormatError, InvalidRunNameError, MalformedCheckpointError,
+                     NoValidCheckpointError, SchemaMismatchError, SchemaUninitializedError, SnapshotError,
+                     StoreConnectionError, StoreError, UnsupportedVersionError)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Checkpoint", "dumps", "loads", "save", "load", "inspect",
+    "AgckError", "FormatError", "UnsupportedVersionError", "CorruptCheckpointError", "MalformedCheckpointError",
+    "EncodeError", "StoreError", "StoreConnectionError", "SchemaUninitializedError", "SchemaMismatchError",
+    "CheckpointNotFoundError", "CheckpointExistsError", "DurabilityError", "InvalidRunNameError",
+    "NoValidCheckpointError", "SnapshotError",
+]

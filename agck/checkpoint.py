@@ -1,0 +1,183 @@
+"""Checkpoints as values: dumps/loads, save/load of standalone files, inspect.
+
+Joins the codec (state <-> tensors and tree) and the container format
+(tree and tensors <-> verified bytes). Files are written through
+:mod:`agck.durable`, the one place that owns fsync and rename.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap as _mmap
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from . import codec, durable, format
+from .errors import CorruptCheckpointError, FormatError, MalformedCheckpointError
+
+# Metadata keys the format reserves (FORMAT.md, "Metadata").
+_RESERVED = ("blobs", "tensors", "state", "run", "step", "parent", "meta")
+
+
+@dataclass
+class Checkpoint:
+    """A decoded checkpoint. ``state`` is the value that was saved."""
+
+    state: Any
+    meta: Any
+    run: str | None
+    step: int | None
+    parent: int | None
+    created_at: float                    # seconds since the epoch
+    version: str                         # "major.minor" of the container
+    tensors: list = field(default_factory=list, repr=False)   # descriptors, with digests
+    header: format.Header | None = field(default=None, repr=False)
+    ref: str | None = None
+    nbytes: int = 0
+
+
+def encode(state: Any, *, run: str | None = None, step: int | None = None, parent: int | None = None,
+           meta: Any = None, created_at_ns: int | None = None) -> format.ContainerWriter:
+    """Lay out a container for ``state``; iterate ``.parts()`` to get its bytes."""
+    if run is not None and not isinstance(run, str):
+        raise codec.EncodeError(f"run must be a str, not {type(run).__name__}")
+    for name, v in (("step", step), ("parent", parent)):
+        if v is not None and (type(v) is not int or v < 0):
+            raise codec.EncodeError(f"{name} must be a non-negative int, not {v!r}")
+    codec.encode_plain(meta, "meta")
+    enc = codec.encode_state(state)
+    m = {"run": run, "step": step, "parent": parent, "meta": meta, "tensors": enc.tensors, "state": enc.tree}
+    w = format.ContainerWriter(m, enc.blobs, created_at_ns=created_at_ns)
+    w.keepalive = enc  # the blobs are views of the encoder's buffers
+    return w
+
+
+def dumps(state: Any, *, run: str | None = None, step: int | None = None, parent: int | None = None,
+          meta: Any = None) -> bytes:
+    """Encode ``state`` as one AGCK container in memory."""
+    w = encode(state, run=run, step=step, parent=parent, meta=meta)
+    out = io.BytesIO()
+    for part in w.parts():
+        out.write(part)
+    return out.getvalue()  # BytesIO hands over its buffer without a copy
+
+
+def loads(data, *, verify: bool = True, copy: bool = True, map_location=None, ref: str | None = None) -> Checkpoint:
+    """Decode a container from a bytes-like object.
+
+    ``verify`` checks every tensor's checksum (header, metadata and footer are
+    always checked). ``copy=False`` returns arrays/tensors that are views of
+    ``data`` (read-only when ``data`` is); the default returns owned, writable ones."""
+    c = format.open_container(data, verify=verify, ref=ref)
+    return _decode(c, copy=copy, map_location=map_location)
+
+
+def _decode(c: format.Container, *, copy: bool, map_location) -> Checkpoint:
+    m = c.meta
+    bad = lambda msg: MalformedCheckpointError(msg, ref=c.ref, section="metadata")  # noqa: E731
+    run, step, parent, tree = m.get("run"), m.get("step"), m.get("parent"), m.get("state")
+    if run is not None and type(run) is not str:
+        raise bad("run is not a string")
+    for name, v in (("step", step), ("parent", parent)):
+        if v is not None and type(v) is not int:
+            raise bad(f"{name} is not an integer")
+    if type(tree) is not bytes:
+        raise bad("state is missing or not bytes")
+    state = codec.decode_state(tree, m.get("tensors"), c.blob, len(c.blobs), copy=copy,
+                               map_location=map_location, ref=c.ref)
+    return Checkpoint(state=state, meta=m.get("meta"), run=run, step=step, parent=parent,
+                      created_at=c.header.created_at_ns / 1e9,
+                      version=f"{c.header.major}.{c.header.minor}",
+                      tensors=_tensor_table(c), header=c.header, ref=c.ref, nbytes=c.header.total_len)
+
+
+def _tensor_table(c: format.Container) -> list[dict]:
+    out = []
+    tensors = c.meta.get("tensors")
+    if type(tensors) is not list:
+        return out
+    for d in tensors:
+        if type(d) is not dict:
+            continue
+        row = dict(d)
+        b = d.get("blob")
+        if type(b) is int and 0 <= b < len(c.blobs):
+            off, n = c.blobs[b]
+            row["blob_offset"] = c.header.payload_offset + off
+            row["blob_nbytes"] = n
+            row["xxh3"] = f"{c.digests[b]:016x}"
+        out.append(row)
+    return out
+
+
+def save(path: str | os.PathLike, state: Any, *, run: str | None = None, step: int | None = None,
+         parent: int | None = None, meta: Any = None, overwrite: bool = True) -> int:
+    """Write ``state`` to ``path`` atomically and durably; returns the byte size.
+
+    temp file in the same directory, write, fsync, rename, fsync(directory): a
+    crash at any instant leaves the old file or the new one, never a torn one."""
+    w = encode(state, run=run, step=step, parent=parent, meta=meta)
+    durable.write_atomic(os.fspath(path), w.parts(), overwrite=overwrite, size=w.total_len)
+    return w.total_len
+
+
+def load(path: str | os.PathLike, *, verify: bool = True, mmap: bool = True, map_location=None) -> Checkpoint:
+    """Load a checkpoint file. With ``mmap`` (default) tensors are zero-copy views
+    of a private copy-on-write mapping: writable, and writes never reach the file."""
+    path = os.fspath(path)
+    buf = read_file(path, mmap=mmap)
+    c = format.open_container(buf, verify=verify, ref=path)
+    return _decode(c, copy=False, map_location=map_location)
+
+
+def read_file(path: str, *, mmap: bool = True):
+    """The file's bytes: a private mapping, or a bytearray read in one go."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                raise FormatError("empty file, not an AGCK container", ref=path)
+            if mmap:
+                return _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_COPY)
+            buf = bytearray(size)
+            n = f.readinto(buf)
+            if n != size:
+                del buf[n:]
+            return buf
+    except FileNotFoundError:
+        raise FormatError("no such file", ref=path, hint="check the path") from None
+    except IsADirectoryError:
+        raise FormatError("is a directory, not a checkpoint file", ref=path,
+                          hint="to read a store, use agck.open_store(path)") from None
+    except PermissionError:
+        raise FormatError("permission denied", ref=path, hint="check the file's permissions") from None
+
+
+def inspect(path_or_bytes, *, verify: bool = False) -> dict:
+    """Header, metadata and tensor index, without decoding the state or hashing
+    the payload (unless ``verify``)."""
+    if isinstance(path_or_bytes, (str, os.PathLike)):
+        ref = os.fspath(path_or_bytes)
+        buf = read_file(ref, mmap=True)
+    else:
+        ref, buf = None, path_or_bytes
+    c = format.open_container(buf, verify=verify, ref=ref)
+    m = c.meta
+    return {
+        "path": ref,
+        "header": c.header.as_dict(),
+        "run": m.get("run"), "step": m.get("step"), "parent": m.get("parent"), "meta": m.get("meta"),
+        "tensors": _tensor_table(c),
+        "state_tree_bytes": len(m["state"]) if type(m.get("state")) is bytes else None,
+        "verified": verify,
+    }
+
+
+def iter_parts(state: Any, **kw) -> tuple[int, Iterator]:
+    """(total_len, parts) for stores that stream a container to their own sink."""
+    w = encode(state, **kw)
+    return w.total_len, w.parts()
+
+
+__all__ = ["Checkpoint", "dumps", "loads", "save", "load", "inspect", "encode", "CorruptCheckpointError"]

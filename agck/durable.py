@@ -1,0 +1,125 @@
+"""Atomic, durable file writes: the one place that owns fsync and rename.
+
+A checkpoint file is written to a temp file in the same directory, fsync'd,
+renamed over its final name, and the directory is fsync'd. A crash at any
+instant leaves the old name absent or intact and the new one absent or
+complete. All system calls go through an :class:`FileSystem` so the crash
+harness can substitute one that forgets unsynced writes (simulated power loss).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+from typing import Iterable
+
+from . import failpoints
+from .errors import CheckpointExistsError, DurabilityError
+
+TEMP_MARK = ".tmp."
+
+
+def temp_name_for(path: str) -> str:
+    d, base = os.path.split(path)
+    return os.path.join(d, f".{base}{TEMP_MARK}{os.getpid()}.{secrets.token_hex(4)}")
+
+
+def is_temp_name(name: str) -> bool:
+    return name.startswith(".") and TEMP_MARK in name
+
+
+class FileSystem:
+    """The system calls durable writes use. Subclassed by the crash harness."""
+
+    def open_new(self, path: str) -> int:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+    def write(self, fd: int, data) -> int:
+        return os.write(fd, data)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(src, dst)
+
+    def link(self, src: str, dst: str) -> None:
+        os.link(src, dst)
+
+    def unlink(self, path: str) -> None:
+        os.unlink(path)
+
+    def fsync_dir(self, path: str) -> None:
+        fd = os.open(path or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+REAL = FileSystem()
+
+
+def _write_all(fs: FileSystem, fd: int, data) -> None:
+    view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else memoryview(data)
+    while view.nbytes:
+        n = fs.write(fd, view)
+        view = view[n:]
+
+
+def write_atomic(path: str, parts: Iterable, *, overwrite: bool = True, size: int | None = None,
+                 fs: FileSystem | None = None) -> None:
+    """Write the concatenation of ``parts`` to ``path`` durably.
+
+    ``overwrite=False`` refuses an existing ``path`` (:class:`CheckpointExistsError`)
+    without ever replacing it (link(2) never replaces). A failed write or fsync
+    raises :class:`DurabilityError`; the temp file is removed and ``path`` is untouched."""
+    fs = fs or REAL
+    directory = os.path.dirname(path) or "."
+    tmp = temp_name_for(path)
+    fd = None
+    try:
+        fd = fs.open_new(tmp)
+        failpoints.hit("file.before_write")
+        first = True
+        for part in parts:
+            _write_all(fs, fd, part)
+            if first:
+                failpoints.hit("file.mid_write")
+                first = False
+        failpoints.hit("file.before_fsync")
+        fs.fsync(fd)
+        failpoints.hit("file.after_fsync")
+        fs.close(fd)
+        fd = None
+        failpoints.hit("file.before_rename")
+        if overwrite:
+            fs.rename(tmp, path)
+        else:
+            try:
+                fs.link(tmp, path)
+            except FileExistsError:
+                raise CheckpointExistsError("a checkpoint already exists here", ref=path) from None
+            fs.unlink(tmp)
+        tmp = None
+        failpoints.hit("file.after_rename")
+        fs.fsync_dir(directory)
+        failpoints.hit("file.after_dir_fsync")
+    except OSError as e:
+        what = "disk full" if e.errno == errno.ENOSPC else e.strerror or str(e)
+        raise DurabilityError(f"write failed: {what}", ref=path) from e
+    finally:
+        if fd is not None:
+            try:
+                fs.close(fd)
+            except OSError:
+                pass
+        if tmp is not None:
+            try:
+                fs.unlink(tmp)
+            except OSError:
+                pass

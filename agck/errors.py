@@ -1,0 +1,138 @@
+"""The agck error family.
+
+Every error a user can hit derives from :class:`AgckError`. Each carries
+``ref`` (where: a path, a ``run/step`` pair, a table row) and ``hint`` (what to
+do), and its message says all three: what happened, where, what to do.
+"""
+
+from __future__ import annotations
+
+
+class AgckError(Exception):
+    """Base of every error agck raises on purpose."""
+
+    default_hint: str | None = None
+
+    def __init__(self, message: str, *, ref: str | None = None, hint: str | None = None):
+        self.reason = message
+        self.ref = ref
+        self.hint = hint if hint is not None else self.default_hint
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        text = f"{self.ref}: {self.reason}" if self.ref else self.reason
+        if self.hint:
+            text += f" ({self.hint})"
+        return text
+
+    def at(self, ref: str) -> "AgckError":
+        """Attach a location if none is set yet; returns self for ``raise e.at(...)``."""
+        if not self.ref:
+            self.ref = ref
+        return self
+
+
+# --- the container ---------------------------------------------------------------
+
+class FormatError(AgckError):
+    """The bytes are not an AGCK container this reader can read."""
+
+    default_hint = "check that this is an .agck checkpoint written by agck"
+
+
+class UnsupportedVersionError(FormatError):
+    """A well-formed container of a major version this reader does not know."""
+
+    default_hint = "upgrade agck to read this checkpoint"
+
+
+class CorruptCheckpointError(AgckError):
+    """A container failed verification: checksum mismatch, truncation, bad index.
+
+    ``section`` names the part that failed (``header``, ``metadata``, ``payload``,
+    ``footer``, ``blob``, ``tensor``); ``tensor`` names the tensor or blob when one did.
+    """
+
+    default_hint = "this checkpoint cannot be trusted; recover an earlier one (agck recover)"
+
+    def __init__(self, message: str, *, ref: str | None = None, hint: str | None = None,
+                 section: str | None = None, tensor: str | None = None):
+        super().__init__(message, ref=ref, hint=hint)
+        self.section = section
+        self.tensor = tensor
+
+
+class MalformedCheckpointError(CorruptCheckpointError):
+    """Checksums match but the structure is invalid (hostile or buggy writer)."""
+
+
+class EncodeError(AgckError, TypeError):
+    """A value in the state cannot be encoded; the message names its path."""
+
+    default_hint = None
+
+
+# --- stores ------------------------------------------------------------------------
+
+class StoreError(AgckError):
+    """A store operation failed."""
+
+
+class StoreConnectionError(StoreError):
+    """The store cannot be opened or reached."""
+
+    default_hint = "check the URL, that the server is running, and the credentials"
+
+
+class SchemaUninitializedError(StoreError):
+    """The store's schema does not exist yet."""
+
+    default_hint = "run `agck db init DSN` (or store.init_schema())"
+
+
+class SchemaMismatchError(StoreError):
+    """The store's schema has a version this agck does not use."""
+
+    default_hint = "run `agck db migrate DSN`, or use the agck version that created it"
+
+
+class CheckpointNotFoundError(StoreError, KeyError):
+    """No checkpoint at that run/step."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return AgckError.__str__(self)
+
+
+class CheckpointExistsError(StoreError):
+    """A checkpoint already exists at that run/step."""
+
+    default_hint = "checkpoints are immutable: delete it first or use a new step"
+
+
+class DurabilityError(StoreError):
+    """A write could not be made durable (failed write, fsync, commit)."""
+
+    default_hint = "the previous checkpoint is untouched; fix the storage and retry"
+
+
+class InvalidRunNameError(StoreError, ValueError):
+    """A run name that could escape the store or is otherwise unusable."""
+
+    default_hint = "use 1-200 characters of letters, digits, '.', '_', '-', ':', '@', '+', '='"
+
+
+# --- recovery and snapshots --------------------------------------------------------
+
+class NoValidCheckpointError(AgckError):
+    """Recovery found no checkpoint that verifies. ``report`` lists every rejection."""
+
+    default_hint = "nothing to resume from; start the run over"
+
+    def __init__(self, message: str, *, ref: str | None = None, hint: str | None = None,
+                 report=None):
+        super().__init__(message, ref=ref, hint=hint)
+        self.report = report
+
+
+class SnapshotError(AgckError):
+    """A background snapshot failed to persist; the previous checkpoint is untouched."""
