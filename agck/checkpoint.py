@@ -10,6 +10,8 @@ from __future__ import annotations
 import io
 import mmap as _mmap
 import os
+
+import xxhash
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -181,3 +183,19 @@ def iter_parts(state: Any, **kw) -> tuple[int, Iterator]:
 
 
 __all__ = ["Checkpoint", "dumps", "loads", "save", "load", "inspect", "encode", "CorruptCheckpointError"]
+
+
+def read_head(path: str) -> tuple[format.Header, dict]:
+    """Header and metadata of a file, reading neither payload nor footer."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(format.HEADER_SIZE)
+            h = format.parse_header(head, ref=path)
+            meta_bytes = f.read(h.meta_len)
+    except OSError as e:
+        raise FormatError(f"cannot read: {e.strerror}", ref=path) from None
+    if len(meta_bytes) != h.meta_len:
+        raise CorruptCheckpointError("truncated inside the metadata", ref=path, section="metadata")
+    if xxhash.xxh3_64_intdigest(meta_bytes) != h.meta_digest:
+        raise CorruptCheckpointError("metadata checksum mismatch", ref=path, section="metadata")
+    return h, format.decode_metadata(meta_bytes, ref=path)

@@ -53,6 +53,9 @@ class FileSystem:
     def unlink(self, path: str) -> None:
         os.unlink(path)
 
+    def mkdir(self, path: str) -> None:
+        os.mkdir(path)
+
     def fsync_dir(self, path: str) -> None:
         fd = os.open(path or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         try:

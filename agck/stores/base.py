@@ -188,3 +188,12 @@ def iter_hashed(parts: Iterable, hasher) -> Iterable:
     for p in parts:
         hasher.update(p)
         yield p
+
+
+def check_identity(ck: Checkpoint, run: str, step: int, ref: str) -> None:
+    """A container must say it is (run, step): catches a file or row swapped in
+    from another run or step, which its own checksums cannot."""
+    if ck.run != run or ck.step != step:
+        raise CorruptCheckpointError(
+            f"holds run {ck.run!r} step {ck.step}, expected run {run!r} step {step}: "
+            "a checkpoint from elsewhere was put in its place", ref=ref, section="metadata")

@@ -1,0 +1,155 @@
+"""The embedded default store: a directory of AGCK files.
+
+    <root>/<run>/<step:012d>.agck
+
+One container per checkpoint, written by :mod:`agck.durable` (temp file,
+fsync, rename, fsync of the directory); a new run directory is made durable
+by fsync'ing the root after mkdir. Loads are mmap'd (private, copy-on-write)
+and zero-copy. Temp files left by a crash are listed by :meth:`orphans`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .. import checkpoint, durable
+from ..checkpoint import Checkpoint
+from ..errors import AgckError, CheckpointNotFoundError, DurabilityError, StoreConnectionError
+from .base import CheckpointInfo, Store, check_identity, check_run, check_step
+
+SUFFIX = ".agck"
+_STEP_DIGITS = 12
+
+
+def step_filename(step: int) -> str:
+    return f"{step:0{_STEP_DIGITS}d}{SUFFIX}"
+
+
+def parse_step_filename(name: str) -> int | None:
+    if not name.endswith(SUFFIX) or name.startswith("."):
+        return None
+    stem = name[: -len(SUFFIX)]
+    return int(stem) if stem.isdigit() else None
+
+
+class FileStore(Store):
+    def __init__(self, root: str | os.PathLike, *, create: bool = True, fs: durable.FileSystem | None = None):
+        super().__init__()
+        self.root = os.path.abspath(os.fspath(root))
+        self.url = self.root
+        self.fs = fs or durable.REAL
+        if not os.path.isdir(self.root):
+            if not create or os.path.exists(self.root):
+                raise StoreConnectionError("not a checkpoint directory", ref=self.root,
+                                           hint="pass an existing directory, or create=True")
+            try:
+                os.makedirs(self.root, exist_ok=True)
+                self.fs.fsync_dir(os.path.dirname(self.root))
+            except OSError as e:
+                raise StoreConnectionError(f"cannot create the store directory: {e.strerror}", ref=self.root) from None
+
+    def _run_dir(self, run: str) -> str:
+        return os.path.join(self.root, check_run(run))
+
+    def path(self, run: str, step: int) -> str:
+        return os.path.join(self._run_dir(run), step_filename(check_step(step)))
+
+    def ref(self, run: str, step: int) -> str:
+        return self.path(run, step)
+
+    # -- writing ---------------------------------------------------------------
+    def put(self, run: str, step: int, state: Any, *, meta: Any = None, parent: int | None = None,
+            overwrite: bool = True) -> str:
+        path = self.path(run, step)
+        w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta)
+        self._ensure_run_dir(os.path.dirname(path))
+        durable.write_atomic(path, w.parts(), overwrite=overwrite, size=w.total_len, fs=self.fs)
+        return path
+
+    def _ensure_run_dir(self, d: str) -> None:
+        if os.path.isdir(d):
+            return
+        try:
+            self.fs.mkdir(d)
+        except FileExistsError:
+            return
+        except OSError as e:
+            raise DurabilityError(f"cannot create the run directory: {e.strerror}", ref=d) from None
+        try:
+            self.fs.fsync_dir(self.root)  # the new directory entry must survive too
+        except OSError as e:
+            raise DurabilityError(f"fsync of the store directory failed: {e.strerror}", ref=self.root) from None
+
+    def delete(self, run: str, step: int) -> None:
+        path = self.path(run, step)
+        try:
+            self.fs.unlink(path)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=path) from None
+        self.fs.fsync_dir(os.path.dirname(path))
+
+    # -- reading ---------------------------------------------------------------
+    def runs(self) -> list[str]:
+        try:
+            names = os.listdir(self.root)
+        except OSError as e:
+            raise StoreConnectionError(f"cannot list the store: {e.strerror}", ref=self.root) from None
+        return sorted(n for n in names if not n.startswith(".") and os.path.isdir(os.path.join(self.root, n)))
+
+    def steps(self, run: str) -> list[int]:
+        try:
+            names = os.listdir(self._run_dir(run))
+        except FileNotFoundError:
+            return []
+        return sorted(s for s in map(parse_step_filename, names) if s is not None)
+
+    def list(self, run: str | None = None) -> list[CheckpointInfo]:
+        out = []
+        for r in ([check_run(run)] if run is not None else self.runs()):
+            for s in self.steps(r):
+                path = self.path(r, s)
+                info = CheckpointInfo(run=r, step=s, ref=path)
+                try:
+                    info.size = os.path.getsize(path)
+                    h, m = checkpoint.read_head(path)
+                    info.created_at = h.created_at_ns / 1e9
+                    info.parent = m.get("parent")
+                    info.meta = m.get("meta")
+                except (AgckError, OSError):
+                    pass  # listed without details; verify/recover say what is wrong
+                out.append(info)
+        return out
+
+    def read(self, run: str, step: int, *, verify: bool = True, map_location=None) -> Checkpoint:
+        path = self.path(run, step)
+        if not os.path.exists(path):
+            raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=path,
+                                          hint=f"`agck ls {self.root} --run {run}` lists the steps")
+        ck = checkpoint.load(path, verify=verify, mmap=True, map_location=map_location)
+        check_identity(ck, run, step, path)
+        return ck
+
+    # -- housekeeping ----------------------------------------------------------
+    def orphans(self, run: str | None = None) -> list[str]:
+        dirs = [self.root] + [self._run_dir(r) for r in ([run] if run is not None else self.runs())]
+        out = []
+        for d in dirs:
+            try:
+                names = os.listdir(d)
+            except FileNotFoundError:
+                continue
+            out += [os.path.join(d, n) for n in sorted(names) if durable.is_temp_name(n)]
+        return out
+
+    def clean_orphans(self, run: str | None = None) -> list[str]:
+        removed = []
+        for p in self.orphans(run):
+            try:
+                self.fs.unlink(p)
+                removed.append(p)
+            except FileNotFoundError:
+                pass
+        for d in {os.path.dirname(p) for p in removed}:
+            self.fs.fsync_dir(d)
+        return removed
