@@ -20,3 +20,9 @@ __all__ = [
     "CheckpointNotFoundError", "CheckpointExistsError", "DurabilityError", "InvalidRunNameError",
     "NoValidCheckpointError", "SnapshotError",
 ]
+
+from .recovery import Recovery, recover  # noqa: E402
+from .snapshot import Snapshotter, checkpoint_every  # noqa: E402
+from .stores import open_store  # noqa: E402
+
+__all__ += ["open_store", "recover", "Recovery", "Snapshotter", "checkpoint_every"]

@@ -1,0 +1,606 @@
+"""Periodic snapshots of a running pipeline, and bit-exact resume.
+
+Two forms over one engine, :class:`Snapshotter`:
+
+    @checkpoint_every(10, store="ckpts/", run="doc-pipeline")
+    def step(state, i):
+        ...
+        return state
+
+    for i in range(total):          # unchanged user loop: after a crash, the
+        state = step(state, i)      # steps already checkpointed are skipped
+
+and the loop form::
+
+    with Snapshotter("ckpts/", "doc-pipeline", every=10) as snap:
+        state = snap.restore(state)
+        for i in snap.steps(total):
+            ...
+            snap.update(state)
+
+A checkpoint at step ``k`` holds the state after ``k`` completed steps, the RNG
+states, and a fingerprint of the software and hardware. Capture happens at a
+step boundary. In async mode the state's tensors are copied into reusable
+staging buffers (pinned host memory for CUDA tensors, one synchronization) and
+encoding plus the durable write run on a background thread; at most
+``max_in_flight`` snapshots are pending (backpressure). A failed write is
+raised on the next step or at close, never swallowed.
+
+What a SIGKILL loses: the steps completed since ``last_durable_step``, and
+nothing else.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import platform
+import queue
+import random
+import signal
+import threading
+import time
+import warnings
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from . import __version__, failpoints
+from .errors import AgckError, SnapshotError
+from .recovery import recover_run
+from .stores import Store, check_run, open_store
+
+try:
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None
+
+log = logging.getLogger("agck")
+
+TAG = "__agck__"   # marks a captured object inside the saved tree
+
+
+class FingerprintWarning(UserWarning):
+    """Resuming under different software or hardware: bit-exactness may not hold."""
+
+
+def fingerprint() -> dict:
+    fp = {"agck": __version__, "python": platform.python_version(), "numpy": np.__version__,
+          "machine": platform.machine()}
+    if torch is not None:
+        fp["torch"] = torch.__version__
+        fp["cuda"] = torch.version.cuda
+        if torch.cuda.is_available():
+            fp["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            try:
+                fp["driver"] = ".".join(map(str, torch.cuda.driver_version())) \
+                    if hasattr(torch.cuda, "driver_version") else None
+            except Exception:  # driver query is best effort
+                fp["driver"] = None
+    return fp
+
+
+# --- capture and restore ----------------------------------------------------------
+
+def _stateful(x) -> bool:
+    return (callable(getattr(x, "state_dict", None)) and callable(getattr(x, "load_state_dict", None))
+            and not isinstance(x, (dict, list, tuple)))
+
+
+def capture(x: Any) -> Any:
+    """The user's state as a tree the codec takes: objects with state_dict()
+    (modules, optimizers, schedulers, GradScaler) become tagged dicts of their
+    state_dict; RNG generators become tagged dicts of their state."""
+    if isinstance(x, dict):
+        return {k: capture(v) for k, v in x.items()}
+    if type(x) is list:
+        return [capture(v) for v in x]
+    if type(x) is tuple:
+        return tuple(capture(v) for v in x)
+    if isinstance(x, np.random.Generator):
+        return {TAG: "np.Generator", "state": x.bit_generator.state}
+    if isinstance(x, random.Random):
+        return {TAG: "random.Random", "state": x.getstate()}
+    if torch is not None and isinstance(x, torch.Generator):
+        return {TAG: "torch.Generator", "state": x.get_state(), "device": str(x.device)}
+    if torch is not None and isinstance(x, torch.Tensor):
+        return x
+    if _stateful(x):
+        return {TAG: "stateful", "type": f"{type(x).__module__}.{type(x).__qualname__}", "state": x.state_dict()}
+    return x
+
+
+def restore_into(live: Any, saved: Any) -> Any:
+    """Merge a loaded tree into the user's live state. Stateful objects and
+    generators are restored in place; dicts are updated in place; anything
+    else is replaced by the saved value. Returns the restored state."""
+    if isinstance(saved, dict) and TAG in saved:
+        kind = saved[TAG]
+        if kind == "stateful" and live is not None and _stateful(live):
+            live.load_state_dict(saved["state"])
+            return live
+        if kind == "np.Generator":
+            g = live if isinstance(live, np.random.Generator) else np.random.default_rng()
+            g.bit_generator.state = saved["state"]
+            return g
+        if kind == "random.Random":
+            g = live if isinstance(live, random.Random) else random.Random()
+            g.setstate(saved["state"])
+            return g
+        if kind == "torch.Generator" and torch is not None:
+            g = live if isinstance(live, torch.Generator) else torch.Generator(device=saved.get("device", "cpu"))
+            g.set_state(saved["state"])
+            return g
+        if kind == "stateful":
+            raise AgckError(f"the checkpoint holds the state of a {saved.get('type')} but the live state has "
+                            f"{type(live).__name__} there", hint="pass the same state structure on resume")
+    if torch is not None and isinstance(saved, torch.Tensor) and isinstance(live, torch.Tensor):
+        return saved.to(live.device) if saved.device != live.device else saved
+    if isinstance(saved, dict) and isinstance(live, dict):
+        for k in list(live.keys()):
+            if k not in saved:
+                del live[k]
+        for k, v in saved.items():
+            live[k] = restore_into(live.get(k), v)
+        return live
+    if type(saved) is list and type(live) is list and len(saved) == len(live):
+        live[:] = [restore_into(a, b) for a, b in zip(live, saved)]
+        return live
+    if type(saved) is tuple and type(live) is tuple and len(saved) == len(live):
+        return tuple(restore_into(a, b) for a, b in zip(live, saved))
+    return _plain(saved)
+
+
+def _plain(x):
+    """A saved subtree with no live counterpart: rebuild tagged objects fresh."""
+    if isinstance(x, dict):
+        if TAG in x:
+            return restore_into(None, x)
+        return {k: _plain(v) for k, v in x.items()}
+    if type(x) is list:
+        return [_plain(v) for v in x]
+    if type(x) is tuple:
+        return tuple(_plain(v) for v in x)
+    return x
+
+
+def rng_state() -> dict:
+    st = {"python": random.getstate(), "numpy": np.random.get_state()}
+    if torch is not None:
+        st["torch"] = torch.get_rng_state()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict) -> None:
+    if "python" in st:
+        random.setstate(st["python"])
+    if "numpy" in st:
+        np.random.set_state(st["numpy"])
+    if torch is not None:
+        if "torch" in st:
+            torch.set_rng_state(st["torch"])
+        if "cuda" in st and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(st["cuda"])
+
+
+class _Stager:
+    """Reusable host buffers that hold a copy of the state's tensors between the
+    step boundary and the end of the background write.
+
+    Tensors are matched to buffers by their position in the tree walk, dtype
+    and shape, so a steady pipeline allocates once. CUDA tensors go to pinned
+    memory with non_blocking copies and one synchronization at the end. The same
+    tensor object appearing twice (tied weights) is copied once."""
+
+    def __init__(self):
+        self.pool: dict[tuple, Any] = {}
+
+    def stage(self, tree: Any) -> Any:
+        self.memo: dict[int, Any] = {}
+        self.n = 0
+        self.cuda = False
+        out = self._walk(tree)
+        if self.cuda:
+            torch.cuda.synchronize()
+        del self.memo
+        return out
+
+    def _buffer(self, key, make):
+        buf = self.pool.get(key)
+        if buf is None:
+            buf = self.pool[key] = make()
+        return buf
+
+    def _walk(self, x):
+        if isinstance(x, dict):
+            return {k: self._walk(v) for k, v in x.items()}
+        if type(x) is list:
+            return [self._walk(v) for v in x]
+        if type(x) is tuple:
+            return tuple(self._walk(v) for v in x)
+        if isinstance(x, np.ndarray):
+            hit = self.memo.get(id(x))
+            if hit is not None:
+                return hit
+            self.n += 1
+            buf = self._buffer((self.n, "np", x.dtype.str, x.shape), lambda: np.empty(x.shape, x.dtype))
+            np.copyto(buf, x)
+            self.memo[id(x)] = buf
+            return buf
+        if torch is not None and isinstance(x, torch.Tensor):
+            hit = self.memo.get(id(x))
+            if hit is not None:
+                return hit
+            self.n += 1
+            pin = x.device.type == "cuda"
+            key = (self.n, "pt", x.dtype, tuple(x.shape), pin)
+            buf = self._buffer(key, lambda: torch.empty(x.shape, dtype=x.dtype, pin_memory=pin))
+            src = x.detach()
+            if src.is_conj():
+                src = src.resolve_conj()
+            buf.copy_(src, non_blocking=pin)
+            self.cuda |= pin
+            out = buf
+            if isinstance(x, torch.nn.Parameter) or x.requires_grad:
+                # keep what the codec records (Parameter, requires_grad, device) without copying again
+                out = _StagedTensor.wrap(buf, x)
+            self.memo[id(x)] = out
+            return out
+        return x
+
+
+class _StagedTensor:
+    """Builds a host tensor that the codec records with the source's flags."""
+
+    @staticmethod
+    def wrap(buf, src):
+        t = buf.detach()
+        if isinstance(src, torch.nn.Parameter):
+            t = torch.nn.Parameter(t, requires_grad=src.requires_grad)
+        elif src.requires_grad:
+            t = t.requires_grad_(True)
+        return t
+
+
+# --- the engine -------------------------------------------------------------------
+
+class Snapshotter:
+    """Checkpoints a pipeline's state every ``every`` steps into ``store``.
+
+    ``mode``: ``"async"`` (stage and persist in the background), ``"sync"``
+    (persist before returning), or ``"auto"`` (async when the state holds CUDA
+    tensors, else sync). ``on_durable(step, ref)`` is called once a checkpoint is
+    durable. ``resume=False`` deletes the run's existing checkpoints before the
+    first new one is written, so a later crash can never resume into the old run.
+    """
+
+    def __init__(self, store: Store | str, run: str, *, every: int = 10, resume: bool = True,
+                 mode: str = "auto", max_in_flight: int = 1, on_durable: Callable[[int, str], Any] | None = None,
+                 meta: Any = None, handle_signals: bool = True, capture_rng: bool = True):
+        if type(every) is not int or every < 1:
+            raise AgckError(f"every must be a positive int, not {every!r}")
+        if mode not in ("auto", "async", "sync"):
+            raise AgckError(f"mode must be 'auto', 'async' or 'sync', not {mode!r}")
+        if max_in_flight < 1:
+            raise AgckError(f"max_in_flight must be >= 1, not {max_in_flight!r}")
+        self._own_store = not isinstance(store, Store)
+        self.store = open_store(store)
+        self.run = check_run(run)
+        self.every = every
+        self.resume = resume
+        self.mode = mode
+        self.max_in_flight = max_in_flight
+        self.on_durable = on_durable
+        self.meta = meta
+        self.capture_rng = capture_rng
+        self.start_step = 0
+        self.last_durable_step: int | None = None
+        self.last_durable_ref: str | None = None
+        self.recovery = None
+        self.blocked_seconds: list[float] = []   # time the pipeline waited per snapshot
+        self._state: Any = None
+        self._restored = False
+        self._error: BaseException | None = None
+        self._queue: queue.Queue | None = None
+        self._worker: threading.Thread | None = None
+        self._stagers: list[_Stager] = []
+        self._free_stagers: queue.Queue | None = None
+        self._pending = 0
+        self._cv = threading.Condition()
+        self._closed = False
+        self._stop_signal: int | None = None
+        self._old_handlers: dict = {}
+        self._async: bool | None = None if mode == "auto" else mode == "async"
+        if handle_signals:
+            self._install_signals()
+        atexit.register(self._flush_quietly)
+
+    # -- resume ----------------------------------------------------------------
+    def restore(self, state: Any = None) -> Any:
+        """Restore the run's last valid checkpoint into ``state`` (in place for
+        modules, optimizers and dicts) and set ``start_step``. On a fresh run,
+        or with ``resume=False``, returns ``state`` unchanged."""
+        self._restored = True
+        if not self.resume:
+            old = self.store.steps(self.run)
+            if old:
+                log.warning("agck: resume=False: deleting %d old checkpoints of run %r (steps %d..%d)",
+                            len(old), self.run, old[0], old[-1])
+                for s in old:
+                    self.store.delete(self.run, s)
+            self._state = state
+            return state
+        rec = recover_run(self.store, self.run)
+        self.recovery = rec
+        for rj in rec.rejected:
+            log.warning("agck: run %r: skipped step %d (%s): %s", self.run, rj.step, rj.ref, rj.reason)
+        if rec.checkpoint is None:
+            if rec.candidates:
+                log.warning("agck: run %r: none of %d checkpoints verifies; starting over",
+                            self.run, rec.candidates)
+            self._state = state
+            return state
+        ck = rec.checkpoint
+        saved = ck.state
+        fp = (ck.meta or {}).get("fingerprint") if isinstance(ck.meta, dict) else None
+        now = fingerprint()
+        if fp and {k: fp.get(k) for k in now} != now:
+            diff = {k: (fp.get(k), now[k]) for k in now if fp.get(k) != now[k]}
+            warnings.warn(f"resuming run {self.run!r} at step {ck.step} under a different environment {diff}: "
+                          "results may not be bit-identical to an uninterrupted run", FingerprintWarning,
+                          stacklevel=2)
+        if self.capture_rng and isinstance(saved, dict) and "rng" in saved:
+            set_rng_state(saved["rng"])
+        restored = restore_into(state, saved.get("state") if isinstance(saved, dict) else saved)
+        self.start_step = ck.step
+        self.last_durable_step = ck.step
+        self.last_durable_ref = ck.ref
+        self._state = restored
+        log.info("agck: run %r resumed at step %d from %s", self.run, ck.step, ck.ref)
+        return restored
+
+    # -- the loop form ---------------------------------------------------------
+    def steps(self, total: int | None = None) -> Iterator[int]:
+        """Yield step indices from ``start_step``; after each step's body the
+        step counts as completed and a snapshot is taken every ``every`` steps
+        (and after the last one)."""
+        if not self._restored:
+            self.restore(self._state)
+        i = self.start_step
+        while total is None or i < total:
+            self.raise_pending()
+            yield i
+            done = i + 1
+            last = total is not None and done == total
+            self.completed(done, self._state, force=last)
+            i = done
+
+    def update(self, state: Any) -> None:
+        """Tell the snapshotter the current state (when it is a new object)."""
+        self._state = state
+
+    def completed(self, steps_done: int, state: Any, *, force: bool = False) -> None:
+        """``steps_done`` steps are complete and ``state`` is their result."""
+        self._state = state
+        if force or steps_done % self.every == 0 or self._stop_signal is not None:
+            self.snapshot(steps_done, state)
+        if self._stop_signal is not None:
+            self._exit_on_signal()
+
+    # -- snapshots -------------------------------------------------------------
+    def snapshot(self, step: int, state: Any = None) -> None:
+        """Checkpoint ``state`` as the state after ``step`` completed steps."""
+        self.raise_pending()
+        state = self._state if state is None else state
+        t0 = time.perf_counter()
+        tree = {"state": capture(state), "step": step}
+        if self.capture_rng:
+            tree["rng"] = rng_state()
+        meta = {"fingerprint": fingerprint(), "user": self.meta, "snapshot": True}
+        if self._async is None:
+            self._async = _has_cuda(tree)
+        if not self._async:
+            self.blocked_seconds.append(0.0)
+            ref = self._persist(step, tree, meta, self.last_durable_step)
+            self.blocked_seconds[-1] = time.perf_counter() - t0
+            self._acknowledge(step, ref)
+            return
+        self._start_worker()
+        stager = self._free_stagers.get()          # backpressure: waits while max_in_flight are pending
+        self.raise_pending()
+        staged = stager.stage(tree)
+        failpoints.hit("snapshot.after_stage")
+        with self._cv:
+            self._pending += 1
+        self._queue.put((step, staged, meta, stager))
+        self.blocked_seconds.append(time.perf_counter() - t0)
+
+    def _persist(self, step, tree, meta, parent) -> str:
+        return self.store.put(self.run, step, tree, meta=meta, parent=parent)
+
+    def _acknowledge(self, step: int, ref: str) -> None:
+        failpoints.hit("snapshot.before_ack")
+        self.last_durable_step = step
+        self.last_durable_ref = ref
+        if self.on_durable is not None:
+            self.on_durable(step, ref)
+
+    def _start_worker(self) -> None:
+        if self._worker is not None:
+            return
+        self._queue = queue.Queue()
+        self._free_stagers = queue.Queue()
+        for _ in range(self.max_in_flight):
+            s = _Stager()
+            self._stagers.append(s)
+            self._free_stagers.put(s)
+        self._worker = threading.Thread(target=self._work, name=f"agck-snapshot-{self.run}", daemon=True)
+        self._worker.start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            step, staged, meta, stager = item
+            try:
+                if self._error is None:
+                    ref = self._persist(step, staged, meta, self.last_durable_step)
+                    self._acknowledge(step, ref)
+            except BaseException as e:  # surfaced to the pipeline thread, never swallowed
+                self._error = e
+            finally:
+                del staged
+                self._free_stagers.put(stager)
+                with self._cv:
+                    self._pending -= 1
+                    self._cv.notify_all()
+
+    def raise_pending(self) -> None:
+        """Raise a background write's failure in the caller's thread."""
+        e = self._error
+        if e is not None:
+            self._error = None
+            if isinstance(e, AgckError):
+                raise SnapshotError(f"a background snapshot failed: {e}", ref=getattr(e, "ref", None),
+                                    hint="the previous checkpoint is untouched") from e
+            raise SnapshotError(f"a background snapshot failed: {type(e).__name__}: {e}",
+                                hint="the previous checkpoint is untouched") from e
+
+    def flush(self) -> None:
+        """Wait until every pending snapshot is durable (or raise its failure)."""
+        with self._cv:
+            while self._pending:
+                self._cv.wait()
+        self.raise_pending()
+
+    def _flush_quietly(self) -> None:
+        try:
+            self.flush()
+        except Exception as e:  # at interpreter exit there is nobody left to raise to
+            log.error("agck: pending snapshot of run %r failed at exit: %s", self.run, e)
+
+    def close(self) -> None:
+        """Flush pending snapshots, stop the worker, restore signal handlers."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.flush()
+        finally:
+            if self._worker is not None:
+                self._queue.put(None)
+                self._worker.join()
+                self._worker = None
+            self._restore_signals()
+            atexit.unregister(self._flush_quietly)
+            if self._own_store:
+                self.store.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            try:
+                self.close()
+            except AgckError as e:
+                log.error("agck: %s", e)  # the original exception is the one to see
+
+    # -- signals ---------------------------------------------------------------
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+            except (ValueError, OSError):
+                pass
+
+    def _restore_signals(self) -> None:
+        for sig, old in self._old_handlers.items():
+            try:
+                signal.signal(sig, old)
+            except (ValueError, OSError, TypeError):
+                pass
+        self._old_handlers.clear()
+
+    def _on_signal(self, signum, frame) -> None:
+        # The state is mid-step here; the final checkpoint is taken at the next
+        # step boundary, then the signal is re-raised with the old handler.
+        if self._stop_signal is not None:  # a second signal: stop now
+            self._restore_signals()
+            signal.raise_signal(signum)
+            return
+        self._stop_signal = signum
+        log.warning("agck: %s received: checkpointing run %r at the end of this step, then exiting",
+                    signal.Signals(signum).name, self.run)
+
+    def _exit_on_signal(self) -> None:
+        signum = self._stop_signal
+        self.close()
+        signal.raise_signal(signum)
+        raise SystemExit(128 + signum)
+
+
+def _has_cuda(tree) -> bool:
+    if torch is None or not torch.cuda.is_available():
+        return False
+    stack = [tree]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            if x.is_cuda:
+                return True
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return False
+
+
+# --- the decorator ----------------------------------------------------------------
+
+def checkpoint_every(n: int, *, store: Store | str = "ckpts/", run: str | None = None, **options):
+    """Decorate ``step(state, i, ...) -> state`` to checkpoint every ``n`` steps.
+
+    The first call restores the run's last valid checkpoint into the state it is
+    given; calls for steps already covered by that checkpoint return the
+    restored state without running, so the caller's loop needs no change to
+    resume. ``run`` defaults to the function's qualified name. The wrapper has
+    ``.snapshotter`` (``last_durable_step``, ``flush()``) and ``.close()``."""
+
+    def decorate(fn):
+        run_name = run or f"{fn.__module__}.{fn.__qualname__}".replace("<", "").replace(">", "")
+        snap: Snapshotter | None = None
+
+        @functools.wraps(fn)
+        def wrapper(state, i, *args, **kwargs):
+            nonlocal snap
+            if snap is None:
+                snap = Snapshotter(store, run_name, every=n, **options)
+                wrapper.snapshotter = snap
+                state = snap.restore(state)
+            if type(i) is not int or i < 0:
+                raise AgckError(f"step index must be a non-negative int, not {i!r}")
+            if i < snap.start_step:
+                return snap._state          # covered by the restored checkpoint
+            snap.raise_pending()
+            out = fn(state, i, *args, **kwargs)
+            snap.completed(i + 1, out)
+            return out
+
+        def close():
+            if snap is not None:
+                snap.close()
+
+        wrapper.snapshotter = None
+        wrapper.close = close
+        return wrapper
+
+    return decorate

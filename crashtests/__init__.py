@@ -1,0 +1,1 @@
+"""Fault-injection harness: workloads, fault injectors, the checker and the campaign."""

@@ -1,0 +1,170 @@
+"""A deterministic torch inference pipeline, checkpointed with checkpoint_every.
+
+Each step embeds a batch of synthetic documents with a small transformer
+encoder, samples a "summary" of token ids (global torch RNG), and takes one
+Adam step on an online adapter (so module and optimizer state evolve). Every
+acknowledgement is appended to an fsync'd ack log *before* the pipeline goes
+on (the out-of-band record the checker trusts).
+
+    python -m crashtests.workload --store DIR --run R --steps 40 --every 5 \\
+        --ack-log acks.txt --out result.json [--device cuda] [--die-at 17]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+import time
+
+import numpy as np
+import torch
+import xxhash
+
+VOCAB, DIM, DOC_LEN, BATCH = 512, 64, 32, 8
+
+
+def build_state(steps: int, device: str = "cpu", seed: int = 1234) -> dict:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+    embed = torch.nn.Embedding(VOCAB, DIM)
+    layer = torch.nn.TransformerEncoderLayer(DIM, nhead=4, dim_feedforward=128, dropout=0.0, batch_first=True)
+    encoder = torch.nn.Sequential()
+    encoder.add_module("embed", embed)
+    encoder.add_module("layer", layer)
+    encoder = encoder.to(device).eval()
+    adapter = torch.nn.Linear(DIM, DIM).to(device)
+    opt = torch.optim.Adam(adapter.parameters(), lr=1e-3)
+    return {
+        "encoder": encoder, "adapter": adapter, "opt": opt,
+        "embeddings": torch.zeros(steps, BATCH, DIM, device=device),
+        "summaries": [],
+        "rng": np.random.default_rng(seed),
+        "stats": {"tokens": 0, "loss": 0.0},
+    }
+
+
+def run_step(state: dict, i: int) -> dict:
+    enc, adapter, opt = state["encoder"], state["adapter"], state["opt"]
+    device = state["embeddings"].device
+    # documents depend on the numpy Generator in the state and the torch global RNG
+    offsets = torch.from_numpy(state["rng"].integers(0, VOCAB, size=(BATCH, 1))).to(device)
+    docs = (torch.randint(0, VOCAB, (BATCH, DOC_LEN), device=device) + offsets) % VOCAB
+    with torch.no_grad():
+        hidden = enc(docs)
+        emb = hidden.mean(dim=1)
+        probs = torch.softmax(hidden[:, -1] @ enc.embed.weight.T, dim=-1)
+        summary = torch.multinomial(probs, 4, generator=None)
+    state["embeddings"][i] = emb
+    state["summaries"].append(summary.cpu().tolist())
+    # one online adapter step
+    pred = adapter(emb)
+    loss = torch.nn.functional.mse_loss(pred, emb.roll(1, dims=0))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    state["stats"]["tokens"] += BATCH * DOC_LEN
+    state["stats"]["loss"] = float(loss.item())
+    return state
+
+
+def state_hash(state) -> str:
+    """A digest of everything the pipeline's future depends on and has produced."""
+    from agck.snapshot import capture
+    h = xxhash.xxh3_64()
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            h.update(str((t.dtype, tuple(t.shape))).encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(x, np.ndarray):
+            h.update(str((x.dtype, x.shape)).encode())
+            h.update(np.ascontiguousarray(x).tobytes())
+        elif isinstance(x, dict):
+            for k in sorted(x, key=repr):
+                h.update(repr(k).encode())
+                walk(x[k])
+        elif isinstance(x, (list, tuple)):
+            h.update(f"{type(x).__name__}{len(x)}".encode())
+            for v in x:
+                walk(v)
+        else:
+            h.update(repr(x).encode())
+
+    walk(capture(state))
+    return h.hexdigest()
+
+
+class AckLog:
+    """Append-only, fsync'd: a line is on disk before the pipeline continues."""
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def __call__(self, step: int, ref: str) -> None:
+        os.write(self.fd, f"{step}\n".encode())
+        os.fsync(self.fd)
+
+
+def read_acks(path: str) -> list[int]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [int(line) for line in f if line.strip().isdigit()]
+
+
+def main(argv=None) -> int:
+    from agck import checkpoint_every, open_store
+    p = argparse.ArgumentParser()
+    p.add_argument("--store", required=True)
+    p.add_argument("--run", default="pipeline")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--mode", default="auto")
+    p.add_argument("--ack-log")
+    p.add_argument("--out")
+    p.add_argument("--die-at", type=int, help="SIGKILL self right after this step completes")
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--hashes", help="write the state hash after every step (reference runs)")
+    a = p.parse_args(argv)
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    acks = AckLog(a.ack_log) if a.ack_log else None
+    store = open_store(a.store)
+
+    @checkpoint_every(a.every, store=store, run=a.run, mode=a.mode, on_durable=acks)
+    def step(state, i):
+        state = run_step(state, i)
+        if a.step_sleep:
+            time.sleep(a.step_sleep)
+        return state
+
+    state = build_state(a.steps, a.device)
+    hashes = {}
+    for i in range(a.steps):
+        state = step(state, i)
+        if a.hashes:
+            hashes[i + 1] = state_hash(state)
+        if a.die_at is not None and i + 1 == a.die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+    step.close()
+    result = {"final_hash": state_hash(state), "steps": a.steps,
+              "resumed_from": step.snapshotter.start_step if step.snapshotter else 0}
+    if a.hashes:
+        with open(a.hashes, "w") as f:
+            json.dump(hashes, f)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f)
+    store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
