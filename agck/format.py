@@ -268,8 +268,22 @@ def open_container(buf, *, verify: bool = True, ref: str | None = None) -> Conta
     blobs = check_blob_table(h, meta.get("blobs"), ref=ref)
     c = Container(h, meta, blobs, digests, mv, ref)
     if verify:
-        c.verify_payload()
+        c.verify_payload(blob_names(meta, len(blobs)))
     return c
+
+
+def blob_names(meta: dict, count: int) -> list[str]:
+    """Name each blob after the tensors stored in it, for error messages."""
+    names = [f"blob {i}" for i in range(count)]
+    tensors = meta.get("tensors")
+    if isinstance(tensors, list):
+        seen: dict[int, list[str]] = {}
+        for d in tensors:
+            if isinstance(d, dict) and type(d.get("blob")) is int and 0 <= d["blob"] < count:
+                seen.setdefault(d["blob"], []).append(str(d.get("path")))
+        for i, paths in seen.items():
+            names[i] = f"blob {i} (tensor {', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''})"
+    return names
 
 
 def parse_footer(h: Header, footer, *, ref: str | None = None) -> list[int]:
