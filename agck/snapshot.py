@@ -314,6 +314,7 @@ class Snapshotter:
         self._stop_signal: int | None = None
         self._old_handlers: dict = {}
         self._async: bool | None = None if mode == "auto" else mode == "async"
+        self._fingerprint: dict | None = None
         if handle_signals:
             self._install_signals()
         atexit.register(self._flush_quietly)
@@ -399,7 +400,9 @@ class Snapshotter:
         tree = {"state": capture(state), "step": step}
         if self.capture_rng:
             tree["rng"] = rng_state()
-        meta = {"fingerprint": fingerprint(), "user": self.meta, "snapshot": True}
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint()
+        meta = {"fingerprint": self._fingerprint, "user": self.meta, "snapshot": True}
         if self._async is None:
             self._async = _has_cuda(tree)
         if not self._async:
