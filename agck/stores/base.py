@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
 from ..checkpoint import Checkpoint
-from ..errors import AgckError, CorruptCheckpointError, InvalidRunNameError
+from ..errors import AgckError, CheckpointNotFoundError, CorruptCheckpointError, InvalidRunNameError
 
 _RUN_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._\-:@+=]{0,199}$")
 
@@ -115,8 +115,12 @@ class Store(ABC):
         check_run(run)
         if step is not None:
             return self.read(run, check_step(step), verify=verify, map_location=map_location)
-        from ..recovery import recover  # recovery owns the walk-back judgement
-        return recover(self, run, map_location=map_location).checkpoint
+        from ..recovery import recover_run  # recovery owns the walk-back judgement
+        rec = recover_run(self, run, map_location=map_location, strict=True)
+        if rec.checkpoint is None:
+            raise CheckpointNotFoundError(f"run {run!r} has no checkpoints", ref=self.url,
+                                          hint="check the run name (`agck ls` lists the runs)")
+        return rec.checkpoint
 
     # -- housekeeping ----------------------------------------------------------
     def orphans(self, run: str | None = None) -> list[str]:
