@@ -1,0 +1,722 @@
+"""Postgres store: checkpoints as bytea chunk rows streamed over binary COPY.
+
+    postgresql://user@host:5432/db     (postgres:// too; postgresql:/// uses the libpq
+                                        environment: PGHOST, PGUSER, PGPASSWORD, ...)
+
+Tables (``prefix`` defaults to ``agck``, optionally inside Postgres ``schema``)::
+
+    {prefix}_schema_version(version int)
+    {prefix}_manifest(run, step, parent, size, checksum, nchunks, created_at, meta jsonb)  PRIMARY KEY(run, step)
+    {prefix}_chunks(run, step, idx, data bytea STORAGE EXTERNAL)                           PRIMARY KEY(run, step, idx)
+
+A put is one transaction: ``synchronous_commit = on``, a transaction advisory
+lock on (run, step), the old rows deleted, the container streamed as chunk rows
+through ``COPY ... FROM STDIN (FORMAT binary)`` (the COPY stream is generated
+from the container's own buffers while psycopg2 reads it: the container is
+never assembled, never hex-encoded), then the manifest row with the xxh3-64 of
+the whole container, then COMMIT. A client killed mid-way leaves an aborted
+transaction: nothing visible. A read is one snapshot: the manifest and the
+chunk lengths are checked first, then ``COPY (SELECT data ...) TO STDOUT (FORMAT
+binary)`` is parsed straight into one preallocated buffer that the checkpoint's
+tensors are views of.
+
+The schema is versioned: :meth:`PostgresStore.init_schema` creates it
+(``agck db init DSN``), :meth:`PostgresStore.migrate` moves it forward
+(``agck db migrate DSN``), :meth:`PostgresStore.schema_status` says where it stands.
+Passwords never appear in ``store.url`` or in error messages.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from typing import Any, Callable
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
+
+import psycopg2
+import psycopg2.errors
+import psycopg2.extensions
+import xxhash
+from psycopg2 import sql
+
+from .. import checkpoint, failpoints
+from ..checkpoint import Checkpoint
+from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
+                      DurabilityError, SchemaMismatchError, SchemaUninitializedError, StoreConnectionError,
+                      StoreError)
+from .base import CheckpointInfo, Store, check_identity, check_run, check_step
+from .sqlite import (DEFAULT_CHUNK_SIZE, check_chunk_size, check_identifier, chunk_plan, meta_json_text,
+                     nchunks_for, split_chunks, sql_row)
+
+SCHEMA_VERSION = 1
+
+# Steps from version N to N+1, each run inside the migrate() transaction: {N: fn(cursor, names)}.
+# Version 1 is the first schema, so there are none yet.
+_MIGRATIONS: dict[int, Callable[[Any, "_Names"], None]] = {}
+
+# How much COPY data one read() hands to libpq, and one write() gets back at most:
+# large enough that per-call Python overhead vanishes, small enough to stay in cache.
+COPY_IO_SIZE = 4 << 20
+
+_XACT_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))"
+_COPY_SIGNATURE = b"PGCOPY\n\xff\r\n\x00"
+_COPY_HEADER = _COPY_SIGNATURE + struct.pack("!ii", 0, 0)
+_COPY_TRAILER = struct.pack("!h", -1)
+_ROW_HEAD = struct.pack("!h", 4)
+_I32 = struct.Struct("!i")
+_ROW_TAIL = struct.Struct("!iqiii")    # step (len, int8), idx (len, int4), data length
+
+
+# --- DSNs without secrets ------------------------------------------------------------
+
+def _dsn_secrets(dsn: str) -> list[str]:
+    """Every spelling of the password a DSN carries, to scrub from any text we show."""
+    found = []
+    try:
+        pw = psycopg2.extensions.parse_dsn(dsn).get("password")
+        if pw:
+            found.append(pw)
+    except Exception:
+        pass
+    if "://" in dsn:
+        netloc = urlsplit(dsn).netloc
+        userinfo = netloc.rpartition("@")[0]
+        if ":" in userinfo:
+            raw = userinfo.split(":", 1)[1]
+            found += [raw, unquote(raw)]
+        for k, v in parse_qsl(urlsplit(dsn).query, keep_blank_values=True):
+            if k == "password":
+                found += [v]
+    else:
+        for m in re.finditer(r"password\s*=\s*('(?:[^'\\]|\\.)*'|\S+)", dsn):
+            found += [m.group(1), m.group(1).strip("'")]
+    return sorted({s for s in found if s}, key=len, reverse=True)
+
+
+def redact_dsn(dsn: str) -> str:
+    """The DSN with any password removed (URI userinfo, ``?password=``, ``password=...``)."""
+    if "://" in dsn:
+        parts = urlsplit(dsn)
+        userinfo, at, hosts = parts.netloc.rpartition("@")
+        if at:
+            userinfo = userinfo.split(":", 1)[0]
+            netloc = f"{userinfo}@{hosts}" if userinfo else hosts
+        else:
+            netloc = hosts
+        query = urlencode([(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "password"])
+        # built by hand: urlunsplit drops the empty host of postgresql:///db
+        return (f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+                + (f"#{parts.fragment}" if parts.fragment else ""))
+    return re.sub(r"password\s*=\s*('(?:[^'\\]|\\.)*'|\S+)", "password=***", dsn)
+
+
+def _scrub(text: str, secrets: list[str]) -> str:
+    for s in secrets:
+        text = text.replace(s, "***")
+    return text.strip()
+
+
+# --- the binary COPY streams -------------------------------------------------------------
+
+class _CopyIn:
+    """A file-like whose read(n) generates ``COPY {chunks} (run, step, idx, data) FROM STDIN
+    (FORMAT binary)`` from the container's buffers: row headers are a few bytes built
+    here, row data are views of the tensors' own memory, copied once, into the
+    bytes object psycopg2 requires."""
+
+    def __init__(self, run: str, step: int, parts, total: int, chunk_size: int, hasher):
+        self.run_b = run.encode("utf-8")
+        self.step = step
+        self.pieces = split_chunks(parts, total, chunk_size, hasher)
+        self.nchunks = 0
+        self.error: BaseException | None = None   # psycopg2 reports read() errors as a cancelled COPY
+        self._it = self._stream()
+        self._pending = None
+
+    def _stream(self):
+        yield _COPY_HEADER
+        head = _ROW_HEAD + _I32.pack(len(self.run_b)) + self.run_b
+        fired = False
+        cur = -1
+        for idx, clen, piece in self.pieces:
+            if idx != cur:
+                if idx == 1:
+                    failpoints.hit("pg.mid_copy")
+                    fired = True
+                cur = idx
+                self.nchunks = idx + 1
+                yield head + _ROW_TAIL.pack(8, self.step, 4, idx, clen)
+            yield piece
+        if not fired:
+            failpoints.hit("pg.mid_copy")
+        yield _COPY_TRAILER
+
+    def read(self, n: int = COPY_IO_SIZE) -> bytes:
+        try:
+            out, size = [], 0
+            while size < n:
+                p = self._pending
+                if p is None:
+                    p = next(self._it, None)
+                    if p is None:
+                        break
+                k = len(p)
+                if size + k <= n:
+                    out.append(p)
+                    size += k
+                    self._pending = None
+                else:
+                    take = n - size
+                    out.append(p[:take])
+                    self._pending = p[take:]
+                    size = n
+            if len(out) == 1 and type(out[0]) is bytes:
+                return out[0]
+            return b"".join(out)
+        except BaseException as e:
+            self.error = e
+            raise
+
+
+class _CopyOut:
+    """A file-like whose write() parses ``COPY (SELECT data ...) TO STDOUT (FORMAT binary)``
+    into ``buf``, checking every row against the expected chunk lengths and hashing
+    the data as it lands. It never raises (psycopg2 would leave the connection
+    mid-COPY): the first problem is kept in ``error`` and the rest is discarded."""
+
+    _SIG, _FIELDS, _LEN, _DATA, _SKIP, _DONE = range(6)
+
+    def __init__(self, buf: bytearray, expected: list[int], hasher, chunk_ref: Callable[[int], str]):
+        self.buf = memoryview(buf)
+        self.expected = expected
+        self.hasher = hasher
+        self.chunk_ref = chunk_ref
+        self.pos = 0
+        self.row = 0
+        self.need = 0
+        self.head = bytearray()
+        self.state = self._SIG
+        self.error: BaseException | None = None
+
+    def _fail(self, msg: str) -> None:
+        raise CorruptCheckpointError(msg, ref=self.chunk_ref(self.row), section="chunks",
+                                     hint="the chunk rows changed while being read; retry the read")
+
+    def write(self, data) -> int:
+        if self.error is None:
+            try:
+                self._feed(memoryview(data))
+            except BaseException as e:
+                self.error = e
+        return len(data)
+
+    def _header(self, mv: memoryview, i: int, want: int) -> tuple[int, bytes | None]:
+        take = min(want - len(self.head), len(mv) - i)
+        self.head += mv[i:i + take]
+        i += take
+        if len(self.head) < want:
+            return i, None
+        h = bytes(self.head)
+        self.head.clear()
+        return i, h
+
+    def _feed(self, mv: memoryview) -> None:
+        i, n = 0, len(mv)
+        while i < n:
+            st = self.state
+            if st == self._DATA:
+                take = min(self.need, n - i)
+                piece = mv[i:i + take]
+                self.buf[self.pos:self.pos + take] = piece
+                if self.hasher is not None:
+                    self.hasher.update(piece)
+                self.pos += take
+                self.need -= take
+                i += take
+                if not self.need:
+                    self.row += 1
+                    self.state = self._FIELDS
+            elif st == self._SIG:
+                i, h = self._header(mv, i, 19)
+                if h is not None:
+                    if h[:11] != _COPY_SIGNATURE:
+                        self._fail("the server sent an unknown COPY format")
+                    self.need = _I32.unpack(h[15:19])[0]
+                    self.state = self._SKIP if self.need else self._FIELDS
+            elif st == self._SKIP:
+                take = min(self.need, n - i)
+                i += take
+                self.need -= take
+                if not self.need:
+                    self.state = self._FIELDS
+            elif st == self._FIELDS:
+                i, h = self._header(mv, i, 2)
+                if h is not None:
+                    (count,) = struct.unpack("!h", h)
+                    if count == -1:
+                        self.state = self._DONE
+                    elif count != 1:
+                        self._fail(f"unexpected COPY row of {count} fields")
+                    else:
+                        self.state = self._LEN
+            elif st == self._LEN:
+                i, h = self._header(mv, i, 4)
+                if h is not None:
+                    (length,) = _I32.unpack(h)
+                    if self.row >= len(self.expected):
+                        self._fail(f"unexpected chunk {self.row}")
+                    if length != self.expected[self.row]:
+                        self._fail(f"chunk {self.row} is {length} bytes, expected {self.expected[self.row]}")
+                    self.need = length
+                    self.state = self._DATA if length else self._FIELDS
+            else:
+                return
+
+    def finish(self) -> None:
+        if self.error is not None:
+            raise self.error
+        if self.state != self._DONE or self.row != len(self.expected):
+            self._fail(f"the COPY stream ended after {self.row} of {len(self.expected)} chunks")
+
+
+# --- the store ------------------------------------------------------------------------
+
+class _Names:
+    """Table names: SQL text for statements, plain text for refs and messages."""
+
+    def __init__(self, conn, prefix: str, schema: str | None):
+        def ident(name):
+            return (sql.Identifier(schema, name) if schema else sql.Identifier(name)).as_string(conn)
+
+        self.schema = schema
+        self.label = f"{schema}.{prefix}" if schema else prefix
+        self.version = ident(f"{prefix}_schema_version")
+        self.manifest = ident(f"{prefix}_manifest")
+        self.chunks = ident(f"{prefix}_chunks")
+        self.meta_index = sql.Identifier(f"{prefix}_manifest_meta").as_string(conn)
+        self.schema_sql = sql.Identifier(schema).as_string(conn) if schema else None
+        dot = f"{schema}." if schema else ""
+        self.version_ref = f"{dot}{prefix}_schema_version"
+        self.manifest_ref = f"{dot}{prefix}_manifest"
+        self.chunks_ref = f"{dot}{prefix}_chunks"
+
+
+class PostgresStore(Store):
+    """Checkpoints in Postgres; one connection, shared between threads under a lock.
+
+    ``prefix`` names the tables, ``schema`` the Postgres schema holding them (the
+    search path when None), ``chunk_size`` the bytes per chunk row (bytea holds at
+    most 1 GiB), ``init=True`` creates a missing schema instead of refusing,
+    ``check_schema=False`` opens without looking at the schema (``agck db``)."""
+
+    def __init__(self, url: str, *, prefix: str = "agck", schema: str | None = None,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, init: bool = False, check_schema: bool = True,
+                 connect_timeout: int = 10):
+        super().__init__()
+        if not isinstance(url, str) or not url:
+            raise StoreConnectionError(f"not a Postgres URL: {type(url).__name__}",
+                                       hint="use postgresql://user@host:port/dbname")
+        self._dsn = url
+        self._secrets = _dsn_secrets(url)
+        self.url = redact_dsn(url)
+        self.prefix = check_identifier(prefix, "table prefix")
+        self.schema = check_identifier(schema, "schema name") if schema is not None else None
+        self.chunk_size = check_chunk_size(chunk_size)
+        self._connect_timeout = connect_timeout
+        self._conn = None
+        self._closed = False
+        self._inherited = []      # a parent's connections, kept open: closing one would end the parent's session
+        self._connect()
+        self.names = _Names(self._conn, self.prefix, self.schema)
+        if init:
+            self.init_schema()
+        elif check_schema:
+            self._check_schema()
+
+    # -- connection ------------------------------------------------------------------
+    def _connect(self) -> None:
+        extra = {"application_name": "agck"}
+        try:
+            given = psycopg2.extensions.parse_dsn(self._dsn)
+        except psycopg2.Error as e:
+            raise StoreConnectionError(f"invalid Postgres URL: {_scrub(str(e), self._secrets)}",
+                                       ref=self.url) from None
+        if "connect_timeout" not in given:
+            extra["connect_timeout"] = self._connect_timeout
+        try:
+            conn = psycopg2.connect(self._dsn, **{k: v for k, v in extra.items() if k not in given})
+        except psycopg2.Error as e:
+            raise StoreConnectionError(f"cannot connect to Postgres: {_scrub(str(e), self._secrets)}",
+                                       ref=self.url) from None
+        conn.autocommit = True   # transactions are explicit: BEGIN travels with the first statement
+        self._conn = conn
+        self._pid = os.getpid()
+
+    def _cursor(self):
+        if self._closed:
+            raise StoreError("the store is closed", ref=self.url, hint="open it again")
+        if self._conn is not None and self._pid != os.getpid():
+            self._inherited.append(self._conn)
+            self._conn = None
+        if self._conn is None or self._conn.closed:
+            self._connect()
+        return self._conn.cursor()
+
+    def _abort(self, cur) -> None:
+        """Roll back after an error; a connection that cannot is dropped and reopened later."""
+        try:
+            cur.execute("ROLLBACK")
+        except psycopg2.Error:
+            try:
+                self._conn.close()
+            except psycopg2.Error:
+                pass
+
+    def _db_error(self, e: psycopg2.Error, what: str, ref: str, cls=StoreError) -> AgckError:
+        msg = _scrub(str(e).strip() or type(e).__name__, self._secrets)
+        if isinstance(e, (psycopg2.OperationalError, psycopg2.InterfaceError)) and self._conn is not None \
+                and self._conn.closed:
+            return StoreConnectionError(f"{what}: lost the connection to Postgres ({msg})", ref=ref)
+        if isinstance(e, psycopg2.errors.UndefinedTable):
+            return SchemaUninitializedError(f"{what}: {msg}", ref=ref,
+                                            hint=f"run `agck db init {self.url}` (or store.init_schema())")
+        return cls(f"{what}: {msg}", ref=ref)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._conn is not None and self._pid == os.getpid():
+                self._conn.close()
+                self._conn = None
+
+    # -- schema ------------------------------------------------------------------------
+    def _read_version(self, cur) -> tuple[int | None, list[str]]:
+        """(version, missing tables). version None: no version table or no row."""
+        n = self.names
+        cur.execute("SELECT to_regclass(%s) IS NULL, to_regclass(%s) IS NULL, to_regclass(%s) IS NULL",
+                    (n.version, n.manifest, n.chunks))
+        flags = cur.fetchone()
+        missing = [t for t, gone in zip((n.version_ref, n.manifest_ref, n.chunks_ref), flags) if gone]
+        if flags[0]:
+            return None, missing
+        cur.execute(f"SELECT max(version) FROM {n.version}")
+        return cur.fetchone()[0], missing
+
+    def schema_status(self) -> dict:
+        """Where the schema stands: ``state`` is ``current``, ``uninitialized``,
+        ``incomplete``, ``outdated`` (run migrate) or ``newer`` (a newer agck made it)."""
+        with self._lock:
+            cur = self._cursor()
+            try:
+                version, missing = self._read_version(cur)
+            except psycopg2.Error as e:
+                raise self._db_error(e, "cannot read the schema version", self.names.label) from None
+        if version is None:
+            state = "incomplete" if len(missing) < 3 else "uninitialized"
+        elif version > SCHEMA_VERSION:
+            state = "newer"
+        elif version < SCHEMA_VERSION:
+            state = "outdated"
+        else:
+            state = "incomplete" if missing else "current"
+        return {"state": state, "version": version, "expected": SCHEMA_VERSION, "prefix": self.prefix,
+                "schema": self.schema, "missing_tables": missing, "url": self.url}
+
+    def _check_schema(self) -> None:
+        st = self.schema_status()
+        where = self.names.label
+        if st["state"] == "current":
+            return
+        if st["state"] in ("uninitialized", "incomplete"):
+            detail = "" if st["state"] == "uninitialized" else f" (missing {', '.join(st['missing_tables'])})"
+            raise SchemaUninitializedError(f"no agck schema with prefix {self.prefix!r} in this database{detail}",
+                                           ref=where,
+                                           hint=f"run `agck db init {self.url}` (or open with init=True)")
+        if st["state"] == "outdated":
+            raise SchemaMismatchError(f"schema version {st['version']}, this agck uses {SCHEMA_VERSION}", ref=where,
+                                      hint=f"run `agck db migrate {self.url}`")
+        raise SchemaMismatchError(f"schema version {st['version']} is newer than this agck's {SCHEMA_VERSION}",
+                                  ref=where, hint="upgrade agck to the version that created this schema")
+
+    def init_schema(self) -> dict:
+        """Create the tables if missing (idempotent, safe to race: under an advisory lock)."""
+        n = self.names
+        with self._lock:
+            cur = self._cursor()
+            try:
+                cur.execute("BEGIN; " + _XACT_LOCK, (f"agck schema {n.label}",))
+                if n.schema_sql:
+                    cur.execute(f"CREATE SCHEMA IF NOT EXISTS {n.schema_sql}")
+                cur.execute(f"""
+                    CREATE TABLE IF NOT EXISTS {n.version} (version int NOT NULL);
+                    CREATE TABLE IF NOT EXISTS {n.manifest} (
+                        run text COLLATE "C" NOT NULL,
+                        step bigint NOT NULL CHECK (step >= 0),
+                        parent bigint,
+                        size bigint NOT NULL,
+                        checksum text NOT NULL,
+                        nchunks int NOT NULL,
+                        created_at timestamptz NOT NULL DEFAULT now(),
+                        meta jsonb,
+                        PRIMARY KEY (run, step));
+                    CREATE INDEX IF NOT EXISTS {n.meta_index} ON {n.manifest} USING gin (meta);
+                    CREATE TABLE IF NOT EXISTS {n.chunks} (
+                        run text COLLATE "C" NOT NULL,
+                        step bigint NOT NULL,
+                        idx int NOT NULL,
+                        data bytea NOT NULL,
+                        PRIMARY KEY (run, step, idx));
+                    ALTER TABLE {n.chunks} ALTER COLUMN data SET STORAGE EXTERNAL;
+                    SELECT max(version) FROM {n.version}""")
+                version = cur.fetchone()[0]
+                if version is None:
+                    cur.execute(f"INSERT INTO {n.version} (version) VALUES (%s)", (SCHEMA_VERSION,))
+                elif version != SCHEMA_VERSION:
+                    raise SchemaMismatchError(
+                        f"schema version {version} exists, this agck uses {SCHEMA_VERSION}", ref=n.label,
+                        hint=f"run `agck db migrate {self.url}`" if version < SCHEMA_VERSION
+                        else "upgrade agck to the version that created this schema")
+                cur.execute("COMMIT")
+            except BaseException as e:
+                self._abort(cur)
+                if isinstance(e, psycopg2.Error):
+                    raise self._db_error(e, "cannot create the schema", n.label) from None
+                raise
+        return self.schema_status()
+
+    def migrate(self) -> list[int]:
+        """Bring the schema to this agck's version; returns the versions applied.
+        Runs in one transaction under the schema's advisory lock."""
+        n = self.names
+        applied: list[int] = []
+        with self._lock:
+            cur = self._cursor()
+            try:
+                cur.execute("BEGIN; " + _XACT_LOCK, (f"agck schema {n.label}",))
+                version, missing = self._read_version(cur)
+                if version is None:
+                    raise SchemaUninitializedError(f"no agck schema with prefix {self.prefix!r} to migrate",
+                                                   ref=n.label, hint=f"run `agck db init {self.url}`")
+                if version > SCHEMA_VERSION:
+                    raise SchemaMismatchError(f"schema version {version} is newer than this agck's "
+                                              f"{SCHEMA_VERSION}", ref=n.label,
+                                              hint="upgrade agck; schemas are never migrated backwards")
+                for v in range(version, SCHEMA_VERSION):
+                    step_fn = _MIGRATIONS.get(v)
+                    if step_fn is None:
+                        raise SchemaMismatchError(f"no migration from schema version {v}", ref=n.label,
+                                                  hint="migrate with the agck version that knows it")
+                    step_fn(cur, n)
+                    applied.append(v + 1)
+                if applied:
+                    cur.execute(f"DELETE FROM {n.version}; INSERT INTO {n.version} (version) VALUES (%s)",
+                                (SCHEMA_VERSION,))
+                cur.execute("COMMIT")
+            except BaseException as e:
+                self._abort(cur)
+                if isinstance(e, psycopg2.Error):
+                    raise self._db_error(e, "migration failed", n.label) from None
+                raise
+        return applied
+
+    # -- refs ------------------------------------------------------------------------------
+    def ref(self, run: str, step: int) -> str:
+        return sql_row(self.names.manifest_ref, check_run(run), check_step(step))
+
+    def _chunk_ref(self, run: str, step: int, idx: int) -> str:
+        return sql_row(self.names.chunks_ref, run, step, idx)
+
+    def _row_lock_key(self, run: str, step: int) -> str:
+        return f"agck {self.names.label} {run} {step}"
+
+    # -- writing ---------------------------------------------------------------------------
+    def put(self, run: str, step: int, state: Any, *, meta: Any = None, parent: int | None = None,
+            overwrite: bool = True) -> str:
+        """Write a checkpoint in one transaction (see the module docstring).
+
+        The manifest's ``meta`` column is the JSONB form of ``meta`` described in
+        :func:`agck.stores.sqlite.meta_to_json` (bytes as ``{"$bytes": base64}``,
+        non-string keys as strings); ``read().meta`` is always the exact value."""
+        check_run(run)
+        check_step(step)
+        if parent is not None:
+            check_step(parent)
+        w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta)
+        meta_text = meta_json_text(meta)
+        total = w.total_len
+        ref = self.ref(run, step)
+        n = self.names
+        hasher = xxhash.xxh3_64()
+        stream = None
+        with self._lock:
+            cur = self._cursor()
+            try:
+                cur.execute(
+                    "BEGIN; SET LOCAL synchronous_commit = on; " + _XACT_LOCK + "; "
+                    f"DELETE FROM {n.chunks} WHERE run = %s AND step = %s; "
+                    f"DELETE FROM {n.manifest} WHERE run = %s AND step = %s RETURNING 1",
+                    (self._row_lock_key(run, step), run, step, run, step))
+                if cur.fetchone() is not None and not overwrite:
+                    raise CheckpointExistsError("a checkpoint already exists here", ref=ref)
+                failpoints.hit("pg.before_copy")
+                stream = _CopyIn(run, step, w.parts(), total, self.chunk_size, hasher)
+                cur.copy_expert(f"COPY {n.chunks} (run, step, idx, data) FROM STDIN (FORMAT binary)", stream,
+                                size=COPY_IO_SIZE)
+                if stream.error is not None:
+                    raise stream.error
+                nchunks = stream.nchunks
+                if nchunks != nchunks_for(total, self.chunk_size):
+                    raise DurabilityError(f"streamed {nchunks} chunks, expected {nchunks_for(total, self.chunk_size)}",
+                                          ref=ref)
+                failpoints.hit("pg.before_manifest")
+                cur.execute(f"INSERT INTO {n.manifest} (run, step, parent, size, checksum, nchunks, created_at, meta)"
+                            f" VALUES (%s, %s, %s, %s, %s, %s, to_timestamp(%s), %s::jsonb)",
+                            (run, step, parent, total, hasher.hexdigest(), nchunks,
+                             w.header.created_at_ns / 1e9, meta_text))
+                failpoints.hit("pg.before_commit")
+                try:
+                    cur.execute("COMMIT")
+                except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
+                    raise DurabilityError(
+                        f"the connection failed during COMMIT: the checkpoint may or may not have been written "
+                        f"({_scrub(str(e), self._secrets)})", ref=ref,
+                        hint="check store.steps(run) once the server is reachable, and put it again if absent"
+                    ) from None
+            except BaseException as e:
+                if stream is not None and stream.error is not None and isinstance(e, psycopg2.Error):
+                    e = stream.error   # the real cause behind psycopg2's "COPY cancelled"
+                self._abort(cur)
+                if isinstance(e, AgckError):
+                    raise e.at(ref)
+                if isinstance(e, psycopg2.errors.UniqueViolation) and not overwrite:
+                    raise CheckpointExistsError("a checkpoint already exists here", ref=ref) from None
+                if isinstance(e, psycopg2.Error):
+                    raise self._db_error(e, "write failed", ref, DurabilityError) from None
+                if isinstance(e, OSError):
+                    raise DurabilityError(f"write failed: {e.strerror or e}", ref=ref) from e
+                raise
+        failpoints.hit("pg.after_commit")
+        return ref
+
+    def delete(self, run: str, step: int) -> None:
+        ref = self.ref(run, step)
+        n = self.names
+        with self._lock:
+            cur = self._cursor()
+            try:
+                cur.execute(
+                    "BEGIN; SET LOCAL synchronous_commit = on; " + _XACT_LOCK + "; "
+                    f"DELETE FROM {n.chunks} WHERE run = %s AND step = %s; "
+                    f"DELETE FROM {n.manifest} WHERE run = %s AND step = %s RETURNING 1",
+                    (self._row_lock_key(run, step), run, step, run, step))
+                if cur.fetchone() is None:
+                    raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref)
+                cur.execute("COMMIT")
+            except BaseException as e:
+                self._abort(cur)
+                if isinstance(e, psycopg2.Error):
+                    raise self._db_error(e, "delete failed", ref, DurabilityError) from None
+                raise
+
+    # -- reading -----------------------------------------------------------------------------
+    def _query(self, query: str, args=()) -> list:
+        with self._lock:
+            cur = self._cursor()
+            try:
+                cur.execute(query, args)
+                return cur.fetchall()
+            except psycopg2.Error as e:
+                raise self._db_error(e, "query failed", self.names.label) from None
+
+    def runs(self) -> list[str]:
+        return [r for (r,) in self._query(f"SELECT DISTINCT run FROM {self.names.manifest} ORDER BY run")]
+
+    def steps(self, run: str) -> list[int]:
+        check_run(run)
+        return [s for (s,) in self._query(f"SELECT step FROM {self.names.manifest} WHERE run = %s ORDER BY step",
+                                          (run,))]
+
+    def list(self, run: str | None = None) -> list[CheckpointInfo]:
+        n = self.names
+        q = (f"SELECT run, step, size, extract(epoch FROM created_at)::float8, parent, meta, checksum "
+             f"FROM {n.manifest}")
+        rows = (self._query(q + " ORDER BY run, step") if run is None
+                else self._query(q + " WHERE run = %s ORDER BY step", (check_run(run),)))
+        return [CheckpointInfo(run=r, step=s, ref=sql_row(n.manifest_ref, r, s), size=size, created_at=created,
+                               parent=parent, meta=meta, checksum=checksum)
+                for r, s, size, created, parent, meta, checksum in rows]
+
+    def read(self, run: str, step: int, *, verify: bool = True, map_location=None) -> Checkpoint:
+        ref = self.ref(run, step)
+        n = self.names
+        chunk_ref = lambda i: self._chunk_ref(run, step, i)  # noqa: E731
+        with self._lock:
+            cur = self._cursor()
+            try:
+                # One snapshot for the manifest, the chunk layout and the data.
+                cur.execute(
+                    "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; "
+                    f"SELECT m.size, m.checksum, m.nchunks, c.idxs, c.lens FROM {n.manifest} m "
+                    f"LEFT JOIN LATERAL (SELECT array_agg(idx ORDER BY idx) AS idxs, "
+                    f"array_agg(octet_length(data) ORDER BY idx) AS lens FROM {n.chunks} "
+                    f"WHERE run = m.run AND step = m.step) c ON true "
+                    f"WHERE m.run = %s AND m.step = %s", (run, step))
+                row = cur.fetchone()
+                if row is None:
+                    raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref,
+                                                  hint=f"store.steps({run!r}) lists the steps")
+                size, checksum, nchunks, idxs, lens = row
+                expected = chunk_plan(size, nchunks, idxs or [], lens or [], manifest_ref=ref, chunk_ref=chunk_ref)
+                buf = bytearray(size)
+                sink = _CopyOut(buf, expected, xxhash.xxh3_64() if verify else None, chunk_ref)
+                query = cur.mogrify(f"COPY (SELECT data FROM {n.chunks} WHERE run = %s AND step = %s ORDER BY idx) "
+                                    f"TO STDOUT (FORMAT binary)", (run, step)).decode("utf-8")
+                cur.copy_expert(query, sink, size=COPY_IO_SIZE)
+                cur.execute("COMMIT")
+                sink.finish()
+            except BaseException as e:
+                self._abort(cur)
+                if isinstance(e, psycopg2.Error):
+                    raise self._db_error(e, "read failed", ref) from None
+                raise
+        if verify:
+            got = sink.hasher.hexdigest()
+            if got != checksum:
+                raise CorruptCheckpointError(f"checksum mismatch (manifest says {checksum}, data hashes to {got})",
+                                             ref=ref, section="chunks")
+        ck = checkpoint.loads(buf, verify=verify, copy=False, map_location=map_location, ref=ref)
+        check_identity(ck, run, step, ref)
+        return ck
+
+    # -- housekeeping ------------------------------------------------------------------------
+    def _orphan_where(self, run: str | None) -> tuple[str, tuple]:
+        n = self.names
+        where = (f"NOT EXISTS (SELECT 1 FROM {n.manifest} m WHERE m.run = c.run AND m.step = c.step)")
+        if run is not None:
+            return where + " AND c.run = %s", (check_run(run),)
+        return where, ()
+
+    def orphans(self, run: str | None = None) -> list[str]:
+        """Chunk rows without a manifest row. A put writes both in one transaction, so
+        these come only from manual changes to the tables."""
+        where, args = self._orphan_where(run)
+        rows = self._query(f"SELECT DISTINCT c.run, c.step FROM {self.names.chunks} c WHERE {where} "
+                           f"ORDER BY c.run, c.step", args)
+        return [sql_row(self.names.chunks_ref, r, s) for r, s in rows]
+
+    def clean_orphans(self, run: str | None = None) -> list[str]:
+        where, args = self._orphan_where(run)
+        n = self.names
+        with self._lock:
+            cur = self._cursor()
+            try:
+                cur.execute(f"BEGIN; DELETE FROM {n.chunks} c WHERE {where} RETURNING c.run, c.step", args)
+                rows = sorted(set(cur.fetchall()))
+                cur.execute("COMMIT")
+            except BaseException as e:
+                self._abort(cur)
+                if isinstance(e, psycopg2.Error):
+                    raise self._db_error(e, "cleaning orphans failed", n.label, DurabilityError) from None
+                raise
+        return [sql_row(n.chunks_ref, r, s) for r, s in rows]

@@ -1,0 +1,529 @@
+"""SQLite store: checkpoints as chunk rows plus a manifest row in one database file.
+
+    sqlite:///abs/path/to.db     (the path is whatever follows "sqlite://", as for file://)
+    sqlite:relative/to.db
+    sqlite:///:memory:           (one process only; gone on close)
+
+Tables (``prefix`` defaults to ``agck``)::
+
+    {prefix}_schema_version(version)
+    {prefix}_manifest(run, step, parent, size, checksum, nchunks, created_at, meta)   PRIMARY KEY(run, step)
+    {prefix}_chunks(run, step, idx, data)                                             PRIMARY KEY(run, step, idx)
+
+A checkpoint is written in one ``BEGIN IMMEDIATE`` transaction: its chunk
+rows (each a BLOB of at most ``chunk_size`` bytes, filled in place through
+the incremental blob API so the container is never assembled in memory),
+then the manifest row with the xxh3-64 of the whole container. WAL mode with
+``synchronous=FULL`` makes the COMMIT durable before ``put`` returns.
+
+``meta`` is kept twice: exactly, inside the container (``read().meta``), and
+as JSON text in the manifest for listing and querying (see :func:`meta_to_json`).
+
+This module also holds what the SQLite and Postgres stores share: the chunk
+splitter, the manifest/chunk structure check and the JSON form of ``meta``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import re
+import sqlite3
+from typing import Any, Callable, Iterable, Iterator
+
+import xxhash
+
+from .. import checkpoint, failpoints
+from ..checkpoint import Checkpoint
+from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
+                      DurabilityError, SchemaMismatchError, StoreConnectionError,
+                      StoreError)
+from .base import CheckpointInfo, Store, check_identity, check_run, check_step
+
+SCHEMA_VERSION = 1
+DEFAULT_CHUNK_SIZE = 64 << 20
+MAX_CHUNK_SIZE = 512 << 20        # SQLite's default blob limit is 1e9 bytes; Postgres bytea's is 1 GiB
+_IDENT_RE = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
+
+
+# --- shared by the database stores -------------------------------------------------
+
+def check_identifier(value: Any, what: str) -> str:
+    """Table prefixes and schema names go into SQL text, so only plain lowercase identifiers."""
+    if not isinstance(value, str) or not _IDENT_RE.match(value):
+        raise StoreError(f"invalid {what} {value!r}",
+                         hint="use 1-41 characters of a-z, 0-9 and '_', not starting with a digit")
+    return value
+
+
+def check_chunk_size(chunk_size: Any) -> int:
+    if type(chunk_size) is not int or not 1 <= chunk_size <= MAX_CHUNK_SIZE:
+        raise StoreError(f"invalid chunk_size {chunk_size!r}",
+                         hint=f"use an int between 1 and {MAX_CHUNK_SIZE} bytes")
+    return chunk_size
+
+
+def meta_to_json(meta: Any) -> Any:
+    """The JSON form of a checkpoint's ``meta`` kept in the manifest for listing and queries.
+
+    ``meta`` is plain msgpack data; JSON (and Postgres JSONB) cannot hold all of it,
+    so: bytes become ``{"$bytes": "<base64>"}``; non-string dict keys become ``str(key)``;
+    tuples become lists; NaN and infinities become ``{"$float": "nan" | "inf" | "-inf"}``;
+    strings JSONB cannot store (a NUL character, a lone surrogate) become
+    ``{"$str": "<base64 of their UTF-8, surrogates passed through>"}``.
+    This form is for :meth:`Store.list` and SQL queries only; ``read().meta`` returns
+    the exact value from the container."""
+    t = type(meta)
+    if meta is None or t is bool or t is int:
+        return meta
+    if t is float or isinstance(meta, float):
+        if math.isfinite(meta):
+            return float(meta)
+        return {"$float": "nan" if math.isnan(meta) else ("inf" if meta > 0 else "-inf")}
+    if isinstance(meta, str):
+        if "\x00" in meta or not _utf8_ok(meta):
+            return {"$str": base64.b64encode(meta.encode("utf-8", "surrogatepass")).decode("ascii")}
+        return str(meta)
+    if isinstance(meta, (bytes, bytearray, memoryview)):
+        return {"$bytes": base64.b64encode(bytes(meta)).decode("ascii")}
+    if isinstance(meta, dict):
+        out = {}
+        for k, v in meta.items():
+            key = meta_to_json(k) if isinstance(k, str) else str(k)
+            if not isinstance(key, str):      # a key JSONB cannot hold: keep it readable
+                key = repr(k)
+            out[key] = meta_to_json(v)
+        return out
+    if isinstance(meta, (list, tuple)):
+        return [meta_to_json(v) for v in meta]
+    if isinstance(meta, int):
+        return int(meta)
+    return str(meta)
+
+
+def meta_json_text(meta: Any) -> str:
+    return json.dumps(meta_to_json(meta), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def _utf8_ok(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def split_chunks(parts: Iterable, total: int, chunk_size: int, hasher) -> Iterator[tuple[int, int, memoryview]]:
+    """Cut the container's buffers at chunk boundaries without copying.
+
+    Yields ``(idx, chunk_len, piece)``: ``piece`` is a view lying wholly in chunk
+    ``idx`` (of ``chunk_len`` bytes), in container order. Every part is fed to
+    ``hasher`` on the way (the whole-container checksum)."""
+    idx, filled = 0, 0
+    clen = min(chunk_size, total)
+    done = 0
+    for part in parts:
+        mv = memoryview(part)
+        if mv.ndim != 1 or mv.format != "B":
+            mv = mv.cast("B")
+        n = mv.nbytes
+        if not n:
+            continue
+        if done + n > total:
+            raise AgckError(f"the container produced more than its announced {total} bytes")
+        hasher.update(mv)
+        done += n
+        while mv.nbytes:
+            take = min(clen - filled, mv.nbytes)
+            yield idx, clen, mv[:take] if take < mv.nbytes else mv
+            mv = mv[take:]
+            filled += take
+            if filled == clen:
+                idx += 1
+                filled = 0
+                clen = min(chunk_size, total - idx * chunk_size)
+    if done != total:
+        raise AgckError(f"the container produced {done} bytes, not its announced {total}")
+
+
+def nchunks_for(total: int, chunk_size: int) -> int:
+    return max(1, -(-total // chunk_size))
+
+
+def chunk_plan(size: Any, nchunks: Any, idxs: list, lengths: list, *,
+               manifest_ref: str, chunk_ref: Callable[[int], str]) -> list[int]:
+    """Check a manifest against its chunk rows before any payload is read; return
+    the expected chunk lengths.
+
+    Every chunk has the writer's chunk size but the last, which holds the rest;
+    the chunk size itself is the most common length among the non-last chunks."""
+    def corrupt(msg, ref):
+        return CorruptCheckpointError(msg, ref=ref, section="chunks")
+
+    if type(size) is not int or size <= 0 or type(nchunks) is not int or nchunks <= 0:
+        raise corrupt(f"manifest row is invalid (size={size!r}, nchunks={nchunks!r})", manifest_ref)
+    present = set(idxs)
+    for i in range(nchunks):
+        if i not in present:
+            raise corrupt(f"missing chunk {i} (the manifest says {nchunks} chunks)", chunk_ref(i))
+    extra = sorted(present - set(range(nchunks)))
+    if extra:
+        raise corrupt(f"unexpected chunk {extra[0]} (the manifest says {nchunks} chunks)", chunk_ref(extra[0]))
+    by_idx = dict(zip(idxs, lengths))
+    if nchunks == 1:
+        expected = [size]
+    else:
+        counts: dict[int, int] = {}
+        for i in range(nchunks - 1):
+            counts[by_idx[i]] = counts.get(by_idx[i], 0) + 1
+        c = max(counts, key=lambda k: (counts[k], k))
+        last = size - (nchunks - 1) * c
+        expected = [c] * (nchunks - 1) + [last]
+        if c <= 0 or not 0 < last <= c:
+            raise corrupt(f"chunk sizes do not add up to the manifest's {size} bytes "
+                          f"({nchunks} chunks, chunk size {c})", manifest_ref)
+    for i in range(nchunks):
+        got = by_idx[i]
+        if got is None:
+            raise corrupt(f"chunk {i} is NULL", chunk_ref(i))
+        if got != expected[i]:
+            raise corrupt(f"chunk {i} is {got} bytes, expected {expected[i]}", chunk_ref(i))
+    return expected
+
+
+def check_checksum(buf, stored: Any, ref: str) -> None:
+    got = xxhash.xxh3_64_hexdigest(buf)
+    if got != stored:
+        raise CorruptCheckpointError(f"checksum mismatch (manifest says {stored}, data hashes to {got})",
+                                     ref=ref, section="chunks")
+
+
+def sql_row(table: str, run: str, step: int, idx: int | None = None) -> str:
+    """The human-readable row ref. Run names are validated: they cannot hold quotes."""
+    if idx is None:
+        return f"{table}(run='{run}', step={step})"
+    return f"{table}(run='{run}', step={step}, idx={idx})"
+
+
+# --- the store ---------------------------------------------------------------------
+
+def sqlite_path(url: str) -> str:
+    """``sqlite:///abs.db`` -> ``/abs.db``; ``sqlite:rel.db`` -> ``rel.db``; a plain path is itself."""
+    if url.startswith("sqlite:"):
+        rest = url[len("sqlite:"):]
+        if rest.startswith("//"):
+            rest = rest[2:]
+        if rest in ("/:memory:", ":memory:"):
+            return ":memory:"
+        return rest
+    return url
+
+
+class SqliteStore(Store):
+    """Checkpoints in one SQLite database file; safe to share between threads and processes."""
+
+    def __init__(self, url: str | os.PathLike, *, prefix: str = "agck", chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 busy_timeout: float = 30.0):
+        super().__init__()
+        url = os.fspath(url)
+        self.path = sqlite_path(url)
+        if not self.path:
+            raise StoreConnectionError(f"no database path in {url!r}", hint="use sqlite:///path/to.db")
+        if self.path != ":memory:":
+            self.path = os.path.abspath(self.path)
+        self.url = "sqlite:///:memory:" if self.path == ":memory:" else "sqlite://" + self.path
+        self.prefix = check_identifier(prefix, "table prefix")
+        self.chunk_size = check_chunk_size(chunk_size)
+        p = self.prefix
+        self._t_version, self._t_manifest, self._t_chunks = f"{p}_schema_version", f"{p}_manifest", f"{p}_chunks"
+        self._owner_pid = os.getpid()
+        try:
+            self._conn = sqlite3.connect(self.path, timeout=busy_timeout, isolation_level=None,
+                                         check_same_thread=False)
+        except sqlite3.Error as e:
+            raise StoreConnectionError(f"cannot open the database: {e}", ref=self.path) from None
+        try:
+            c = self._conn
+            c.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+            if self.path != ":memory:":
+                mode = c.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+                if str(mode).lower() != "wal":
+                    raise StoreConnectionError(f"cannot switch the database to WAL mode (it stays {mode})",
+                                               ref=self.path)
+            c.execute("PRAGMA synchronous = FULL")
+            self._init_schema()
+        except sqlite3.Error as e:
+            self._conn.close()
+            raise StoreConnectionError(f"cannot open the database: {e}", ref=self.path,
+                                       hint="check that the file is an agck SQLite store and is writable") from None
+        except AgckError:
+            self._conn.close()
+            raise
+
+    # -- schema ----------------------------------------------------------------
+    def _version(self) -> int | None:
+        c = self._conn
+        if not c.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+                         (self._t_version,)).fetchone():
+            return None
+        row = c.execute(f"SELECT max(version) FROM {self._t_version}").fetchone()
+        return row[0]
+
+    def _init_schema(self) -> None:
+        v = self._version()
+        if v is None:
+            c = self._conn
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                c.execute(f"CREATE TABLE IF NOT EXISTS {self._t_version} (version INTEGER NOT NULL)")
+                c.execute(f"""CREATE TABLE IF NOT EXISTS {self._t_manifest} (
+                    run TEXT NOT NULL, step INTEGER NOT NULL, parent INTEGER, size INTEGER NOT NULL,
+                    checksum TEXT NOT NULL, nchunks INTEGER NOT NULL, created_at REAL NOT NULL, meta TEXT,
+                    PRIMARY KEY (run, step))""")
+                c.execute(f"""CREATE TABLE IF NOT EXISTS {self._t_chunks} (
+                    run TEXT NOT NULL, step INTEGER NOT NULL, idx INTEGER NOT NULL, data BLOB NOT NULL,
+                    PRIMARY KEY (run, step, idx))""")
+                if c.execute(f"SELECT count(*) FROM {self._t_version}").fetchone()[0] == 0:
+                    c.execute(f"INSERT INTO {self._t_version} (version) VALUES (?)", (SCHEMA_VERSION,))
+                c.execute("COMMIT")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+            v = self._version()
+        if v != SCHEMA_VERSION:
+            raise SchemaMismatchError(f"schema version {v}, this agck uses {SCHEMA_VERSION}", ref=self.path,
+                                      hint="use the agck version that created this database")
+
+    # -- refs --------------------------------------------------------------------
+    def ref(self, run: str, step: int) -> str:
+        return f"{self.path}::{sql_row(self._t_manifest, check_run(run), check_step(step))}"
+
+    def _chunk_ref(self, run: str, step: int, idx: int) -> str:
+        return f"{self.path}::{sql_row(self._t_chunks, run, step, idx)}"
+
+    def _db(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise StoreError("the store is closed", ref=self.path, hint="open it again")
+        if os.getpid() != self._owner_pid:
+            raise StoreError("a SQLite store cannot be used across fork()", ref=self.path,
+                             hint="open the store in the child process")
+        return self._conn
+
+    # -- writing ---------------------------------------------------------------
+    def put(self, run: str, step: int, state: Any, *, meta: Any = None, parent: int | None = None,
+            overwrite: bool = True) -> str:
+        check_run(run)
+        check_step(step)
+        if parent is not None:
+            check_step(parent)
+        w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta)
+        meta_text = meta_json_text(meta)
+        total = w.total_len
+        ref = self.ref(run, step)
+        hasher = xxhash.xxh3_64()
+        with self._lock:
+            c = self._db()
+            try:
+                c.execute("BEGIN IMMEDIATE")
+            except sqlite3.Error as e:
+                raise DurabilityError(f"cannot start the write transaction: {e}", ref=ref) from None
+            try:
+                key = (run, step)
+                exists = c.execute(f"SELECT 1 FROM {self._t_manifest} WHERE run = ? AND step = ?", key).fetchone()
+                if exists and not overwrite:
+                    raise CheckpointExistsError("a checkpoint already exists here", ref=ref)
+                c.execute(f"DELETE FROM {self._t_chunks} WHERE run = ? AND step = ?", key)
+                c.execute(f"DELETE FROM {self._t_manifest} WHERE run = ? AND step = ?", key)
+                failpoints.hit("sqlite.before_insert")
+                nchunks = self._write_chunks(c, run, step, w.parts(), total, hasher)
+                c.execute(f"INSERT INTO {self._t_manifest} (run, step, parent, size, checksum, nchunks, "
+                          f"created_at, meta) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                          (run, step, parent, total, hasher.hexdigest(), nchunks,
+                           w.header.created_at_ns / 1e9, meta_text))
+                failpoints.hit("sqlite.before_commit")
+                c.execute("COMMIT")
+            except BaseException as e:
+                try:
+                    c.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+                if isinstance(e, AgckError):
+                    raise e.at(ref)
+                if isinstance(e, (sqlite3.Error, OSError)):
+                    raise DurabilityError(f"write failed: {e}", ref=ref) from e
+                raise
+        failpoints.hit("sqlite.after_commit")
+        return ref
+
+    def _write_chunks(self, c: sqlite3.Connection, run: str, step: int, parts, total: int, hasher) -> int:
+        insert = f"INSERT INTO {self._t_chunks} (run, step, idx, data) VALUES (?, ?, ?, zeroblob(?))"
+        blob, cur_idx = None, -1
+        blobopen = getattr(c, "blobopen", None)
+        pending: bytearray | None = None      # Python < 3.11: no blob API, assemble the chunk
+        try:
+            for idx, clen, piece in split_chunks(parts, total, self.chunk_size, hasher):
+                if idx != cur_idx:
+                    if blob is not None:
+                        blob.close()
+                        blob = None
+                    if pending is not None:
+                        c.execute(f"INSERT INTO {self._t_chunks} (run, step, idx, data) VALUES (?, ?, ?, ?)",
+                                  (run, step, cur_idx, pending))
+                        pending = None
+                    cur_idx = idx
+                    if blobopen is not None:
+                        rowid = c.execute(insert, (run, step, idx, clen)).lastrowid
+                        blob = blobopen(self._t_chunks, "data", rowid)
+                    else:
+                        pending = bytearray()
+                if blob is not None:
+                    blob.write(piece)
+                else:
+                    pending += piece
+            if pending is not None:
+                c.execute(f"INSERT INTO {self._t_chunks} (run, step, idx, data) VALUES (?, ?, ?, ?)",
+                          (run, step, cur_idx, pending))
+        finally:
+            if blob is not None:
+                blob.close()
+        return cur_idx + 1
+
+    def delete(self, run: str, step: int) -> None:
+        ref = self.ref(run, step)
+        with self._lock:
+            c = self._db()
+            try:
+                c.execute("BEGIN IMMEDIATE")
+                try:
+                    n = c.execute(f"DELETE FROM {self._t_manifest} WHERE run = ? AND step = ?", (run, step)).rowcount
+                    if n == 0:
+                        raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref)
+                    c.execute(f"DELETE FROM {self._t_chunks} WHERE run = ? AND step = ?", (run, step))
+                    c.execute("COMMIT")
+                except BaseException:
+                    c.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as e:
+                raise DurabilityError(f"delete failed: {e}", ref=ref) from None
+
+    # -- reading ---------------------------------------------------------------
+    def _query(self, sql: str, args=()) -> list:
+        with self._lock:
+            try:
+                return self._db().execute(sql, args).fetchall()
+            except sqlite3.Error as e:
+                raise StoreError(f"query failed: {e}", ref=self.path) from None
+
+    def runs(self) -> list[str]:
+        return [r for (r,) in self._query(f"SELECT DISTINCT run FROM {self._t_manifest} ORDER BY run")]
+
+    def steps(self, run: str) -> list[int]:
+        check_run(run)
+        return [s for (s,) in self._query(f"SELECT step FROM {self._t_manifest} WHERE run = ? ORDER BY step",
+                                          (run,))]
+
+    def list(self, run: str | None = None) -> list[CheckpointInfo]:
+        cols = "run, step, size, created_at, parent, meta, checksum"
+        if run is None:
+            rows = self._query(f"SELECT {cols} FROM {self._t_manifest} ORDER BY run, step")
+        else:
+            rows = self._query(f"SELECT {cols} FROM {self._t_manifest} WHERE run = ? ORDER BY step",
+                               (check_run(run),))
+        out = []
+        for r, s, size, created, parent, meta, checksum in rows:
+            try:
+                meta = json.loads(meta) if meta is not None else None
+            except ValueError:
+                pass
+            out.append(CheckpointInfo(run=r, step=s, ref=f"{self.path}::{sql_row(self._t_manifest, r, s)}",
+                                      size=size, created_at=created, parent=parent, meta=meta, checksum=checksum))
+        return out
+
+    def read(self, run: str, step: int, *, verify: bool = True, map_location=None) -> Checkpoint:
+        ref = self.ref(run, step)
+        with self._lock:
+            c = self._db()
+            try:
+                c.execute("BEGIN")  # one snapshot for the manifest and its chunks
+                try:
+                    buf, checksum = self._read_locked(c, run, step, ref)
+                finally:
+                    c.execute("COMMIT")
+            except sqlite3.Error as e:
+                raise StoreError(f"read failed: {e}", ref=ref) from None
+        if verify:
+            check_checksum(buf, checksum, ref)
+        ck = checkpoint.loads(buf, verify=verify, copy=False, map_location=map_location, ref=ref)
+        check_identity(ck, run, step, ref)
+        return ck
+
+    def _read_locked(self, c, run, step, ref):
+        row = c.execute(f"SELECT size, checksum, nchunks FROM {self._t_manifest} WHERE run = ? AND step = ?",
+                        (run, step)).fetchone()
+        if row is None:
+            raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref,
+                                          hint=f"store.steps({run!r}) lists the steps")
+        size, checksum, nchunks = row
+        layout = c.execute(f"SELECT idx, length(data) FROM {self._t_chunks} WHERE run = ? AND step = ? "
+                           f"ORDER BY idx", (run, step)).fetchall()
+        expected = chunk_plan(size, nchunks, [i for i, _ in layout], [n for _, n in layout],
+                              manifest_ref=ref, chunk_ref=lambda i: self._chunk_ref(run, step, i))
+        buf = bytearray(size)
+        mv = memoryview(buf)
+        pos = 0
+        rows = c.execute(f"SELECT idx, data FROM {self._t_chunks} WHERE run = ? AND step = ? ORDER BY idx",
+                         (run, step))
+        for i, (idx, data) in enumerate(rows):
+            n = len(data) if data is not None else -1
+            if idx != i or i >= len(expected) or n != expected[i]:
+                raise CorruptCheckpointError("chunk rows changed while being read", ref=self._chunk_ref(run, step, i),
+                                             section="chunks", hint="retry the read")
+            mv[pos:pos + n] = data
+            pos += n
+        if pos != size:
+            raise CorruptCheckpointError(f"chunks hold {pos} bytes, the manifest says {size}", ref=ref,
+                                         section="chunks")
+        return buf, checksum
+
+    # -- housekeeping ----------------------------------------------------------
+    def _orphan_rows(self, c, run):
+        sql = (f"SELECT DISTINCT c.run, c.step FROM {self._t_chunks} c WHERE NOT EXISTS "
+               f"(SELECT 1 FROM {self._t_manifest} m WHERE m.run = c.run AND m.step = c.step)")
+        if run is not None:
+            return c.execute(sql + " AND c.run = ? ORDER BY c.run, c.step", (check_run(run),)).fetchall()
+        return c.execute(sql + " ORDER BY c.run, c.step").fetchall()
+
+    def orphans(self, run: str | None = None) -> list[str]:
+        with self._lock:
+            try:
+                rows = self._orphan_rows(self._db(), run)
+            except sqlite3.Error as e:
+                raise StoreError(f"query failed: {e}", ref=self.path) from None
+        return [f"{self.path}::{self._t_chunks}(run='{r}', step={s})" for r, s in rows]
+
+    def clean_orphans(self, run: str | None = None) -> list[str]:
+        with self._lock:
+            c = self._db()
+            try:
+                c.execute("BEGIN IMMEDIATE")
+                try:
+                    rows = self._orphan_rows(c, run)
+                    for r, s in rows:
+                        c.execute(f"DELETE FROM {self._t_chunks} WHERE run = ? AND step = ?", (r, s))
+                    c.execute("COMMIT")
+                except BaseException:
+                    c.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as e:
+                raise DurabilityError(f"cleaning orphans failed: {e}", ref=self.path) from None
+        return [f"{self.path}::{self._t_chunks}(run='{r}', step={s})" for r, s in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                try:
+                    self._conn.close()
+                finally:
+                    self._conn = None

@@ -1,0 +1,76 @@
+"""Shared fixtures: a store of every backend, and the Postgres server the tests use.
+
+Postgres tests use ``AGCK_TEST_DSN`` (default ``postgresql://postgres@127.0.0.1:5432/test``)
+and are skipped when it cannot be reached. Each test session works in its own
+Postgres schema, dropped at the end; each test gets its own table prefix.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+
+import pytest
+
+PG_DSN_DEFAULT = "postgresql://postgres@127.0.0.1:5432/test"
+BACKENDS = ("file", "sqlite", "postgres")
+_prefixes = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def pg_dsn() -> str:
+    psycopg2 = pytest.importorskip("psycopg2")
+    dsn = os.environ.get("AGCK_TEST_DSN", PG_DSN_DEFAULT)
+    try:
+        psycopg2.connect(dsn, connect_timeout=3).close()
+    except psycopg2.Error as e:
+        pytest.skip(f"Postgres not reachable at AGCK_TEST_DSN: {str(e).strip().splitlines()[0]}")
+    return dsn
+
+
+@pytest.fixture(scope="session")
+def pg_schema(pg_dsn):
+    """A schema private to this test session; everything in it is dropped at the end."""
+    import psycopg2
+
+    name = f"agck_test_{secrets.token_hex(4)}"
+    conn = psycopg2.connect(pg_dsn)
+    conn.autocommit = True
+    conn.cursor().execute(f"CREATE SCHEMA {name}")
+    try:
+        yield name
+    finally:
+        conn.cursor().execute(f"DROP SCHEMA {name} CASCADE")
+        conn.close()
+
+
+def pg_prefix() -> str:
+    return f"t{next(_prefixes)}_{secrets.token_hex(2)}"
+
+
+def make_spec(kind: str, request, tmp_path) -> tuple[str, str, dict]:
+    """(kind, url, options) for ``agck.stores.open_store``: picklable, so other processes can open it too."""
+    if kind == "file":
+        pytest.importorskip("agck.stores.file", reason="FileStore not available")
+        return kind, str(tmp_path / "store"), {}
+    if kind == "sqlite":
+        return kind, f"sqlite://{tmp_path}/store.db", {}
+    dsn = request.getfixturevalue("pg_dsn")
+    schema = request.getfixturevalue("pg_schema")
+    return kind, dsn, {"prefix": pg_prefix(), "schema": schema, "init": True}
+
+
+@pytest.fixture(params=BACKENDS)
+def store_spec(request, tmp_path):
+    return make_spec(request.param, request, tmp_path)
+
+
+@pytest.fixture
+def store(store_spec):
+    from agck.stores import open_store
+
+    _, url, opts = store_spec
+    s = open_store(url, **opts)
+    yield s
+    s.close()

@@ -1,0 +1,620 @@
+"""One suite for every store backend (file, sqlite, postgres), plus what is specific to each."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sqlite3
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from agck import failpoints
+from agck.errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
+                         DurabilityError, InvalidRunNameError, SchemaMismatchError, SchemaUninitializedError,
+                         StoreConnectionError, StoreError)
+from agck.stores import open_store
+
+from conftest import make_spec, pg_prefix
+
+torch = pytest.importorskip("torch")
+
+BAD_RUNS = ["../../etc", "/abs", "a\x00b", "", ".hidden", "-x", "a/b", "r'; DROP TABLE x; --", "a" * 201, None, 7]
+
+
+def state_for(step: int, n: int = 64) -> dict:
+    return {"w": np.arange(n, dtype=np.float32) + step, "t": torch.full((4, 3), float(step)),
+            "opt": {"lr": 0.1, "betas": (0.9, 0.99)}, "step": step}
+
+
+def assert_state(ck, step: int, n: int = 64) -> None:
+    np.testing.assert_array_equal(ck.state["w"], np.arange(n, dtype=np.float32) + step)
+    assert torch.equal(ck.state["t"], torch.full((4, 3), float(step)))
+    assert ck.state["opt"] == {"lr": 0.1, "betas": (0.9, 0.99)}
+    assert ck.state["step"] == step
+
+
+# --- the shared suite -------------------------------------------------------------------
+
+def test_round_trip(store):
+    state = {
+        "model": {"w": torch.randn(16, 8), "b": torch.zeros(8, dtype=torch.float16), "i": torch.arange(5)},
+        "np": np.random.default_rng(0).standard_normal((7, 3)),
+        "mask": np.array([True, False, True]),
+        "nested": [1, "two", (3.0, None), {"k": b"bytes"}],
+    }
+    meta = {"lr": 3e-4, "tags": ["a", "b"], "blob": b"\x00\x01", 5: "int key"}
+    ref = store.put("run-1", 42, state, meta=meta, parent=41)
+    assert isinstance(ref, str) and ref == store.ref("run-1", 42)
+    ck = store.read("run-1", 42)
+    for k, v in state["model"].items():
+        assert torch.equal(ck.state["model"][k], v) and ck.state["model"][k].dtype == v.dtype
+    np.testing.assert_array_equal(ck.state["np"], state["np"])
+    np.testing.assert_array_equal(ck.state["mask"], state["mask"])
+    assert ck.state["nested"] == state["nested"]
+    assert ck.meta == meta
+    assert (ck.run, ck.step, ck.parent) == ("run-1", 42, 41)
+    assert store.get("run-1", 42, verify=False).state["nested"] == state["nested"]
+
+
+def test_list_runs_steps_order(store):
+    for run, step in [("b", 10), ("a", 7), ("b", 2), ("a", 100), ("b", 7), ("A", 1)]:
+        store.put(run, step, state_for(step), meta={"s": step}, parent=step - 1 if step else None)
+    assert store.runs() == ["A", "a", "b"]
+    assert store.steps("b") == [2, 7, 10]
+    assert store.steps("a") == [7, 100]
+    assert store.steps("nope") == []
+    infos = store.list()
+    assert [(i.run, i.step) for i in infos] == [("A", 1), ("a", 7), ("a", 100), ("b", 2), ("b", 7), ("b", 10)]
+    for i in infos:
+        assert i.size and i.size > 0 and i.ref and i.created_at and i.parent == i.step - 1
+        assert i.meta == {"s": i.step}
+    assert [i.step for i in store.list("b")] == [2, 7, 10]
+
+
+def test_get_newest(store):
+    pytest.importorskip("agck.recovery", reason="recovery not available")
+    for s in (3, 1, 2):
+        store.put("r", s, state_for(s))
+    ck = store.get("r")
+    assert ck.step == 3
+    assert_state(ck, 3)
+    assert store.get("r", 1).step == 1
+
+
+def test_overwrite(store):
+    store.put("r", 5, state_for(1))
+    store.put("r", 5, state_for(2))
+    assert_state(store.read("r", 5), 2)
+    with pytest.raises(CheckpointExistsError):
+        store.put("r", 5, state_for(3), overwrite=False)
+    assert_state(store.read("r", 5), 2)
+    assert store.steps("r") == [5]
+    store.put("r", 6, state_for(6), overwrite=False)
+    assert store.steps("r") == [5, 6]
+
+
+def test_delete(store):
+    store.put("r", 1, state_for(1))
+    store.put("r", 2, state_for(2))
+    store.delete("r", 1)
+    assert store.steps("r") == [2]
+    with pytest.raises(CheckpointNotFoundError):
+        store.read("r", 1)
+    with pytest.raises(CheckpointNotFoundError):
+        store.delete("r", 1)
+    assert_state(store.read("r", 2), 2)
+
+
+def test_prune(store):
+    for s in range(10):
+        store.put("r", s, state_for(s, n=4))
+    assert store.prune("r", keep_last=2, before=3) == [0, 1, 2]
+    assert store.steps("r") == list(range(3, 10))
+    assert store.prune("r", keep_every=3) == [4, 5, 7, 8]
+    assert store.steps("r") == [3, 6, 9]
+    assert store.prune("r", keep_last=0) == [3, 6]      # the newest valid checkpoint always stays
+    assert store.steps("r") == [9]
+    assert store.prune("nope", keep_last=1) == []
+
+
+def test_prune_keeps_newest_valid(store_spec, store):
+    for s in range(4):
+        store.put("r", s, state_for(s, n=4096))
+    corrupt_payload(store_spec, store, "r", 3)
+    with pytest.raises(CorruptCheckpointError):
+        store.read("r", 3)
+    deleted = store.prune("r", keep_last=1)
+    assert deleted == [0, 1]
+    assert store.steps("r") == [2, 3]
+
+
+@pytest.mark.parametrize("run", BAD_RUNS, ids=repr)
+def test_invalid_run_names(store, run):
+    for call in (lambda: store.put(run, 1, {"x": 1}), lambda: store.read(run, 1), lambda: store.steps(run),
+                 lambda: store.delete(run, 1), lambda: store.ref(run, 1),
+                 lambda: store.list(run if run is not None else "")):
+        with pytest.raises(InvalidRunNameError):
+            call()
+    assert store.runs() == []
+
+
+@pytest.mark.parametrize("step", ["1", 1.0, -1, True, None, 1 << 63])
+def test_invalid_steps(store, step):
+    with pytest.raises(AgckError):
+        store.put("r", step, {"x": 1})
+    with pytest.raises(AgckError):
+        store.read("r", step)
+    assert store.runs() == []
+
+
+def test_not_found(store):
+    with pytest.raises(CheckpointNotFoundError) as e:
+        store.read("r", 1)
+    assert e.value.ref and "1" in str(e.value)
+    store.put("r", 2, state_for(2))
+    with pytest.raises(CheckpointNotFoundError):
+        store.read("r", 1)
+    with pytest.raises(CheckpointNotFoundError):
+        store.get("r", 3)
+
+
+def test_meta_is_data_not_sql(store):
+    evil = {"x": "'); DROP TABLE agck_manifest; --", "y": "$$; DELETE FROM pg_class; $$", "\\": "\x00\u2603"}
+    store.put("r", 1, state_for(1), meta=evil)
+    store.put("r", 2, state_for(2), meta=["'", '"', "\\x00"])
+    assert store.read("r", 1).meta == evil
+    assert store.read("r", 2).meta == ["'", '"', "\\x00"]
+    assert store.steps("r") == [1, 2]
+    assert store.list("r")[1].meta == ["'", '"', "\\x00"]
+
+
+def test_threads_share_a_store(store):
+    errors = []
+
+    def worker(t):
+        try:
+            for i in range(5):
+                step = t * 100 + i
+                store.put("r", step, state_for(step))
+                assert_state(store.read("r", step), step)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert store.steps("r") == sorted(t * 100 + i for t in range(6) for i in range(5))
+    assert store.orphans() == []
+
+
+def _process_writer(url: str, opts: dict, worker: int, steps: list[int]) -> None:
+    s = open_store(url, **opts)
+    try:
+        for step in steps:
+            s.put("shared", step, state_for(step), meta={"by": worker})
+    finally:
+        s.close()
+
+
+def test_processes_write_one_run(store_spec, store):
+    _, url, opts = store_spec
+    ctx = multiprocessing.get_context("spawn")
+    plan = {w: [s for s in range(16) if s % 2 == w] + [100, 101] for w in range(2)}  # 100, 101: both write
+    procs = [ctx.Process(target=_process_writer, args=(url, opts, w, steps)) for w, steps in plan.items()]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert store.steps("shared") == list(range(16)) + [100, 101]
+    assert len(store.list("shared")) == 18
+    for step in store.steps("shared"):
+        ck = store.read("shared", step)
+        assert_state(ck, step)
+        if step < 100:
+            assert ck.meta == {"by": step % 2}
+    assert store.orphans() == []
+
+
+# --- tampering with the stored bytes -----------------------------------------------------------
+
+def corrupt_payload(spec, store, run, step):
+    """Flip one byte inside the last tensor's data."""
+    kind = spec[0]
+    if kind == "file":
+        path = store.ref(run, step)
+        with open(path, "r+b") as f:
+            size = os.fstat(f.fileno()).st_size
+            f.seek(size - 200)
+            b = f.read(1)
+            f.seek(size - 200)
+            f.write(bytes([b[0] ^ 0xFF]))
+    else:
+        Tamper(spec, store).flip(run, step, -200)
+
+
+class Tamper:
+    """Direct changes to a database store's rows, as a buggy tool or a bad disk would make."""
+
+    def __init__(self, spec, store):
+        self.kind = spec[0]
+        self.store = store
+        if self.kind == "sqlite":
+            self.conn = sqlite3.connect(store.path, isolation_level=None)
+            self.chunks, self.manifest, self.p = f"{store.prefix}_chunks", f"{store.prefix}_manifest", "?"
+        else:
+            import psycopg2
+            self.conn = psycopg2.connect(spec[1])
+            self.conn.autocommit = True
+            self.chunks, self.manifest, self.p = store.names.chunks, store.names.manifest, "%s"
+
+    def sql(self, q, args=()):
+        cur = self.conn.cursor()
+        cur.execute(q.replace("?", self.p), args)
+        try:
+            return cur.fetchall()
+        except Exception:
+            return None
+
+    def chunk(self, run, step, idx) -> bytes:
+        return bytes(self.sql(f"SELECT data FROM {self.chunks} WHERE run = ? AND step = ? AND idx = ?",
+                              (run, step, idx))[0][0])
+
+    def nchunks(self, run, step) -> int:
+        return self.sql(f"SELECT nchunks FROM {self.manifest} WHERE run = ? AND step = ?", (run, step))[0][0]
+
+    def flip(self, run, step, offset, idx=None):
+        """Flip a byte at ``offset`` of chunk ``idx`` (default: the last one; negative from the end)."""
+        if idx is None:
+            idx = self.nchunks(run, step) - 1
+        if self.kind == "postgres":
+            self.sql(f"UPDATE {self.chunks} SET data = set_byte(data, "
+                     f"(CASE WHEN ? < 0 THEN length(data) + ? ELSE ? END)::int, "
+                     f"get_byte(data, (CASE WHEN ? < 0 THEN length(data) + ? ELSE ? END)::int) # 255) "
+                     f"WHERE run = ? AND step = ? AND idx = ?",
+                     (offset, offset, offset, offset, offset, offset, run, step, idx))
+        else:
+            data = bytearray(self.chunk(run, step, idx))
+            data[offset] ^= 0xFF
+            self.set_chunk(run, step, idx, bytes(data))
+
+    def set_chunk(self, run, step, idx, data: bytes):
+        value = data if self.kind == "sqlite" else __import__("psycopg2").Binary(data)
+        self.sql(f"UPDATE {self.chunks} SET data = ? WHERE run = ? AND step = ? AND idx = ?", (value, run, step, idx))
+
+    def close(self):
+        self.conn.close()
+
+
+DB_BACKENDS = ("sqlite", "postgres")
+
+
+@pytest.fixture(params=DB_BACKENDS)
+def db_spec(request, tmp_path):
+    return make_spec(request.param, request, tmp_path)
+
+
+@pytest.fixture
+def db(db_spec):
+    _, url, opts = db_spec
+    s = open_store(url, chunk_size=1024, **opts)
+    t = Tamper(db_spec, s)
+    s.put("r", 120, state_for(120, n=1000))          # 4 KiB of floats: several 1 KiB chunks
+    yield s, t
+    t.close()
+    s.close()
+
+
+def _row(store, table, **kw):
+    name = f"{store.prefix}_{table}"
+    if getattr(store, "schema", None):
+        name = f"{store.schema}.{name}"
+    inner = ", ".join(f"{k}={v!r}" for k, v in kw.items())
+    return f"{name}({inner})"
+
+
+def test_db_layout(db):
+    s, t = db
+    assert t.nchunks("r", 120) >= 4
+    info = s.list("r")[0]
+    assert info.checksum and len(info.checksum) == 16
+    assert info.size == sum(len(t.chunk("r", 120, i)) for i in range(t.nchunks("r", 120)))
+
+
+def test_db_missing_chunk(db):
+    s, t = db
+    t.sql(f"DELETE FROM {t.chunks} WHERE run = ? AND step = ? AND idx = ?", ("r", 120, 2))
+    for verify in (True, False):
+        with pytest.raises(CorruptCheckpointError) as e:
+            s.read("r", 120, verify=verify)
+        assert e.value.ref.endswith(_row(s, "chunks", run="r", step=120, idx=2))
+        assert "missing chunk 2" in str(e.value)
+
+
+def test_db_truncated_chunk(db):
+    s, t = db
+    t.set_chunk("r", 120, 1, t.chunk("r", 120, 1)[:100])
+    with pytest.raises(CorruptCheckpointError) as e:
+        s.read("r", 120)
+    assert e.value.ref.endswith(_row(s, "chunks", run="r", step=120, idx=1))
+    assert "chunk 1 is 100 bytes, expected 1024" in str(e.value)
+
+
+def test_db_flipped_byte(db):
+    s, t = db
+    t.flip("r", 120, 10, idx=2)
+    with pytest.raises(CorruptCheckpointError) as e:
+        s.read("r", 120)
+    assert e.value.ref.endswith(_row(s, "manifest", run="r", step=120))
+    assert "checksum mismatch" in str(e.value)
+
+
+def test_db_flipped_byte_in_header_caught_without_verify(db):
+    s, t = db
+    t.flip("r", 120, 5, idx=0)
+    with pytest.raises(CorruptCheckpointError) as e:
+        s.read("r", 120, verify=False)
+    assert e.value.ref.endswith(_row(s, "manifest", run="r", step=120))
+
+
+def test_db_manifest_checksum_disagrees(db):
+    s, t = db
+    t.sql(f"UPDATE {t.manifest} SET checksum = ? WHERE run = ? AND step = ?", ("0" * 16, "r", 120))
+    with pytest.raises(CorruptCheckpointError) as e:
+        s.read("r", 120)
+    assert e.value.ref.endswith(_row(s, "manifest", run="r", step=120))
+    assert "checksum mismatch" in str(e.value) and "0000000000000000" in str(e.value)
+    s.read("r", 120, verify=False)   # structure is intact: an unverified read still works
+
+
+def test_db_manifest_size_disagrees(db):
+    s, t = db
+    t.sql(f"UPDATE {t.manifest} SET size = size + 1 WHERE run = ? AND step = ?", ("r", 120))
+    with pytest.raises(CorruptCheckpointError):
+        s.read("r", 120)
+    t.sql(f"UPDATE {t.manifest} SET size = 1 << 50, nchunks = 2 WHERE run = ? AND step = ?", ("r", 120))
+    with pytest.raises(CorruptCheckpointError):      # refused before allocating a petabyte
+        s.read("r", 120)
+
+
+def test_db_swapped_rows(db):
+    s, t = db
+    s.put("r", 121, state_for(121, n=1000))
+    t.sql(f"DELETE FROM {t.chunks} WHERE run = ? AND step = ?", ("r", 120))
+    t.sql(f"DELETE FROM {t.manifest} WHERE run = ? AND step = ?", ("r", 120))
+    t.sql(f"UPDATE {t.chunks} SET step = 120 WHERE run = ? AND step = ?", ("r", 121))
+    t.sql(f"UPDATE {t.manifest} SET step = 120 WHERE run = ? AND step = ?", ("r", 121))
+    with pytest.raises(CorruptCheckpointError) as e:
+        s.read("r", 120)
+    assert "step 121" in str(e.value)
+
+
+def test_db_orphans(db):
+    s, t = db
+    assert s.orphans() == []
+    rows = [(c, i) for c, i in ((t.chunk("r", 120, 0), 0),)]
+    for data, idx in rows:
+        value = data if t.kind == "sqlite" else __import__("psycopg2").Binary(data)
+        t.sql(f"INSERT INTO {t.chunks} (run, step, idx, data) VALUES (?, ?, ?, ?)", ("ghost", 7, idx, value))
+    assert [o.endswith(_row(s, "chunks", run="ghost", step=7)) for o in s.orphans()] == [True]
+    assert s.orphans("r") == []
+    assert len(s.clean_orphans()) == 1
+    assert s.orphans() == [] and s.steps("r") == [120]
+
+
+@pytest.mark.parametrize("point", ["before_insert", "before_commit"])
+def test_sqlite_fail_points(tmp_path, point):
+    s = open_store(f"sqlite://{tmp_path}/f.db")
+    s.put("r", 1, state_for(1))
+    failpoints.configure(f"sqlite.{point}=raise")
+    try:
+        with pytest.raises(DurabilityError):
+            s.put("r", 1, state_for(9))
+        with pytest.raises(DurabilityError):
+            s.put("r", 2, state_for(2))
+    finally:
+        failpoints.configure("")
+    assert s.steps("r") == [1]
+    assert_state(s.read("r", 1), 1)
+    s.put("r", 2, state_for(2))
+    assert s.steps("r") == [1, 2] and s.orphans() == []
+
+
+def test_sqlite_urls(tmp_path):
+    from agck.stores.sqlite import SqliteStore
+    s = open_store(f"sqlite://{tmp_path}/a.db")
+    assert isinstance(s, SqliteStore) and s.path == f"{tmp_path}/a.db" and s.url == f"sqlite://{tmp_path}/a.db"
+    assert s._conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert s._conn.execute("PRAGMA synchronous").fetchone()[0] == 2     # FULL
+    m = open_store("sqlite:///:memory:")
+    m.put("r", 1, state_for(1))
+    assert_state(m.read("r", 1), 1)
+    with pytest.raises(StoreConnectionError):
+        open_store(f"sqlite://{tmp_path}/no/such/dir/a.db")
+    (tmp_path / "junk.db").write_bytes(b"not a database" * 100)
+    with pytest.raises(StoreConnectionError):
+        open_store(f"sqlite://{tmp_path}/junk.db")
+
+
+def test_sqlite_schema_version(tmp_path):
+    s = open_store(f"sqlite://{tmp_path}/v.db")
+    s._conn.execute("UPDATE agck_schema_version SET version = 99")
+    s.close()
+    with pytest.raises(SchemaMismatchError):
+        open_store(f"sqlite://{tmp_path}/v.db")
+
+
+# --- Postgres only ------------------------------------------------------------------------------
+
+@pytest.fixture
+def pg(pg_dsn, pg_schema):
+    from agck.stores.postgres import PostgresStore
+    s = PostgresStore(pg_dsn, prefix=pg_prefix(), schema=pg_schema, init=True, chunk_size=4096)
+    yield s
+    s.close()
+
+
+_KILL_SCRIPT = """
+import sys, numpy as np
+from agck.stores import open_store
+s = open_store(sys.argv[1], prefix=sys.argv[2], schema=sys.argv[3], chunk_size=4096)
+s.put("r", 1, {"w": np.ones(100_000, dtype=np.float32)})
+print("survived")
+"""
+
+
+@pytest.mark.parametrize("point", ["pg.before_copy", "pg.mid_copy", "pg.before_manifest", "pg.before_commit"])
+def test_pg_client_killed_leaves_nothing(pg, pg_dsn, point):
+    pg.put("r", 0, state_for(0))
+    env = dict(os.environ, AGCK_FAILPOINTS=f"{point}=kill")
+    p = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, pg_dsn, pg.prefix, pg.schema], env=env,
+                       capture_output=True, text=True, timeout=60,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert p.returncode == -9, p.stderr
+    assert "survived" not in p.stdout
+    assert pg.steps("r") == [0]
+    assert pg.orphans() == []
+    with pytest.raises(CheckpointNotFoundError):
+        pg.read("r", 1)
+    pg.put("r", 1, state_for(1))          # the dead client's lock is gone with its transaction
+    assert_state(pg.read("r", 1), 1)
+
+
+@pytest.mark.parametrize("point", ["pg.before_copy", "pg.mid_copy", "pg.before_manifest", "pg.before_commit"])
+def test_pg_fail_points_roll_back(pg, point):
+    pg.put("r", 1, state_for(1, n=5000))
+    failpoints.configure(f"{point}=raise")
+    try:
+        with pytest.raises(DurabilityError) as e:
+            pg.put("r", 1, state_for(9, n=5000))
+        assert "fail point" in str(e.value) and e.value.ref == pg.ref("r", 1)
+        with pytest.raises(DurabilityError):
+            pg.put("r", 2, state_for(2, n=5000))
+    finally:
+        failpoints.configure("")
+    assert pg.steps("r") == [1]
+    assert_state(pg.read("r", 1), 1, n=5000)
+    assert pg.orphans() == []
+    pg.put("r", 2, state_for(2))
+    assert pg.steps("r") == [1, 2]
+
+
+def test_pg_large_multichunk_round_trip(pg_dsn, pg_schema):
+    from agck.stores.postgres import PostgresStore
+    s = PostgresStore(pg_dsn, prefix=pg_prefix(), schema=pg_schema, init=True, chunk_size=1 << 20)
+    w = np.random.default_rng(1).standard_normal(3 << 20).astype(np.float64)   # ~24 MiB
+    s.put("big", 1, {"w": w, "t": torch.from_numpy(w[:1000].copy())})
+    ck = s.read("big", 1)
+    np.testing.assert_array_equal(ck.state["w"], w)
+    assert ck.state["w"].flags.writeable
+    info = s.list("big")[0]
+    assert info.size == ck.nbytes and info.size > w.nbytes
+    s.close()
+
+
+def test_pg_schema_missing(pg_dsn, pg_schema):
+    from agck.stores.postgres import PostgresStore
+    prefix = pg_prefix()
+    with pytest.raises(SchemaUninitializedError) as e:
+        PostgresStore(pg_dsn, prefix=prefix, schema=pg_schema)
+    assert "agck db init" in str(e.value)
+    s = PostgresStore(pg_dsn, prefix=prefix, schema=pg_schema, init=True)
+    assert s.schema_status()["state"] == "current"
+    assert s.init_schema()["version"] == 1          # idempotent
+    assert s.migrate() == []
+    PostgresStore(pg_dsn, prefix=prefix, schema=pg_schema).close()
+    s.close()
+    raw = PostgresStore(pg_dsn, prefix=pg_prefix(), schema=pg_schema, check_schema=False)
+    assert raw.schema_status()["state"] == "uninitialized"
+    with pytest.raises(SchemaUninitializedError):
+        raw.migrate()
+    raw.close()
+
+
+def test_pg_libpq_environment(pg_dsn, pg_schema, monkeypatch):
+    import psycopg2.extensions
+    from agck.stores.postgres import PostgresStore
+    env = {"host": "PGHOST", "port": "PGPORT", "user": "PGUSER", "dbname": "PGDATABASE", "password": "PGPASSWORD"}
+    for key, value in psycopg2.extensions.parse_dsn(pg_dsn).items():
+        if key in env:
+            monkeypatch.setenv(env[key], value)
+    s = PostgresStore("postgresql://", prefix=pg_prefix(), schema=pg_schema, init=True)
+    assert s.url == "postgresql://"
+    s.put("r", 1, state_for(1))
+    assert s.steps("r") == [1]
+    s.close()
+
+
+def test_pg_schema_version_mismatch(pg, pg_dsn):
+    from agck.stores.postgres import PostgresStore
+    Tamper(("postgres", pg_dsn), pg).sql(f"UPDATE {pg.names.version} SET version = 99")
+    with pytest.raises(SchemaMismatchError) as e:
+        PostgresStore(pg_dsn, prefix=pg.prefix, schema=pg.schema)
+    assert "newer" in str(e.value)
+    with pytest.raises(SchemaMismatchError):
+        pg.migrate()
+    assert pg.schema_status()["state"] == "newer"
+    Tamper(("postgres", pg_dsn), pg).sql(f"UPDATE {pg.names.version} SET version = 0")
+    with pytest.raises(SchemaMismatchError) as e:
+        PostgresStore(pg_dsn, prefix=pg.prefix, schema=pg.schema)
+    assert "agck db migrate" in str(e.value)
+    with pytest.raises(SchemaMismatchError):
+        pg.init_schema()
+
+
+@pytest.mark.parametrize("dsn", [
+    "postgresql://agck_no_such_user:S3cretPw0rd@127.0.0.1:5432/test",
+    "postgresql://postgres:S3cretPw0rd@127.0.0.1:1/test",
+    "postgresql://postgres@127.0.0.1:1/test?password=S3cretPw0rd",
+    "postgres://u:S3cret%40Pw0rd@127.0.0.1:1/test",
+    "host=127.0.0.1 port=1 user=u password=S3cretPw0rd dbname=test",
+])
+def test_pg_connection_errors_hide_the_password(dsn):
+    pytest.importorskip("psycopg2")
+    from agck.stores.postgres import PostgresStore, redact_dsn
+    with pytest.raises(StoreConnectionError) as e:
+        PostgresStore(dsn, connect_timeout=3)
+    for secret in ("S3cretPw0rd", "S3cret%40Pw0rd", "S3cret@Pw0rd"):
+        assert secret not in str(e.value) and secret not in (e.value.ref or "")
+        assert secret not in redact_dsn(dsn)
+    assert e.value.__cause__ is None
+
+
+def test_pg_url_is_password_free(pg_dsn, pg_schema):
+    from agck.stores.postgres import redact_dsn
+    assert redact_dsn("postgresql://u:pw@h:5/db?sslmode=require&password=x") == "postgresql://u@h:5/db?sslmode=require"
+    assert redact_dsn("postgresql:///db") == "postgresql:///db"
+    assert redact_dsn("postgresql://h,h2:5/db") == "postgresql://h,h2:5/db"
+
+
+def test_pg_identifiers_validated(pg_dsn):
+    from agck.stores.postgres import PostgresStore
+    for bad in ("x; DROP TABLE y", "Upper", "1abc", "", "a" * 42, "a-b"):
+        with pytest.raises(StoreError):
+            PostgresStore(pg_dsn, prefix=bad)
+        with pytest.raises(StoreError):
+            PostgresStore(pg_dsn, schema=bad)
+
+
+def test_pg_meta_jsonb(pg):
+    pg.put("r", 1, state_for(1), meta={"lr": 0.1, "b": b"\x01\x02", 3: [1, (2, 3)], "nan": float("nan"),
+                                       "nul": "a\x00b"})
+    info = pg.list("r")[0]
+    assert info.meta == {"lr": 0.1, "b": {"$bytes": "AQI="}, "3": [1, [2, 3]], "nan": {"$float": "nan"},
+                         "nul": {"$str": "YQBi"}}
+    found = pg._query(f"SELECT step FROM {pg.names.manifest} WHERE meta @> %s::jsonb", ('{"lr": 0.1}',))
+    assert found == [(1,)]
+    assert pg.read("r", 1).meta["b"] == b"\x01\x02"
+
+
+def test_pg_storage_external(pg):
+    (storage,) = pg._query("SELECT attstorage FROM pg_attribute WHERE attrelid = %s::regclass "
+                           "AND attname = 'data'", (pg.names.chunks,))[0]
+    assert storage == "e"
