@@ -82,8 +82,8 @@ def _decode(c: format.Container, *, copy: bool, map_location) -> Checkpoint:
     if run is not None and type(run) is not str:
         raise bad("run is not a string")
     for name, v in (("step", step), ("parent", parent)):
-        if v is not None and type(v) is not int:
-            raise bad(f"{name} is not an integer")
+        if v is not None and (type(v) is not int or v < 0):
+            raise bad(f"{name} is not a non-negative integer")
     if type(tree) is not bytes:
         raise bad("state is missing or not bytes")
     state = codec.decode_state(tree, m.get("tensors"), c.blob, len(c.blobs), copy=copy,

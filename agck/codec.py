@@ -292,6 +292,9 @@ class _Encoder:
 
 
 def _check_np(a: np.ndarray) -> None:
+    if type(a) not in (np.ndarray, np.memmap):
+        # a masked array or matrix would come back a plain array, silently losing what makes it one
+        raise _Unencodable(f"cannot encode numpy array subclass {type(a)!r} (convert with np.asarray)")
     if np_dtype_name(a.dtype) is None:
         kind = "object" if a.dtype.kind == "O" else "structured" if a.dtype.fields else str(a.dtype)
         raise _Unencodable(f"cannot encode numpy array of {kind} dtype (only numeric, bool, complex and "
@@ -319,7 +322,8 @@ def _memory_key(x, i):
         while isinstance(root, np.ndarray) and root.base is not None:
             root = root.base
         return ("np", id(root))
-    if x.numel() == 0:
+    if x.numel() == 0 or x.is_conj() or x.is_neg():
+        # a lazy conj/neg view's storage holds the unresolved values: store it resolved, alone
         return ("solo", i)
     st = x.untyped_storage()
     return ("pt", str(x.device), st.data_ptr())
@@ -345,7 +349,10 @@ def _compact_bytes(x) -> tuple[memoryview, Any]:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b""), None
-    flat = t.reshape(-1).view(torch.uint8)
+    flat = t.reshape(-1)
+    if flat.numel() == 1:  # a one-element view may keep any stride; view(uint8) needs 1
+        flat = flat.as_strided((1,), (1,))
+    flat = flat.view(torch.uint8)
     return memoryview(flat.numpy()), t
 
 
@@ -486,8 +493,21 @@ class _Decoder:
             self.depth -= 1
 
     def unpack(self, data):
-        return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=self.ext,
-                               unicode_errors="surrogatepass")
+        # Extension payloads nest one unpack per level. unpackb keeps its parse stack
+        # (~40 KB) on the C stack, so ~200 levels overflow it and crash the process;
+        # an Unpacker keeps it on the heap.
+        if not data:
+            raise ValueError("empty msgpack document")
+        u = msgpack.Unpacker(None, raw=False, strict_map_key=False, ext_hook=self.ext,
+                             unicode_errors="surrogatepass", max_buffer_size=len(data))
+        u.feed(data)
+        try:
+            value = u.unpack()
+        except msgpack.OutOfData:
+            raise ValueError("truncated msgpack document") from None
+        if u.tell() != len(data):
+            raise ValueError(f"{len(data) - u.tell()} bytes after a msgpack document")
+        return value
 
     def tensor(self, idx: int):
         if idx in self.cache:
@@ -629,7 +649,8 @@ def decode_state(tree: bytes, tensors: list, blob: Callable[[int], memoryview], 
         raise MalformedCheckpointError("tensor index is not a list", ref=ref, section="metadata")
     dec = _Decoder(tensors, blob, nblobs, copy=copy, map_location=map_location, ref=ref)
     try:
-        return dec.unpack(tree)
+        return msgpack.unpackb(tree, raw=False, strict_map_key=False, ext_hook=dec.ext,
+                               unicode_errors="surrogatepass")
     except MalformedCheckpointError:
         raise
     except RecursionError:

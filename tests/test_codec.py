@@ -1,0 +1,384 @@
+"""The value codec: bit-exact round trips, sharing, refusals, buffer ownership."""
+
+import math
+import os
+import struct
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import agck
+from agck import codec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "golden"))
+from make_golden import assert_same  # noqa: E402
+
+# Warnings are errors here: decoding must not trip torch's non-writable-buffer warning.
+# ComplexHalf creation warns inside torch itself; that one is not ours.
+pytestmark = [pytest.mark.filterwarnings("error::UserWarning"),
+              pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")]
+
+# AGCK_FUZZ_EXAMPLES raises the count for a longer session.
+_N = int(os.environ.get("AGCK_FUZZ_EXAMPLES", 300))
+SETTINGS = settings(max_examples=_N, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+NP_DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+             "float16", "float32", "float64", "complex64", "complex128",
+             "datetime64[ns]", "datetime64[D]", "timedelta64[us]"]
+if hasattr(np, "float128"):
+    NP_DTYPES += ["float128", "complex256"]
+TORCH_DTYPES = sorted(codec.TORCH_DTYPES.items())
+
+
+def roundtrip(state, **kw):
+    return agck.loads(agck.dumps(state), **kw).state
+
+
+# --- strategies -----------------------------------------------------------------
+
+float_bits = st.integers(0, 2 ** 64 - 1).map(lambda b: struct.unpack("<d", struct.pack("<Q", b))[0])
+floats = st.one_of(float_bits, st.sampled_from([0.0, -0.0, math.inf, -math.inf, math.nan]), st.floats())
+big_ints = st.one_of(st.integers(), st.integers(2 ** 63, 2 ** 200), st.integers(-2 ** 200, -2 ** 63 - 1),
+                     st.sampled_from([2 ** 64 - 1, 2 ** 64, -2 ** 63, -2 ** 63 - 1]))
+texts = st.text(alphabet=st.one_of(st.characters(), st.integers(0xD800, 0xDFFF).map(chr)), max_size=12)
+hashable_leaf = st.one_of(st.none(), st.booleans(), big_ints, texts, st.binary(max_size=8))
+keys = st.one_of(hashable_leaf, st.tuples(hashable_leaf, hashable_leaf),
+                 st.frozensets(st.integers(-5, 5), max_size=3))
+
+
+@st.composite
+def shapes(draw, max_dims=4, max_side=5):
+    return tuple(draw(st.lists(st.integers(0, max_side), max_size=max_dims)))
+
+
+@st.composite
+def strided_view(draw, a, allow_negative):
+    """A random view: per-axis slice with a random step, then maybe a transpose."""
+    idx = []
+    for n in a.shape:
+        step = draw(st.sampled_from([1, 2, 3] + ([-1, -2] if allow_negative else [])))
+        start = draw(st.integers(0, max(n - 1, 0)))
+        idx.append(slice(start, None, step) if step > 0 else slice(start, None, step))
+    v = a[tuple(idx)]
+    if v.ndim >= 2 and draw(st.booleans()):
+        perm = draw(st.permutations(range(v.ndim)))
+        v = v.transpose(*perm) if isinstance(v, np.ndarray) else v.permute(*perm)
+    return v
+
+
+@st.composite
+def np_arrays(draw):
+    dt = np.dtype(draw(st.sampled_from(NP_DTYPES)))
+    shape = draw(shapes())
+    n = math.prod(shape) * dt.itemsize
+    raw = bytearray(draw(st.binary(min_size=n, max_size=n)))
+    if dt.kind == "b":
+        raw = bytearray(b & 1 for b in raw)
+    a = np.frombuffer(bytes(raw), dtype=dt).reshape(shape).copy()
+    kind = draw(st.sampled_from(["plain", "view", "big_endian", "base_and_view"]))
+    if kind == "view":
+        return draw(strided_view(a, True))
+    if kind == "big_endian" and dt.itemsize > 1 and dt.kind not in "mM":
+        return a.astype(dt.newbyteorder(">"))
+    if kind == "base_and_view":
+        return [a, draw(strided_view(a, True))]
+    return a
+
+
+@st.composite
+def torch_tensors(draw):
+    name, dt = draw(st.sampled_from(TORCH_DTYPES))
+    shape = draw(shapes())
+    n = math.prod(shape) * dt.itemsize
+    raw = bytearray(draw(st.binary(min_size=n, max_size=n)))
+    if dt == torch.bool:
+        raw = bytearray(b & 1 for b in raw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t = (torch.frombuffer(raw, dtype=torch.uint8).view(dt).reshape(shape).clone() if n
+             else torch.empty(shape, dtype=dt))
+    kind = draw(st.sampled_from(["plain", "view", "grad", "param", "views"]))
+    if kind == "view":
+        return draw(strided_view(t, False))
+    if kind == "grad" and (dt.is_floating_point or dt.is_complex) and not name.startswith("float8") \
+            and dt != torch.complex32:
+        return t.requires_grad_(True)
+    if kind == "param":
+        return torch.nn.Parameter(t, requires_grad=False)
+    if kind == "views":
+        return [t, draw(strided_view(t, False))]
+    return t
+
+
+np_scalars = np_arrays().filter(lambda a: isinstance(a, np.ndarray) and a.size > 0).map(
+    lambda a: a.reshape(-1)[0])
+torch_misc = st.one_of(
+    st.lists(st.integers(0, 2 ** 40), max_size=4).map(torch.Size),
+    st.sampled_from([dt for _, dt in TORCH_DTYPES] + [torch.float32]),
+    st.sampled_from(["cpu", "cuda", "cuda:3", "meta", "mps"]).map(torch.device))
+leaves = st.one_of(hashable_leaf, floats, st.builds(complex, float_bits, float_bits),
+                   np_arrays(), np_scalars, torch_tensors(), torch_misc,
+                   st.sampled_from(NP_DTYPES).map(np.dtype))
+states = st.recursive(
+    leaves,
+    lambda kids: st.one_of(
+        st.lists(kids, max_size=4),
+        st.lists(kids, max_size=4).map(tuple),
+        st.dictionaries(keys, kids, max_size=4),
+        st.sets(hashable_leaf, max_size=4),
+        st.frozensets(hashable_leaf, max_size=4)),
+    max_leaves=12)
+
+
+# --- round trips ----------------------------------------------------------------
+
+@SETTINGS
+@given(states)
+def test_roundtrip_arbitrary_states(state):
+    assert_same(state, roundtrip(state))
+
+
+@settings(max_examples=max(_N // 2, 1), deadline=None)
+@given(np_arrays())
+def test_roundtrip_numpy_zero_copy(a):
+    data = agck.dumps({"a": a})
+    assert_same({"a": a}, agck.loads(data, copy=False).state)
+    assert_same({"a": a}, agck.loads(data, verify=False).state)
+
+
+@settings(max_examples=max(_N // 2, 1), deadline=None)
+@given(torch_tensors())
+def test_roundtrip_torch_zero_copy(t):
+    data = agck.dumps([t])
+    got = agck.loads(data, copy=False).state
+    assert_same([t], got)
+    if isinstance(t, torch.nn.Parameter):
+        assert type(got[0]) is torch.nn.Parameter
+
+
+def test_every_torch_dtype_with_views():
+    for name, dt in TORCH_DTYPES:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t = torch.arange(24, dtype=torch.float32).to(torch.complex64 if dt.is_complex else torch.float32)
+            t = t.reshape(4, 6).to(dt) if dt != torch.bool else (t.reshape(4, 6).real > 10)
+        state = {"t": t, "view": t[1:, ::2].t(), "alone": t.t()[::2].clone().t()}
+        assert_same(state, roundtrip(state), f"state<{name}>")
+
+
+def test_float_bits_and_strings():
+    nan_payload = struct.unpack("<d", struct.pack("<Q", 0x7FF4000000000ABC))[0]
+    neg_nan = struct.unpack("<d", struct.pack("<Q", 0xFFF8000000000001))[0]
+    state = [-0.0, nan_payload, neg_nan, 5e-324, "\ud800\udfff\udc00", "", "\x00", b"\x00" * 3,
+             np.float32(-0.0), np.frombuffer(struct.pack("<I", 0x7FC00123), np.float32)[0],
+             complex(-0.0, nan_payload)]
+    assert_same(state, roundtrip(state))
+
+
+def test_containers_and_keys():
+    state = {(1, 2): "t", 2 ** 100: "big", b"b": [1, (2,), {3}], frozenset({1, 2}): frozenset(),
+             None: None, -1: {"nested": {"deeper": (set(), [])}}, "": ()}
+    got = roundtrip(state)
+    assert_same(state, got)
+    assert type(got[-1]["nested"]["deeper"][0]) is set
+
+
+def test_dict_subclasses_and_buffers_decode_as_plain():
+    from collections import OrderedDict, defaultdict
+    state = {"od": OrderedDict(b=1, a=2), "dd": defaultdict(list, x=[1]),
+             "ba": bytearray(b"xy"), "mv": memoryview(b"zz")}
+    got = roundtrip(state)
+    assert type(got["od"]) is dict and list(got["od"]) == ["b", "a"]
+    assert got["ba"] == b"xy" and got["mv"] == b"zz"
+
+
+def test_numpy_scalars_and_dtypes():
+    state = [np.float16(1.5), np.int64(-3), np.uint8(255), np.bool_(False), np.complex64(1j),
+             np.datetime64("2024-01-01T00:00:00", "s"), np.timedelta64(-5, "ns"),
+             np.dtype("int16"), np.dtype(">f8"), np.dtype("datetime64[ms]")]
+    got = roundtrip(state)
+    assert_same([s if not isinstance(s, np.dtype) else s.newbyteorder("=") for s in state], got)
+
+
+def test_torch_flags_and_misc():
+    p = torch.nn.Parameter(torch.randn(3, 2))
+    g = torch.randn(4, dtype=torch.float64).requires_grad_(True)
+    state = {"p": p, "g": g, "size": torch.Size([1, 2, 3]), "dtypes": [torch.bfloat16, torch.float8_e5m2],
+             "dev": torch.device("cuda:2"), "frozen": torch.nn.Parameter(torch.ones(2), requires_grad=False)}
+    got = roundtrip(state)
+    assert_same(state, got)
+    assert type(got["p"]) is torch.nn.Parameter and got["p"].requires_grad and got["p"].is_leaf
+    assert type(got["g"]) is torch.Tensor and got["g"].requires_grad and got["g"].is_leaf
+    assert type(got["frozen"]) is torch.nn.Parameter and not got["frozen"].requires_grad
+
+
+def test_conj_view_stored_resolved():
+    x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    got = roundtrip({"x": x, "y": x.conj()})
+    assert torch.equal(got["y"], torch.tensor([1 - 2j, 3 + 4j], dtype=torch.complex64))
+    assert torch.equal(got["x"], x)
+
+
+# --- sharing --------------------------------------------------------------------
+
+def test_tied_weights_stay_one_object():
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    sd = {"embed.weight": w, "head.weight": w}
+    data = agck.dumps(sd)
+    got = agck.loads(data).state
+    assert got["embed.weight"] is got["head.weight"]
+    assert len(agck.inspect(data)["tensors"]) == 1
+
+
+def test_torch_views_of_one_storage_share():
+    s = torch.arange(30, dtype=torch.float32)
+    state = [s[5:25].reshape(4, 5), s[::3], s.reshape(5, 6).t(), s[10:12].view(torch.int32)]
+    data = agck.dumps(state)
+    info = agck.inspect(data)
+    assert {t["blob"] for t in info["tensors"]} == {0}
+    for copy in (True, False):
+        got = agck.loads(bytearray(data), copy=copy).state
+        assert_same(state, got)
+        ptrs = {g.untyped_storage().data_ptr() for g in got}
+        assert len(ptrs) == 1
+        if copy:
+            got[0][0, 0] = -1.0  # element 5 of the original storage
+            assert got[2][5, 0] == -1.0 and got[1][0] == 0.0
+
+
+def test_numpy_views_of_one_base_share():
+    base = np.arange(40, dtype=np.int32).reshape(5, 8)
+    state = {"v1": base[1:4, 2:6], "v2": base[::-1, ::2], "v3": base.T, "v4": base[2].view(np.uint8)}
+    got = roundtrip(state)
+    assert_same(state, got)
+    arrs = list(got.values())
+    assert all(np.shares_memory(arrs[0], a) or a is arrs[0] for a in arrs[1:3])
+    got["v3"][2, 1] = 999      # base[1, 2]
+    assert got["v1"][0, 0] == 999
+
+
+def test_overlapping_views_single_span():
+    s = torch.zeros(100, dtype=torch.float64)
+    a, b = s[10:30], s[20:40]
+    data = agck.dumps([a, b])
+    info = agck.inspect(data)
+    blob_sizes = {t["blob_nbytes"] for t in info["tensors"]}
+    assert len(blob_sizes) == 1 and blob_sizes.pop() <= 8 * 30 + 16  # span, not the whole storage
+    got = agck.loads(data).state
+    got[0][15] = 7.0
+    assert got[1][5] == 7.0
+
+
+# --- refusals -------------------------------------------------------------------
+
+def test_encode_error_names_the_path():
+    state = {"model": {"layers": [0, 1, 2, object()]}}
+    with pytest.raises(agck.EncodeError) as ei:
+        agck.dumps(state)
+    assert str(ei.value).startswith("state['model']['layers'][3]: cannot encode <class 'object'>")
+    assert isinstance(ei.value, TypeError) and isinstance(ei.value, agck.AgckError)
+
+
+@pytest.mark.parametrize("bad, what", [
+    (np.array([1, "a"], dtype=object), "object"),
+    (np.zeros(2, dtype=[("a", "i4"), ("b", "f8")]), "structured"),
+    (np.array(["ab"]), "numpy array"),
+    (np.zeros(2, dtype="datetime64[2s]"), "numpy array"),
+    (torch.zeros(2).to_sparse(), "sparse"),
+    (torch.zeros(2, device="meta"), "meta"),
+    (torch.nn.Linear(2, 2), "state_dict"),
+    (lambda: 0, "cannot encode"),
+    (type("T", (tuple,), {})((1,)), "tuple subclass"),
+])
+def test_unencodable_values(bad, what):
+    with pytest.raises(agck.EncodeError, match=what):
+        agck.dumps({"k": [bad]})
+    with pytest.raises(agck.EncodeError, match=r"state\['k'\]\[0\]"):
+        agck.dumps({"k": [bad]})
+
+
+def test_too_deep_is_refused():
+    x = []
+    for _ in range(codec.MAX_DEPTH + 5):
+        x = [x]
+    with pytest.raises(agck.EncodeError, match="nesting"):
+        agck.dumps(x)
+    y = []
+    for _ in range(codec.MAX_DEPTH - 2):
+        y = [y]
+    assert_same(y, roundtrip(y))
+
+
+def test_deepest_encodable_tuples_decode_in_a_small_thread():
+    # each tuple level is one nested msgpack unpack; it must not exhaust a thread's C stack
+    import threading
+    x = ()
+    for _ in range(codec.MAX_DEPTH - 1):
+        x = (x, {1})
+    data = agck.dumps(x)
+    out = []
+    old = threading.stack_size(2 << 20)
+    try:
+        t = threading.Thread(target=lambda: out.append(agck.loads(data).state))
+        t.start()
+        t.join()
+    finally:
+        threading.stack_size(old)
+    assert_same(x, out[0])
+
+
+# --- buffers and ownership ------------------------------------------------------
+
+def test_loads_copy_false_views_the_input():
+    a = np.arange(16, dtype=np.float32)
+    t = torch.arange(8, dtype=torch.int64)
+    data = agck.dumps({"a": a, "t": t})
+    got = agck.loads(data, copy=False).state
+    raw = np.frombuffer(data, np.uint8)
+    assert np.shares_memory(got["a"], raw) and not got["a"].flags.writeable
+    ba = bytearray(data)
+    got2 = agck.loads(ba, copy=False).state
+    assert got2["a"].flags.writeable
+    got2["a"][0] = 42  # writes land in the caller's buffer
+    assert 42 in np.frombuffer(bytes(ba), np.float32)
+
+
+def test_loads_default_owns_writable_memory():
+    data = agck.dumps({"a": np.arange(16, dtype=np.float32), "t": torch.arange(8)})
+    got = agck.loads(data).state
+    assert got["a"].flags.writeable and not np.shares_memory(got["a"], np.frombuffer(data, np.uint8))
+    got["a"][:] = -1
+    got["t"].add_(1)
+    assert agck.loads(data).state["a"][1] == 1.0
+
+
+def test_load_mmap_is_private_and_writable(tmp_path):
+    p = tmp_path / "c.agck"
+    agck.save(p, {"a": np.arange(100, dtype=np.float64), "t": torch.ones(50)})
+    before = p.read_bytes()
+    ck = agck.load(p)
+    assert ck.state["a"].flags.writeable
+    ck.state["a"][:] = 123.0
+    ck.state["t"].mul_(3)
+    del ck
+    assert p.read_bytes() == before
+    again = agck.load(p).state
+    assert again["a"][5] == 5.0 and again["t"][0] == 1.0
+    not_mapped = agck.load(p, mmap=False).state
+    assert not_mapped["a"].flags.writeable
+
+
+def test_zero_stride_views_share():
+    base = np.arange(4.0)
+    t = torch.arange(4.0)
+    state = [base, np.broadcast_to(base, (3, 4)), t, t.expand(3, 4)]
+    got = roundtrip(state)
+    assert_same(state, got)
+    assert np.shares_memory(got[0], got[1]) and got[3].stride() == (0, 1)
+    assert got[3].untyped_storage().data_ptr() == got[2].untyped_storage().data_ptr()
