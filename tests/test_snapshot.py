@@ -310,13 +310,18 @@ def test_bit_exact_resume_after_external_sigkill(tmp_path, reference):
 
 
 def test_sigterm_takes_a_final_checkpoint(tmp_path):
-    cmd = [sys.executable, "-m", "crashtests.workload", "--store", str(tmp_path / "store"), "--steps", "200",
-           "--every", "50", "--ack-log", str(tmp_path / "acks"), "--step-sleep", "0.05"]
+    acks = tmp_path / "acks"
+    cmd = [sys.executable, "-m", "crashtests.workload", "--store", str(tmp_path / "store"), "--steps", "400",
+           "--every", "50", "--ack-log", str(acks), "--step-sleep", "0.05", "--hashes", str(tmp_path / "h")]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    time.sleep(3.0)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (acks.exists() and acks.read_text().split()):
+        time.sleep(0.1)  # the first scheduled checkpoint: handlers are installed by now
+    time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
     steps = FileStore(tmp_path / "store").steps("pipeline")
-    assert steps, proc.stderr.read()
-    assert steps[-1] % 50 != 0  # taken because of the signal, not the schedule
-    assert proc.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM)
+    acked = [int(x) for x in acks.read_text().split()]
+    assert proc.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM), proc.stderr.read()
+    assert steps[-1] < 400 and steps[-1] % 50 != 0  # taken because of the signal, not the schedule
+    assert acked[-1] == steps[-1]  # and acknowledged before exit
