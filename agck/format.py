@@ -43,7 +43,7 @@ KNOWN_REQUIRED_FLAGS = 0
 _HEADER = struct.Struct("<4sHHIIQQQqQ")  # everything but the trailing header digest: 56 bytes
 _TAIL = struct.Struct("<QQQ8s")
 _DIGEST = xxhash.xxh3_64_intdigest
-_CHUNK = 8 << 20  # hash-while-writing granularity: stays in cache between hash and copy
+_CHUNK = 1 << 20  # hash-while-writing granularity: stays in L2 between hash and copy
 
 assert _HEADER.size == HEADER_SIZE - 8 and _TAIL.size == FOOTER_TAIL_SIZE
 
