@@ -189,11 +189,9 @@ def read_file(path: str, *, mmap: bool = True):
                 raise FormatError("empty file, not an AGCK container", ref=path)
             if mmap:
                 return _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_COPY)
-            buf = bytearray(size)
-            n = f.readinto(buf)
-            if n != size:
-                del buf[n:]
-            return buf
+            buf = np.empty(size, dtype=np.uint8)  # not zero-filled, unlike bytearray
+            n = f.readinto(memoryview(buf))
+            return buf[:n]
     except FileNotFoundError:
         raise FormatError("no such file", ref=path, hint="check the path") from None
     except IsADirectoryError:

@@ -132,6 +132,8 @@ def main(argv=None) -> int:
     p.add_argument("--die-at", type=int, help="SIGKILL self right after this step completes")
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--hashes", help="write the state hash after every step (reference runs)")
+    p.add_argument("--full-hashes", help="write, after every step, the hash of the whole tree a snapshot "
+                   "at that step holds (state, step, RNG states): what the crash checker compares")
     a = p.parse_args(argv)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
@@ -146,11 +148,14 @@ def main(argv=None) -> int:
         return state
 
     state = build_state(a.steps, a.device)
-    hashes = {}
+    hashes, full_hashes = {}, {}
     for i in range(a.steps):
         state = step(state, i)
         if a.hashes:
             hashes[i + 1] = state_hash(state)
+        if a.full_hashes:
+            from agck.snapshot import rng_state
+            full_hashes[i + 1] = state_hash({"state": state, "step": i + 1, "rng": rng_state()})
         if a.die_at is not None and i + 1 == a.die_at:
             os.kill(os.getpid(), signal.SIGKILL)
     step.close()
@@ -159,6 +164,9 @@ def main(argv=None) -> int:
     if a.hashes:
         with open(a.hashes, "w") as f:
             json.dump(hashes, f)
+    if a.full_hashes:
+        with open(a.full_hashes, "w") as f:
+            json.dump(full_hashes, f)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f)
