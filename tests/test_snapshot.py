@@ -6,14 +6,12 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
 import pytest
 import torch
 
-import agck
 from agck import Snapshotter, checkpoint_every
 from agck.errors import DurabilityError, SnapshotError
 from agck.snapshot import FingerprintWarning

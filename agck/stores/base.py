@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
 from ..checkpoint import Checkpoint

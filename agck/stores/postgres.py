@@ -46,8 +46,8 @@ from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError,
                       DurabilityError, SchemaMismatchError, SchemaUninitializedError, StoreConnectionError,
                       StoreError)
 from .base import CheckpointInfo, Store, check_identity, check_run, check_step
-from .sqlite import (DEFAULT_CHUNK_SIZE, check_chunk_size, check_identifier, chunk_plan, meta_json_text,
-                     nchunks_for, split_chunks, sql_row)
+from .sqlrows import (DEFAULT_CHUNK_SIZE, check_chunk_size, check_identifier, chunk_plan, meta_json_text,
+                      nchunks_for, split_chunks, sql_row)
 
 SCHEMA_VERSION = 1
 

@@ -1,0 +1,180 @@
+"""Containers as chunk rows in SQL tables: what the SQLite and Postgres stores share.
+
+The chunk splitter (a container streamed into rows of at most ``chunk_size``
+bytes, hashed on the way), the manifest/chunk structure check run before any
+payload is read, the whole-container checksum check, row refs for messages,
+and the JSON form of ``meta`` kept in the manifest for listing and querying.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import re
+from typing import Any, Callable, Iterable, Iterator
+
+import xxhash
+
+from ..errors import AgckError, CorruptCheckpointError, StoreError
+
+DEFAULT_CHUNK_SIZE = 64 << 20
+MAX_CHUNK_SIZE = 512 << 20        # SQLite's default blob limit is 1e9 bytes; Postgres bytea's is 1 GiB
+_IDENT_RE = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
+
+
+def check_identifier(value: Any, what: str) -> str:
+    """Table prefixes and schema names go into SQL text, so only plain lowercase identifiers."""
+    if not isinstance(value, str) or not _IDENT_RE.match(value):
+        raise StoreError(f"invalid {what} {value!r}",
+                         hint="use 1-41 characters of a-z, 0-9 and '_', not starting with a digit")
+    return value
+
+
+def check_chunk_size(chunk_size: Any) -> int:
+    if type(chunk_size) is not int or not 1 <= chunk_size <= MAX_CHUNK_SIZE:
+        raise StoreError(f"invalid chunk_size {chunk_size!r}",
+                         hint=f"use an int between 1 and {MAX_CHUNK_SIZE} bytes")
+    return chunk_size
+
+
+def meta_to_json(meta: Any) -> Any:
+    """The JSON form of a checkpoint's ``meta`` kept in the manifest for listing and queries.
+
+    ``meta`` is plain msgpack data; JSON (and Postgres JSONB) cannot hold all of it,
+    so: bytes become ``{"$bytes": "<base64>"}``; non-string dict keys become ``str(key)``;
+    tuples become lists; NaN and infinities become ``{"$float": "nan" | "inf" | "-inf"}``;
+    strings JSONB cannot store (a NUL character, a lone surrogate) become
+    ``{"$str": "<base64 of their UTF-8, surrogates passed through>"}``.
+    This form is for :meth:`Store.list` and SQL queries only; ``read().meta`` returns
+    the exact value from the container."""
+    t = type(meta)
+    if meta is None or t is bool or t is int:
+        return meta
+    if t is float or isinstance(meta, float):
+        if math.isfinite(meta):
+            return float(meta)
+        return {"$float": "nan" if math.isnan(meta) else ("inf" if meta > 0 else "-inf")}
+    if isinstance(meta, str):
+        if "\x00" in meta or not _utf8_ok(meta):
+            return {"$str": base64.b64encode(meta.encode("utf-8", "surrogatepass")).decode("ascii")}
+        return str(meta)
+    if isinstance(meta, (bytes, bytearray, memoryview)):
+        return {"$bytes": base64.b64encode(bytes(meta)).decode("ascii")}
+    if isinstance(meta, dict):
+        out = {}
+        for k, v in meta.items():
+            key = meta_to_json(k) if isinstance(k, str) else str(k)
+            if not isinstance(key, str):      # a key JSONB cannot hold: keep it readable
+                key = repr(k)
+            out[key] = meta_to_json(v)
+        return out
+    if isinstance(meta, (list, tuple)):
+        return [meta_to_json(v) for v in meta]
+    if isinstance(meta, int):
+        return int(meta)
+    return str(meta)
+
+
+def meta_json_text(meta: Any) -> str:
+    return json.dumps(meta_to_json(meta), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def _utf8_ok(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def split_chunks(parts: Iterable, total: int, chunk_size: int, hasher) -> Iterator[tuple[int, int, memoryview]]:
+    """Cut the container's buffers at chunk boundaries without copying.
+
+    Yields ``(idx, chunk_len, piece)``: ``piece`` is a view lying wholly in chunk
+    ``idx`` (of ``chunk_len`` bytes), in container order. Every part is fed to
+    ``hasher`` on the way (the whole-container checksum)."""
+    idx, filled = 0, 0
+    clen = min(chunk_size, total)
+    done = 0
+    for part in parts:
+        mv = memoryview(part)
+        if mv.ndim != 1 or mv.format != "B":
+            mv = mv.cast("B")
+        n = mv.nbytes
+        if not n:
+            continue
+        if done + n > total:
+            raise AgckError(f"the container produced more than its announced {total} bytes")
+        hasher.update(mv)
+        done += n
+        while mv.nbytes:
+            take = min(clen - filled, mv.nbytes)
+            yield idx, clen, mv[:take] if take < mv.nbytes else mv
+            mv = mv[take:]
+            filled += take
+            if filled == clen:
+                idx += 1
+                filled = 0
+                clen = min(chunk_size, total - idx * chunk_size)
+    if done != total:
+        raise AgckError(f"the container produced {done} bytes, not its announced {total}")
+
+
+def nchunks_for(total: int, chunk_size: int) -> int:
+    return max(1, -(-total // chunk_size))
+
+
+def chunk_plan(size: Any, nchunks: Any, idxs: list, lengths: list, *,
+               manifest_ref: str, chunk_ref: Callable[[int], str]) -> list[int]:
+    """Check a manifest against its chunk rows before any payload is read; return
+    the expected chunk lengths.
+
+    Every chunk has the writer's chunk size but the last, which holds the rest;
+    the chunk size itself is the most common length among the non-last chunks."""
+    def corrupt(msg, ref):
+        return CorruptCheckpointError(msg, ref=ref, section="chunks")
+
+    if type(size) is not int or size <= 0 or type(nchunks) is not int or nchunks <= 0:
+        raise corrupt(f"manifest row is invalid (size={size!r}, nchunks={nchunks!r})", manifest_ref)
+    present = set(idxs)
+    for i in range(nchunks):
+        if i not in present:
+            raise corrupt(f"missing chunk {i} (the manifest says {nchunks} chunks)", chunk_ref(i))
+    extra = sorted(present - set(range(nchunks)))
+    if extra:
+        raise corrupt(f"unexpected chunk {extra[0]} (the manifest says {nchunks} chunks)", chunk_ref(extra[0]))
+    by_idx = dict(zip(idxs, lengths))
+    if nchunks == 1:
+        expected = [size]
+    else:
+        counts: dict[int, int] = {}
+        for i in range(nchunks - 1):
+            counts[by_idx[i]] = counts.get(by_idx[i], 0) + 1
+        c = max(counts, key=lambda k: (counts[k], k))
+        last = size - (nchunks - 1) * c
+        expected = [c] * (nchunks - 1) + [last]
+        if c <= 0 or not 0 < last <= c:
+            raise corrupt(f"chunk sizes do not add up to the manifest's {size} bytes "
+                          f"({nchunks} chunks, chunk size {c})", manifest_ref)
+    for i in range(nchunks):
+        got = by_idx[i]
+        if got is None:
+            raise corrupt(f"chunk {i} is NULL", chunk_ref(i))
+        if got != expected[i]:
+            raise corrupt(f"chunk {i} is {got} bytes, expected {expected[i]}", chunk_ref(i))
+    return expected
+
+
+def check_checksum(buf, stored: Any, ref: str) -> None:
+    got = xxhash.xxh3_64_hexdigest(buf)
+    if got != stored:
+        raise CorruptCheckpointError(f"checksum mismatch (manifest says {stored}, data hashes to {got})",
+                                     ref=ref, section="chunks")
+
+
+def sql_row(table: str, run: str, step: int, idx: int | None = None) -> str:
+    """The human-readable row ref. Run names are validated: they cannot hold quotes."""
+    if idx is None:
+        return f"{table}(run='{run}', step={step})"
+    return f"{table}(run='{run}', step={step}, idx={idx})"
