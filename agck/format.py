@@ -126,6 +126,7 @@ class ContainerWriter:
         self.header_bytes = head + struct.pack("<Q", _DIGEST(head))
         self.header = parse_header(self.header_bytes)
         self.digests: list[int] = []
+        self.footer: bytes | None = None   # set once parts() has produced it
 
     @property
     def total_len(self) -> int:
@@ -158,7 +159,8 @@ class ContainerWriter:
                 digests.append(hasher.intdigest())
             pos = off + n
         self.digests = digests
-        yield build_footer(h, digests)
+        self.footer = build_footer(h, digests)
+        yield self.footer
 
 
 def build_footer(header: Header, digests: Sequence[int]) -> bytes:

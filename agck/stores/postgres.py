@@ -34,10 +34,10 @@ import struct
 from typing import Any, Callable
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
+import numpy as np
 import psycopg2
 import psycopg2.errors
 import psycopg2.extensions
-import xxhash
 from psycopg2 import sql
 
 from .. import checkpoint, failpoints
@@ -47,7 +47,7 @@ from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError,
                       StoreError)
 from .base import CheckpointInfo, Store, check_identity, check_run, check_step
 from .sqlrows import (DEFAULT_CHUNK_SIZE, check_chunk_size, check_identifier, chunk_plan, meta_json_text,
-                      nchunks_for, split_chunks, sql_row)
+                      check_checksum, manifest_checksum, nchunks_for, split_chunks, sql_row)
 
 SCHEMA_VERSION = 1
 
@@ -125,10 +125,10 @@ class _CopyIn:
     here, row data are views of the tensors' own memory, copied once, into the
     bytes object psycopg2 requires."""
 
-    def __init__(self, run: str, step: int, parts, total: int, chunk_size: int, hasher):
+    def __init__(self, run: str, step: int, parts, total: int, chunk_size: int):
         self.run_b = run.encode("utf-8")
         self.step = step
-        self.pieces = split_chunks(parts, total, chunk_size, hasher)
+        self.pieces = split_chunks(parts, total, chunk_size)
         self.nchunks = 0
         self.error: BaseException | None = None   # psycopg2 reports read() errors as a cancelled COPY
         self._it = self._stream()
@@ -181,16 +181,14 @@ class _CopyIn:
 
 class _CopyOut:
     """A file-like whose write() parses ``COPY (SELECT data ...) TO STDOUT (FORMAT binary)``
-    into ``buf``, checking every row against the expected chunk lengths and hashing
-    the data as it lands. It never raises (psycopg2 would leave the connection
+    into ``buf``, checking every row against the expected chunk lengths. It never raises (psycopg2 would leave the connection
     mid-COPY): the first problem is kept in ``error`` and the rest is discarded."""
 
     _SIG, _FIELDS, _LEN, _DATA, _SKIP, _DONE = range(6)
 
-    def __init__(self, buf: bytearray, expected: list[int], hasher, chunk_ref: Callable[[int], str]):
+    def __init__(self, buf: bytearray, expected: list[int], chunk_ref: Callable[[int], str]):
         self.buf = memoryview(buf)
         self.expected = expected
-        self.hasher = hasher
         self.chunk_ref = chunk_ref
         self.pos = 0
         self.row = 0
@@ -229,8 +227,6 @@ class _CopyOut:
                 take = min(self.need, n - i)
                 piece = mv[i:i + take]
                 self.buf[self.pos:self.pos + take] = piece
-                if self.hasher is not None:
-                    self.hasher.update(piece)
                 self.pos += take
                 self.need -= take
                 i += take
@@ -547,7 +543,6 @@ class PostgresStore(Store):
         total = w.total_len
         ref = self.ref(run, step)
         n = self.names
-        hasher = xxhash.xxh3_64()
         stream = None
         with self._lock:
             cur = self._cursor()
@@ -560,7 +555,7 @@ class PostgresStore(Store):
                 if cur.fetchone() is not None and not overwrite:
                     raise CheckpointExistsError("a checkpoint already exists here", ref=ref)
                 failpoints.hit("pg.before_copy")
-                stream = _CopyIn(run, step, w.parts(), total, self.chunk_size, hasher)
+                stream = _CopyIn(run, step, w.parts(), total, self.chunk_size)
                 cur.copy_expert(f"COPY {n.chunks} (run, step, idx, data) FROM STDIN (FORMAT binary)", stream,
                                 size=COPY_IO_SIZE)
                 if stream.error is not None:
@@ -572,7 +567,7 @@ class PostgresStore(Store):
                 failpoints.hit("pg.before_manifest")
                 cur.execute(f"INSERT INTO {n.manifest} (run, step, parent, size, checksum, nchunks, created_at, meta)"
                             f" VALUES (%s, %s, %s, %s, %s, %s, to_timestamp(%s), %s::jsonb)",
-                            (run, step, parent, total, hasher.hexdigest(), nchunks,
+                            (run, step, parent, total, manifest_checksum(w.footer), nchunks,
                              w.header.created_at_ns / 1e9, meta_text))
                 failpoints.hit("pg.before_commit")
                 try:
@@ -668,8 +663,8 @@ class PostgresStore(Store):
                                                   hint=f"store.steps({run!r}) lists the steps")
                 size, checksum, nchunks, idxs, lens = row
                 expected = chunk_plan(size, nchunks, idxs or [], lens or [], manifest_ref=ref, chunk_ref=chunk_ref)
-                buf = bytearray(size)
-                sink = _CopyOut(buf, expected, xxhash.xxh3_64() if verify else None, chunk_ref)
+                buf = np.empty(size, dtype=np.uint8)  # filled by the COPY; zero-filling would be a wasted pass
+                sink = _CopyOut(buf, expected, chunk_ref)
                 query = cur.mogrify(f"COPY (SELECT data FROM {n.chunks} WHERE run = %s AND step = %s ORDER BY idx) "
                                     f"TO STDOUT (FORMAT binary)", (run, step)).decode("utf-8")
                 cur.copy_expert(query, sink, size=COPY_IO_SIZE)
@@ -680,11 +675,7 @@ class PostgresStore(Store):
                 if isinstance(e, psycopg2.Error):
                     raise self._db_error(e, "read failed", ref) from None
                 raise
-        if verify:
-            got = sink.hasher.hexdigest()
-            if got != checksum:
-                raise CorruptCheckpointError(f"checksum mismatch (manifest says {checksum}, data hashes to {got})",
-                                             ref=ref, section="chunks")
+        check_checksum(buf, checksum, ref)
         ck = checkpoint.loads(buf, verify=verify, copy=False, map_location=map_location, ref=ref)
         check_identity(ck, run, step, ref)
         return ck

@@ -27,7 +27,8 @@ import os
 import sqlite3
 from typing import Any
 
-import xxhash
+import numpy as np
+
 
 from .. import checkpoint, failpoints
 from ..checkpoint import Checkpoint
@@ -36,7 +37,7 @@ from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError,
                       StoreError)
 from .base import CheckpointInfo, Store, check_identity, check_run, check_step
 from .sqlrows import (DEFAULT_CHUNK_SIZE, check_checksum, check_chunk_size, check_identifier, chunk_plan,
-                      meta_json_text, split_chunks, sql_row)
+                      manifest_checksum, meta_json_text, split_chunks, sql_row)
 
 SCHEMA_VERSION = 1
 
@@ -156,7 +157,6 @@ class SqliteStore(Store):
         meta_text = meta_json_text(meta)
         total = w.total_len
         ref = self.ref(run, step)
-        hasher = xxhash.xxh3_64()
         with self._lock:
             c = self._db()
             try:
@@ -171,10 +171,10 @@ class SqliteStore(Store):
                 c.execute(f"DELETE FROM {self._t_chunks} WHERE run = ? AND step = ?", key)
                 c.execute(f"DELETE FROM {self._t_manifest} WHERE run = ? AND step = ?", key)
                 failpoints.hit("sqlite.before_insert")
-                nchunks = self._write_chunks(c, run, step, w.parts(), total, hasher)
+                nchunks = self._write_chunks(c, run, step, w.parts(), total)
                 c.execute(f"INSERT INTO {self._t_manifest} (run, step, parent, size, checksum, nchunks, "
                           f"created_at, meta) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                          (run, step, parent, total, hasher.hexdigest(), nchunks,
+                          (run, step, parent, total, manifest_checksum(w.footer), nchunks,
                            w.header.created_at_ns / 1e9, meta_text))
                 failpoints.hit("sqlite.before_commit")
                 c.execute("COMMIT")
@@ -191,13 +191,13 @@ class SqliteStore(Store):
         failpoints.hit("sqlite.after_commit")
         return ref
 
-    def _write_chunks(self, c: sqlite3.Connection, run: str, step: int, parts, total: int, hasher) -> int:
+    def _write_chunks(self, c: sqlite3.Connection, run: str, step: int, parts, total: int) -> int:
         insert = f"INSERT INTO {self._t_chunks} (run, step, idx, data) VALUES (?, ?, ?, zeroblob(?))"
         blob, cur_idx = None, -1
         blobopen = getattr(c, "blobopen", None)
         pending: bytearray | None = None      # Python < 3.11: no blob API, assemble the chunk
         try:
-            for idx, clen, piece in split_chunks(parts, total, self.chunk_size, hasher):
+            for idx, clen, piece in split_chunks(parts, total, self.chunk_size):
                 if idx != cur_idx:
                     if blob is not None:
                         blob.close()
@@ -287,8 +287,7 @@ class SqliteStore(Store):
                     c.execute("COMMIT")
             except sqlite3.Error as e:
                 raise StoreError(f"read failed: {e}", ref=ref) from None
-        if verify:
-            check_checksum(buf, checksum, ref)
+        check_checksum(buf, checksum, ref)
         ck = checkpoint.loads(buf, verify=verify, copy=False, map_location=map_location, ref=ref)
         check_identity(ck, run, step, ref)
         return ck
@@ -304,7 +303,7 @@ class SqliteStore(Store):
                            f"ORDER BY idx", (run, step)).fetchall()
         expected = chunk_plan(size, nchunks, [i for i, _ in layout], [n for _, n in layout],
                               manifest_ref=ref, chunk_ref=lambda i: self._chunk_ref(run, step, i))
-        buf = bytearray(size)
+        buf = np.empty(size, dtype=np.uint8)  # every byte is overwritten by the chunks
         mv = memoryview(buf)
         pos = 0
         rows = c.execute(f"SELECT idx, data FROM {self._t_chunks} WHERE run = ? AND step = ? ORDER BY idx",
