@@ -1,0 +1,177 @@
+"""The crash checker: judge each trial from the out-of-band ack log and a reference run.
+
+After a crash, recovery runs twice, through the library (``recover_run``) and
+through the CLI (``agck recover STORE --json``), and each trial is classified
+as Jepsen classifies operations:
+
+* ``ok``            every acknowledged checkpoint is covered: the recovered step
+                    is the last acknowledged one, bit-identical to the reference;
+* ``indeterminate`` a checkpoint was in flight at the crash and either outcome
+                    happened (the old step or the in-flight one was recovered,
+                    verified and bit-identical): fine, nothing acknowledged lost;
+* ``lost``          an acknowledged checkpoint (or, after corruption, an intact
+                    one) was not recovered;
+* ``corrupt``       something that fails the reference was returned as valid: a
+                    state hash mismatch, a damaged checkpoint accepted, the CLI
+                    and the library disagreeing, or a resume that diverged;
+* ``error``         the harness itself could not judge (reported, never hidden).
+
+``lost`` and ``corrupt`` must be zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+OUTCOMES = ("ok", "indeterminate", "lost", "corrupt", "error")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class Trial:
+    id: int
+    store: str                      # file | sqlite | postgres
+    fault: str                      # kill | failpoint | pgkill | powerloss | corrupt
+    run: str
+    url: str
+    point: str = ""                 # the crash point reached (label), "" when none was
+    reached: bool = False           # did the fault actually happen (a kill delivered, a crash raised)
+    acked: list = field(default_factory=list)
+    in_flight: bool = False         # a checkpoint was being written when the crash hit
+    expected: Any = "min"           # "min": recovered >= last ack; an int/None: exactly this step (corruption)
+    damaged: list = field(default_factory=list)    # steps deliberately corrupted
+    recovered: Any = None
+    rejected: list = field(default_factory=list)
+    orphans: int = 0
+    rec_seconds: float | None = None
+    hash_ok: Any = None
+    cli_step: Any = "unchecked"
+    resume: dict | None = None
+    outcome: str = ""
+    reasons: list = field(default_factory=list)
+    detail: str = ""
+
+    @property
+    def last_ack(self):
+        return max(self.acked) if self.acked else None
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["last_ack"] = self.last_ack
+        return d
+
+
+def check_library(store, trial: Trial, ref_full: dict, *, map_location="cpu") -> None:
+    """Recover ``trial.run`` through the library and compare what comes back with the reference."""
+    from agck.recovery import recover_run
+    from crashtests.workload import state_hash
+    try:
+        rec = recover_run(store, trial.run, map_location=map_location)
+    except Exception as e:  # recovery must not fail on a damaged store; that is a finding
+        trial.reasons.append(f"recover_run raised {type(e).__name__}: {e}")
+        trial.hash_ok = False
+        trial.recovered = "raised"
+        return
+    trial.recovered = rec.step
+    trial.rec_seconds = rec.seconds
+    trial.rejected = [r.step for r in rec.rejected]
+    if rec.rejected and trial.fault != "corrupt":
+        trial.detail = (trial.detail + f" rejected {rec.rejected[0].step}: {rec.rejected[0].reason}").strip()
+    trial.orphans = len(rec.orphans)
+    if rec.orphans:
+        trial.in_flight = trial.in_flight or trial.fault != "corrupt"
+    if rec.checkpoint is None:
+        trial.hash_ok = None
+        return
+    want = ref_full.get(rec.step, ref_full.get(str(rec.step)))
+    if want is None:
+        trial.hash_ok = False
+        trial.reasons.append(f"recovered step {rec.step} is not a step the reference run checkpointed")
+        return
+    got = state_hash(rec.checkpoint.state)
+    trial.hash_ok = got == want
+    if not trial.hash_ok:
+        trial.reasons.append(f"state hash of recovered step {rec.step} is {got}, the reference says {want}")
+
+
+def cli_recover(url: str, run: str | None = None, timeout: float = 300) -> dict:
+    """{run: recovered step or None} from ``agck recover URL [--run R] --json``."""
+    cmd = [sys.executable, "-m", "agck.cli", "recover", url, "--json", "--quiet"]
+    if run is not None:
+        cmd[5:5] = ["--run", run]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    if r.returncode not in (0, 1, 3):
+        raise RuntimeError(f"agck recover exited {r.returncode}: {r.stderr.strip()[-500:]}")
+    out = json.loads(r.stdout)
+    return {x["run"]: x["step"] for x in out["runs"]}
+
+
+def classify(t: Trial) -> str:
+    """Set and return ``t.outcome`` from what was observed."""
+    reasons = list(t.reasons)
+    lost = corrupt = error = False
+    rec = t.recovered
+    if rec == "raised":
+        error = True
+    elif t.expected == "min":
+        last = t.last_ack
+        if last is not None and (rec is None or rec < last):
+            lost = True
+            reasons.append(f"acknowledged step {last} not recovered (recovered {rec})")
+        if rec is not None and last is not None and rec > last:
+            t.in_flight = True     # an unacknowledged checkpoint became durable: the in-flight one
+        if rec is not None and last is None:
+            t.in_flight = True
+    else:
+        exp = t.expected
+        if rec in t.damaged:
+            corrupt = True
+            reasons.append(f"damaged step {rec} returned as valid")
+        elif rec != exp and (rec is None or exp is None or rec < exp):
+            lost = True
+            reasons.append(f"intact step {exp} not recovered (recovered {rec})")
+        elif rec != exp:
+            corrupt = True
+            reasons.append(f"recovered step {rec}, expected {exp}")
+    if t.hash_ok is False and rec != "raised":
+        corrupt = True
+    if t.cli_step != "unchecked" and rec != "raised":
+        if t.cli_step == "error":
+            error = True
+            reasons.append("the CLI check failed")
+        elif t.cli_step != rec:
+            if isinstance(t.cli_step, int) and isinstance(rec, int) and t.cli_step < rec or t.cli_step is None:
+                lost = True
+            else:
+                corrupt = True
+            reasons.append(f"CLI recovered step {t.cli_step}, the library {rec}")
+    if t.resume is not None and not t.resume.get("ok", False):
+        if t.resume.get("error"):
+            error = True
+        else:
+            corrupt = True
+        reasons.append(f"resume: {t.resume.get('why')}")
+    t.reasons = reasons
+    if corrupt:
+        t.outcome = "corrupt"
+    elif lost:
+        t.outcome = "lost"
+    elif error:
+        t.outcome = "error"
+    elif t.in_flight:
+        t.outcome = "indeterminate"
+    else:
+        t.outcome = "ok"
+    return t.outcome
+
+
+def timed(fn, *a, **kw):
+    t0 = time.perf_counter()
+    out = fn(*a, **kw)
+    return out, time.perf_counter() - t0

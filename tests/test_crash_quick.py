@@ -1,0 +1,119 @@
+"""A quick crash campaign (every fault kind, a few trials each) and unit tests of the simulated FS.
+
+The full campaign is ``scripts/crash_campaign`` (``--ci`` for the short one).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from agck import durable
+from crashtests import campaign, pgcluster
+from crashtests.simfs import MODES, Crash, SimFS
+
+
+# --- simfs --------------------------------------------------------------------------
+
+def _write(sim: SimFS, path: str, data: bytes, *, fsync: bool) -> None:
+    fd = sim.open_new(path)
+    sim.write(fd, data)
+    if fsync:
+        sim.fsync(fd)
+    sim.close(fd)
+
+
+def test_unsynced_write_is_dropped_at_crash(tmp_path):
+    sim = SimFS(str(tmp_path / "root"))
+    p = os.path.join(sim.root, "f")
+    _write(sim, p, b"hello world", fsync=False)
+    sim.fsync_dir(sim.root)          # the name is durable, the data is not
+    sim.crash()
+    tree = sim.image_tree(sim.choose(random.Random(0), "none")[1])
+    assert tree == {"f": b""}
+    with pytest.raises(Crash):
+        sim.write(0, b"x")           # the machine is off
+
+
+def test_rename_without_dir_fsync_may_be_lost(tmp_path):
+    sim = SimFS(str(tmp_path / "root"))
+    tmp, final = os.path.join(sim.root, "tmp"), os.path.join(sim.root, "final")
+    _write(sim, tmp, b"data", fsync=True)
+    sim.fsync_dir(sim.root)
+    sim.rename(tmp, final)
+    sim.crash()
+    lost = sim.image_tree(sim.choose(random.Random(0), "none")[1])
+    assert lost == {"tmp": b"data"}
+    kept = sim.image_tree(sim.choose(random.Random(0), "all")[1])
+    assert kept == {"final": b"data"}
+
+
+def test_crash_at_operation_n_stops_there(tmp_path):
+    sim = SimFS(str(tmp_path / "root"), crash_at=3)
+    fd = sim.open_new(os.path.join(sim.root, "f"))
+    sim.write(fd, b"a")
+    with pytest.raises(Crash):
+        sim.fsync(fd)
+    assert sim.ops == 3 and sim.crash_op == "fsync"
+
+
+def test_torn_write_keeps_a_prefix(tmp_path):
+    sim = SimFS(str(tmp_path / "root"))
+    p = os.path.join(sim.root, "f")
+    _write(sim, p, b"A" * 100, fsync=False)
+    sim.fsync_dir(sim.root)
+    sim.crash()
+    for seed in range(20):
+        data = sim.image_tree(sim.choose(random.Random(seed), "torn")[1])["f"]
+        assert len(data) <= 100 and data[:1] in (b"", b"A")
+        assert data != b"A" * 100      # a torn write never lands whole
+
+
+def test_synced_file_always_survives(tmp_path):
+    payload = os.urandom(5000)
+    for i in range(30):
+        root = str(tmp_path / f"r{i}")
+        sim = SimFS(root)
+        path = os.path.join(root, "ckpt")
+        durable.write_atomic(path, [payload[:1000], payload[1000:]], fs=sim)
+        # later unsynced activity that a crash may partly apply
+        fd = sim.open_new(os.path.join(root, "other"))
+        sim.write(fd, b"zzz")
+        sim.crash()
+        rng = random.Random(i)
+        for mode in MODES:
+            tree = sim.image_tree(sim.choose(rng, mode)[1])
+            assert tree["ckpt"] == payload, mode
+
+
+# --- the quick campaign ----------------------------------------------------------------
+
+def _run(tmp_path, stores, faults, counts, seed):
+    cfg = campaign.Config(stores=stores, faults=faults, out=str(tmp_path / "report"), seed=seed,
+                          counts=counts, quiet=True, chart=False, time_limit=300)
+    rep = campaign.Campaign(cfg).run()
+    campaign.write_report(rep, cfg.out)
+    bad = rep["failures"]
+    assert rep["totals"]["lost"] == 0 and rep["totals"]["corrupt"] == 0, campaign.markdown(rep)
+    assert rep["totals"]["error"] == 0, bad
+    return rep
+
+
+def test_quick_campaign_file_and_sqlite(tmp_path):
+    counts = {"kill": 3, "failpoint": 3, "powerloss": 25, "corrupt": 40}
+    rep = _run(tmp_path, ("file", "sqlite"), ("kill", "failpoint", "powerloss", "corrupt"), counts, seed=7)
+    faults = {(r["store"], r["fault"]) for r in rep["rows"]}
+    assert {("file", "kill"), ("file", "failpoint"), ("file", "powerloss"), ("file", "corrupt"),
+            ("sqlite", "kill"), ("sqlite", "failpoint"), ("sqlite", "corrupt")} <= faults
+    assert rep["totals"]["resumes_ok"] == rep["totals"]["resumes_checked"] > 0
+    assert os.path.exists(tmp_path / "report" / "crash_report.json")
+
+
+@pytest.mark.skipif(pgcluster.available() is not None, reason=f"no private Postgres: {pgcluster.available()}")
+def test_quick_campaign_postgres(tmp_path):
+    counts = {"kill": 2, "failpoint": 2, "pgkill": 1, "corrupt": 25}
+    rep = _run(tmp_path, ("postgres",), ("kill", "failpoint", "pgkill", "corrupt"), counts, seed=8)
+    assert rep["postgres_kills"] == 1
+    assert not any(n.startswith("postgres skipped") for n in rep["notes"])
