@@ -50,7 +50,6 @@ from typing import Any, Callable
 import numpy as np
 import psycopg2
 import torch
-import xxhash
 
 # Run from a checkout without installing: scripts/ is sys.path[0], the package is one up.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,7 +60,9 @@ from agck import checkpoint  # noqa: E402
 from agck.recovery import recover_run  # noqa: E402
 from agck.stores.file import FileStore  # noqa: E402
 from agck.stores.postgres import COPY_IO_SIZE, PostgresStore  # noqa: E402
-from agck.stores.sqlite import DEFAULT_CHUNK_SIZE, SqliteStore, meta_json_text  # noqa: E402
+from agck import format as agck_format  # noqa: E402
+from agck.stores.sqlite import SqliteStore  # noqa: E402
+from agck.stores.sqlrows import DEFAULT_CHUNK_SIZE, manifest_checksum, meta_json_text  # noqa: E402
 
 MiB = 1 << 20
 ROW = 1024
@@ -450,7 +451,8 @@ def _bench_recover(args, pg, fs, raw, log) -> dict:
     from psycopg2.extras import execute_values
     execute_values(raw, f"INSERT INTO {n_.manifest} (run, step, parent, size, checksum, nchunks, created_at, meta) "
                         f"VALUES %s",
-                   [(RUN_RECOVER, s, None, len(c), xxhash.xxh3_64_hexdigest(c), 1, time.time(), meta_text)
+                   [(RUN_RECOVER, s, None, len(c), manifest_checksum(c[len(c) - agck_format.parse_header(c).footer_len:]), 1,
+                     time.time(), meta_text)
                     for s, c in enumerate(containers)],
                    template="(%s, %s, %s, %s, %s, %s, to_timestamp(%s), %s::jsonb)", page_size=1000)
     raw.execute(f"UPDATE {n_.chunks} SET data = set_byte(data, octet_length(data) / 2, "

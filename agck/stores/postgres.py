@@ -31,10 +31,10 @@ from __future__ import annotations
 import os
 import re
 import struct
+import threading
 from typing import Any, Callable
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
-import numpy as np
 import psycopg2
 import psycopg2.errors
 import psycopg2.extensions
@@ -47,7 +47,7 @@ from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError,
                       StoreError)
 from .base import CheckpointInfo, Store, check_identity, check_run, check_step
 from .sqlrows import (DEFAULT_CHUNK_SIZE, check_chunk_size, check_identifier, chunk_plan, meta_json_text,
-                      check_checksum, manifest_checksum, nchunks_for, split_chunks, sql_row)
+                      check_checksum, manifest_checksum, nchunks_for, new_buffer, split_chunks, sql_row)
 
 SCHEMA_VERSION = 1
 
@@ -179,15 +179,39 @@ class _CopyIn:
             raise
 
 
+class _Background:
+    """Run ``fn(*args)`` on a thread now; ``result()`` waits for it."""
+
+    def __init__(self, fn, *args):
+        self._value = self._error = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn, args):
+        try:
+            self._value = fn(*args)
+        except BaseException as e:  # re-raised in the caller's thread
+            self._error = e
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 class _CopyOut:
     """A file-like whose write() parses ``COPY (SELECT data ...) TO STDOUT (FORMAT binary)``
-    into ``buf``, checking every row against the expected chunk lengths. It never raises (psycopg2 would leave the connection
+    into the buffer ``make_buffer()`` returns (called when the first row arrives, so the
+    buffer can be prepared while the server works), checking every row against the
+    expected chunk lengths. It never raises (psycopg2 would leave the connection
     mid-COPY): the first problem is kept in ``error`` and the rest is discarded."""
 
     _SIG, _FIELDS, _LEN, _DATA, _SKIP, _DONE = range(6)
 
-    def __init__(self, buf: bytearray, expected: list[int], chunk_ref: Callable[[int], str]):
-        self.buf = memoryview(buf)
+    def __init__(self, make_buffer: Callable[[], Any], expected: list[int], chunk_ref: Callable[[int], str]):
+        self.make_buffer = make_buffer
+        self.buf: memoryview | None = None
         self.expected = expected
         self.chunk_ref = chunk_ref
         self.pos = 0
@@ -226,6 +250,8 @@ class _CopyOut:
             if st == self._DATA:
                 take = min(self.need, n - i)
                 piece = mv[i:i + take]
+                if self.buf is None:
+                    self.buf = memoryview(self.make_buffer())
                 self.buf[self.pos:self.pos + take] = piece
                 self.pos += take
                 self.need -= take
@@ -663,13 +689,15 @@ class PostgresStore(Store):
                                                   hint=f"store.steps({run!r}) lists the steps")
                 size, checksum, nchunks, idxs, lens = row
                 expected = chunk_plan(size, nchunks, idxs or [], lens or [], manifest_ref=ref, chunk_ref=chunk_ref)
-                buf = np.empty(size, dtype=np.uint8)  # filled by the COPY; zero-filling would be a wasted pass
-                sink = _CopyOut(buf, expected, chunk_ref)
+                # Populate the buffer's pages on another core while the server starts the COPY.
+                pending = _Background(new_buffer, size)
+                sink = _CopyOut(pending.result, expected, chunk_ref)
                 query = cur.mogrify(f"COPY (SELECT data FROM {n.chunks} WHERE run = %s AND step = %s ORDER BY idx) "
                                     f"TO STDOUT (FORMAT binary)", (run, step)).decode("utf-8")
                 cur.copy_expert(query, sink, size=COPY_IO_SIZE)
                 cur.execute("COMMIT")
                 sink.finish()
+                buf = pending.result()
             except BaseException as e:
                 self._abort(cur)
                 if isinstance(e, psycopg2.Error):

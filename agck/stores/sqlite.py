@@ -27,8 +27,6 @@ import os
 import sqlite3
 from typing import Any
 
-import numpy as np
-
 
 from .. import checkpoint, failpoints
 from ..checkpoint import Checkpoint
@@ -37,7 +35,7 @@ from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError,
                       StoreError)
 from .base import CheckpointInfo, Store, check_identity, check_run, check_step
 from .sqlrows import (DEFAULT_CHUNK_SIZE, check_checksum, check_chunk_size, check_identifier, chunk_plan,
-                      manifest_checksum, meta_json_text, split_chunks, sql_row)
+                      manifest_checksum, meta_json_text, new_buffer, split_chunks, sql_row)
 
 SCHEMA_VERSION = 1
 
@@ -303,7 +301,7 @@ class SqliteStore(Store):
                            f"ORDER BY idx", (run, step)).fetchall()
         expected = chunk_plan(size, nchunks, [i for i, _ in layout], [n for _, n in layout],
                               manifest_ref=ref, chunk_ref=lambda i: self._chunk_ref(run, step, i))
-        buf = np.empty(size, dtype=np.uint8)  # every byte is overwritten by the chunks
+        buf = new_buffer(size)
         mv = memoryview(buf)
         pos = 0
         rows = c.execute(f"SELECT idx, data FROM {self._t_chunks} WHERE run = ? AND step = ? ORDER BY idx",

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import base64
 import json
+import ctypes
 import math
 import re
 from typing import Any, Callable, Iterable, Iterator
 
+import numpy as np
 import xxhash
 
 from .. import format
@@ -166,6 +168,20 @@ def chunk_plan(size: Any, nchunks: Any, idxs: list, lengths: list, *,
         if got != expected[i]:
             raise corrupt(f"chunk {i} is {got} bytes, expected {expected[i]}", chunk_ref(i))
     return expected
+
+
+def new_buffer(size: int) -> np.ndarray:
+    """A writable buffer for a container read from chunk rows, its pages already
+    faulted in.
+
+    Faulting a fresh buffer page by page while the chunks are copied into it
+    costs more than the copy itself; touching every page first with a C
+    memset (ctypes releases the GIL) lets a caller do it on another thread while
+    the server is still producing the data."""
+    buf = np.empty(size, dtype=np.uint8)
+    if size:
+        ctypes.memset(buf.ctypes.data, 0, size)
+    return buf
 
 
 def manifest_checksum(footer: bytes) -> str:
