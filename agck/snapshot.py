@@ -246,23 +246,18 @@ class _Stager:
             out = buf
             if isinstance(x, torch.nn.Parameter) or x.requires_grad:
                 # keep what the codec records (Parameter, requires_grad, device) without copying again
-                out = _StagedTensor.wrap(buf, x)
+                out = _with_flags_of(buf, x)
             self.memo[id(x)] = out
             return out
         return x
 
 
-class _StagedTensor:
-    """Builds a host tensor that the codec records with the source's flags."""
-
-    @staticmethod
-    def wrap(buf, src):
-        t = buf.detach()
-        if isinstance(src, torch.nn.Parameter):
-            t = torch.nn.Parameter(t, requires_grad=src.requires_grad)
-        elif src.requires_grad:
-            t = t.requires_grad_(True)
-        return t
+def _with_flags_of(buf, src):
+    """The staged buffer, marked as the codec must record it: Parameter, requires_grad."""
+    t = buf.detach()
+    if isinstance(src, torch.nn.Parameter):
+        return torch.nn.Parameter(t, requires_grad=src.requires_grad)
+    return t.requires_grad_(True) if src.requires_grad else t
 
 
 # --- the engine -------------------------------------------------------------------
