@@ -308,6 +308,8 @@ def _bench(args, workdir: str, log) -> int:
              lambda: unlink(p("raw.bin")), nbytes),
         Case("raw read (readinto, warm)", lambda: raw_read(p("fixture.agck"), read_buf), None, nbytes),
         Case("memcpy (np.copyto)", lambda: np.copyto(copy_dst, copy_src), None, nbytes),
+        # What any dumps must at least do: copy the bytes into a new bytes object (fresh memory).
+        Case("copy into a new bytes (bytes(view))", lambda: bytes(memoryview(container)), None, nbytes),
         Case("xxh3_64 over the bytes", lambda: xxhash.xxh3_64_intdigest(container), None, nbytes),
         # What any case pays to get new memory (a new output buffer, new page-cache pages for
         # a new file): page faults and kernel zeroing; on VMs whose host backs guest memory
@@ -450,6 +452,9 @@ def _bench(args, workdir: str, log) -> int:
            f"load(verify=False) constant time: {fmt_s(nv_small)} at {small_bytes / MiB:.0f} MiB, "
            f"{fmt_s(nv_full)} at {nbytes / MiB:.0f} MiB ({nv_full / nv_small:.2f}x; need < 10 ms and <= 3x)")
     target(t_dumps >= 0.5, f"dumps >= 0.5x memcpy: {t_dumps:.2f}x")
+    t_fresh = med["copy into a new bytes (bytes(view))"] / med["agck.dumps"]
+    out(f"- (info) dumps vs a copy into a new bytes object, the floor for any function returning fresh "
+        f"bytes: {t_fresh:.2f}x")
     target(t_naive >= 100, f"dumps >= 100x the naive tolist+msgpack path: {t_naive:,.0f}x")
     out("")
     out(f"Total run {time.perf_counter() - t_start:.0f} s.")
