@@ -152,3 +152,16 @@ def test_recover_is_fast_on_10000_checkpoints_with_100_corrupt(tmp_path):
     elapsed = time.perf_counter() - t0
     assert rec.step == 9_899 and len(rec.rejected) == 100
     assert elapsed < 10, elapsed
+
+
+@pytest.mark.postgres
+def test_cli_reaches_postgres_tables_by_prefix_and_schema(pg_dsn, pg_schema, capsys):
+    from agck.stores import open_store
+    with open_store(pg_dsn, prefix="cli_pfx", schema=pg_schema, init=True) as s:
+        s.put("r", 3, {"x": np.arange(3)})
+    sep = "&" if "?" in pg_dsn else "?"
+    url = f"{pg_dsn}{sep}agck_prefix=cli_pfx&agck_schema={pg_schema}"
+    code, out, _ = run_cli(capsys, "recover", url, "--json")
+    assert code == 0 and json.loads(out)["runs"][0]["step"] == 3
+    code, out, _ = run_cli(capsys, "ls", url, "--run", "r", "--json")
+    assert code == 0 and [r["step"] for r in json.loads(out)] == [3]
