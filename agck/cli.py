@@ -73,6 +73,15 @@ def _open(url: str):
     return open_store(url) if url.startswith(("postgres", "sqlite:")) else open_store(url, create=False)
 
 
+def _stored_checkpoint(args, url: str, command: str):
+    """``--run``/``--step`` of a store (step None: the newest that verifies)."""
+    store = _open(url)
+    with store:
+        if args.run is None:
+            raise _Exit(EXIT_USAGE, f"agck {command}: a store needs --run (and optionally --step)")
+        return store.get(args.run, args.step)
+
+
 def _is_file_arg(target: str) -> bool:
     return os.path.isfile(target)
 
@@ -83,14 +92,9 @@ def cmd_show(args) -> int:
     if _is_file_arg(args.target):
         info = checkpoint.inspect(args.target, verify=args.verify)
     else:
-        store = _open(args.target)
-        if args.run is None:
-            store.close()
-            raise _Exit(EXIT_USAGE, "agck show: a store needs --run (and optionally --step)")
-        with store:
-            ck = store.get(args.run, args.step)
-            info = {"path": ck.ref, "header": ck.header.as_dict(), "run": ck.run, "step": ck.step,
-                    "parent": ck.parent, "meta": ck.meta, "tensors": ck.tensors, "verified": True}
+        ck = _stored_checkpoint(args, args.target, "show")
+        info = {"path": ck.ref, "header": ck.header.as_dict(), "run": ck.run, "step": ck.step,
+                "parent": ck.parent, "meta": ck.meta, "tensors": ck.tensors, "verified": True}
     _emit(args, info, _format_show(info))
     return EXIT_OK
 
@@ -216,12 +220,7 @@ def cmd_export(args) -> int:
     if _is_file_arg(args.source):
         ck = checkpoint.load(args.source)
     else:
-        store = _open(args.source)
-        if args.run is None:
-            store.close()
-            raise _Exit(EXIT_USAGE, "agck export: a store needs --run (and optionally --step)")
-        with store:
-            ck = store.get(args.run, args.step)
+        ck = _stored_checkpoint(args, args.source, "export")
     summary = export(ck, args.to)
     _emit(args, summary, f"wrote {summary['tensors']} tensors to {args.to}"
           + (f" (skipped {len(summary['skipped'])} non-tensor values: {', '.join(summary['skipped'][:5])}"

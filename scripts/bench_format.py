@@ -35,6 +35,8 @@ from typing import Any, Callable
 
 import msgpack
 import numpy as np
+
+from benchio import fsync_dir, raw_write_fsync  # noqa: E402
 import xxhash
 
 # Run from a checkout without installing: scripts/ is sys.path[0], the package is one up.
@@ -117,32 +119,6 @@ def head_slice(state: dict, nbytes: int) -> dict:
 
 
 # --- the physical limits --------------------------------------------------------------
-
-def fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# Writes in 1 MiB pieces: one giant write(2) is throttled badly on this kernel, and the
-# limit we compare against should be the fastest plain way to get the bytes on disk.
-WRITE_CHUNK = 1 << 20
-
-
-def raw_write_fsync(path: str, data) -> None:
-    """What any durable writer must at least do: write the bytes, fsync the file and its directory."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
-    try:
-        view = memoryview(data).cast("B")
-        while view.nbytes:
-            view = view[os.write(fd, view[:WRITE_CHUNK]):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    fsync_dir(os.path.dirname(path))
-
 
 def raw_read(path: str, buf: bytearray) -> int:
     with open(path, "rb", buffering=0) as f:
