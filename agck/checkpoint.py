@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import numpy as np
 import xxhash
 
-from . import codec, durable, format
+from . import codec, durable, format, memory
 from .errors import CorruptCheckpointError, FormatError, MalformedCheckpointError
 
 # Metadata keys the format reserves (FORMAT.md, "Metadata").
@@ -58,19 +58,25 @@ def encode(state: Any, *, run: str | None = None, step: int | None = None, paren
 def dumps(state: Any, *, run: str | None = None, step: int | None = None, parent: int | None = None,
           meta: Any = None) -> bytes:
     """Encode ``state`` as one AGCK container in memory."""
-    w = encode(state, run=run, step=step, parent=parent, meta=meta)
-    return _join_parts(w.parts(), w.total_len)
+    return _to_bytes(encode(state, run=run, step=step, parent=parent, meta=meta))
 
 
-def _join_parts(parts, total: int) -> bytes:
+def _to_bytes(w: format.ContainerWriter) -> bytes:
     """One allocation at the final size and one copy of each part.
 
-    For a large state the cost is dominated by first-touch page faults on the
-    fresh output, not by copying; asking for transparent huge pages would cut
-    that 4x on a quiet machine but stalls for seconds in direct compaction when
-    memory is fragmented, so the output is left to the allocator's defaults.
-    To avoid the fresh buffer altogether, stream with ``encode(...).parts()``."""
-    out = b"".join(parts)
+    For a large state the fresh output's page faults cost more than the copy,
+    so it is filled by :mod:`agck.memory` (huge pages when free, a few threads
+    copying and hashing); small states are simply joined."""
+    total = w.total_len
+    made = memory.new_bytes(total) if total >= memory.PARALLEL_MIN else None
+    if made is None:
+        out = b"".join(w.parts())
+    else:
+        out, view = made
+        digests = memory.fill(view, w.layout(), format.new_hasher)
+        footer = w.finish(digests)
+        view[total - len(footer):] = np.frombuffer(footer, dtype=np.uint8)
+        del view
     if len(out) != total:  # the writer's layout and its parts disagree: never return it
         raise RuntimeError(f"container parts add up to {len(out)} bytes, expected {total}")
     return out
@@ -153,7 +159,7 @@ def read_file(path: str, *, mmap: bool = True):
                 raise FormatError("empty file, not an AGCK container", ref=path)
             if mmap:
                 return _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_COPY)
-            buf = np.empty(size, dtype=np.uint8)  # not zero-filled, unlike bytearray
+            buf = memory.new_buffer(size)  # not zero-filled, unlike bytearray; pages in place
             n = f.readinto(memoryview(buf))
             return buf[:n]
     except FileNotFoundError:

@@ -43,6 +43,7 @@ KNOWN_REQUIRED_FLAGS = 0
 _HEADER = struct.Struct("<4sHHIIQQQqQ")  # everything but the trailing header digest: 56 bytes
 _TAIL = struct.Struct("<QQQ8s")
 _DIGEST = xxhash.xxh3_64_intdigest
+new_hasher = xxhash.xxh3_64  # the format's one checksum, streaming: update(), intdigest()
 _CHUNK = 1 << 20  # hash-while-writing granularity: stays in L2 between hash and copy
 
 assert _HEADER.size == HEADER_SIZE - 8 and _TAIL.size == FOOTER_TAIL_SIZE
@@ -132,6 +133,32 @@ class ContainerWriter:
     def total_len(self) -> int:
         return self.header.total_len
 
+    def layout(self) -> list[tuple[int, memoryview, bool]]:
+        """``(offset, buffer, is_blob)`` for every byte before the footer: header,
+        metadata, zero padding and blobs, in order. For writers that place the
+        pieces themselves (in parallel, into one buffer) and then call
+        :meth:`finish` with the blobs' digests (:func:`new_hasher` over each blob)."""
+        h = self.header
+        zeros = memoryview(_ZEROS)
+        out = [(0, memoryview(self.header_bytes), False), (HEADER_SIZE, memoryview(self.meta_bytes), False)]
+        pos = HEADER_SIZE + len(self.meta_bytes)
+        out.append((pos, zeros[: h.payload_offset - pos], False))
+        pos = 0
+        for off, blob in zip(self.offsets, self.blobs):
+            if off > pos:
+                out.append((h.payload_offset + pos, zeros[: off - pos], False))
+            out.append((h.payload_offset + off, blob, True))
+            pos = off + blob.nbytes
+        return out
+
+    def finish(self, digests: Sequence[int]) -> bytes:
+        """The footer, given every blob's digest (XXH3-64 of its bytes)."""
+        if len(digests) != len(self.blobs):
+            raise ValueError(f"{len(digests)} digests for {len(self.blobs)} blobs")
+        self.digests = list(digests)
+        self.footer = build_footer(self.header, self.digests)
+        return self.footer
+
     def parts(self, chunk: int = _CHUNK) -> Iterator[memoryview | bytes]:
         """Yield the container's bytes in order. Blob digests are computed as the
         blob's bytes are yielded, so the data is read from memory once per pass
@@ -158,9 +185,7 @@ class ContainerWriter:
                     yield piece
                 digests.append(hasher.intdigest())
             pos = off + n
-        self.digests = digests
-        self.footer = build_footer(h, digests)
-        yield self.footer
+        yield self.finish(digests)
 
 
 def build_footer(header: Header, digests: Sequence[int]) -> bytes:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import json
-import ctypes
 import math
 import re
 from typing import Any, Callable, Iterable, Iterator
@@ -19,6 +18,7 @@ import numpy as np
 import xxhash
 
 from .. import format
+from ..memory import new_buffer  # noqa: F401  (the stores' read buffer, re-exported)
 from ..errors import AgckError, CorruptCheckpointError, StoreError
 
 DEFAULT_CHUNK_SIZE = 64 << 20
@@ -168,55 +168,6 @@ def chunk_plan(size: Any, nchunks: Any, idxs: list, lengths: list, *,
         if got != expected[i]:
             raise corrupt(f"chunk {i} is {got} bytes, expected {expected[i]}", chunk_ref(i))
     return expected
-
-
-def new_buffer(size: int) -> np.ndarray:
-    """A writable buffer for a container read from chunk rows, its pages already
-    in place.
-
-    Faulting a fresh buffer in page by page while the chunks are copied into it
-    costs more than the copy itself, and asking for huge pages can stall in
-    memory compaction. So the buffer is an anonymous mapping populated by the
-    kernel in one call, made through ctypes, which releases the GIL: a caller
-    can prepare it on another thread while the server produces the data."""
-    if size >= _POPULATE_MIN and _mmap_populated is not None:
-        buf = _mmap_populated(size)
-        if buf is not None:
-            return buf
-    return np.empty(size, dtype=np.uint8)
-
-
-_POPULATE_MIN = 1 << 20
-
-
-def _load_mmap():
-    import mmap
-    import weakref
-    if not hasattr(mmap, "MAP_POPULATE"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        c_mmap, c_munmap = libc.mmap, libc.munmap
-    except (OSError, AttributeError):
-        return None
-    c_mmap.restype = ctypes.c_void_p
-    c_mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
-    c_munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE
-    prot = mmap.PROT_READ | mmap.PROT_WRITE
-
-    def populated(size: int):
-        addr = c_mmap(None, size, prot, flags, -1, 0)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            return None
-        raw = (ctypes.c_ubyte * size).from_address(addr)
-        weakref.finalize(raw, c_munmap, addr, size)  # unmapped once no array refers to it
-        return np.frombuffer(raw, dtype=np.uint8)
-
-    return populated
-
-
-_mmap_populated = _load_mmap()
 
 
 def manifest_checksum(footer: bytes) -> str:
