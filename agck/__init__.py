@@ -22,7 +22,15 @@ __all__ = [
 ]
 
 from .recovery import Recovery, recover  # noqa: E402
-from .snapshot import Snapshotter, checkpoint_every  # noqa: E402
 from .stores import open_store  # noqa: E402
 
 __all__ += ["open_store", "recover", "Recovery", "Snapshotter", "checkpoint_every"]
+
+
+def __getattr__(name: str):
+    # The snapshotter captures torch RNG and CUDA state, so it imports torch (about
+    # a second); load it on first use, keeping `import agck` and the CLI fast.
+    if name in ("Snapshotter", "checkpoint_every"):
+        from . import snapshot
+        return getattr(snapshot, name)
+    raise AttributeError(f"module 'agck' has no attribute {name!r}")

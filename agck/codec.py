@@ -26,10 +26,11 @@ import numpy as np
 
 from .errors import EncodeError, MalformedCheckpointError
 
-try:  # torch is optional: numpy-only users never import it
-    import torch
-except ImportError:  # pragma: no cover - exercised only without torch
-    torch = None
+# torch is optional and slow to import (about a second), so agck never imports it
+# to encode (a state can only hold torch values if the process already has torch)
+# and imports it to decode only when a container holds torch values. `import agck`
+# and the CLI stay fast; see _bind_torch.
+torch: Any = None
 
 EXT_TUPLE = 1
 EXT_SET = 2
@@ -73,10 +74,31 @@ def np_dtype_from_name(name: str) -> np.dtype:
 _TORCH_NAMES = ["bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
                 "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
                 "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"]
-TORCH_DTYPES: dict[str, Any] = {}
-if torch is not None:
-    TORCH_DTYPES = {n: getattr(torch, n) for n in _TORCH_NAMES if isinstance(getattr(torch, n, None), torch.dtype)}
-_TORCH_DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+TORCH_DTYPES: dict[str, Any] = {}        # filled in place once torch is bound
+_TORCH_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def _bind_torch(load: bool = False):
+    """The torch module once it is in use, else None. ``load`` imports it (to
+    decode torch values); without it, only a torch the process already has counts."""
+    global torch
+    if torch is None:
+        mod = sys.modules.get("torch")
+        if mod is None and load:
+            try:
+                import torch as mod
+            except ImportError:
+                return None
+        if mod is None or not hasattr(mod, "dtype"):   # absent, or still being imported
+            return None
+        TORCH_DTYPES.update({n: getattr(mod, n) for n in _TORCH_NAMES
+                             if isinstance(getattr(mod, n, None), mod.dtype)})
+        _TORCH_DTYPE_NAMES.update({v: k for k, v in TORCH_DTYPES.items()})
+        torch = mod
+    return torch
+
+
+_bind_torch()
 
 
 def _torch_dtype_any_name(dt) -> str:
@@ -124,6 +146,7 @@ class Encoded:
 def encode_state(state: Any, *, root: str = "state") -> Encoded:
     """Encode ``state`` into a msgpack tree with tensor references, the tensor
     descriptors and the blobs. Raises :class:`EncodeError` naming the path."""
+    _bind_torch()
     enc = _Encoder()
     try:
         tree = enc.value(state, 0)
@@ -474,7 +497,7 @@ class _Decoder:
             if code == EXT_NP_DTYPE and type(inner) is str:
                 return np_dtype_from_name(inner).newbyteorder("=")
             if code in (EXT_TORCH_DTYPE, EXT_TORCH_SIZE, EXT_TORCH_DEVICE):
-                if torch is None:
+                if _bind_torch(load=True) is None:
                     raise self.bad("the state holds torch values; install torch to load it")
                 if code == EXT_TORCH_SIZE and type(inner) is list and all(type(v) is int for v in inner):
                     return torch.Size(inner)
@@ -525,7 +548,7 @@ class _Decoder:
         if lib == "numpy":
             dt = np_dtype_from_name(dtype_name)
         else:
-            if torch is None:
+            if _bind_torch(load=True) is None:
                 raise self.bad("the state holds torch tensors; install torch to load it")
             if dtype_name not in TORCH_DTYPES:
                 raise self.bad(f"tensor {idx}: unknown torch dtype {dtype_name!r}")

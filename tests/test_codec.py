@@ -382,3 +382,27 @@ def test_zero_stride_views_share():
     assert_same(state, got)
     assert np.shares_memory(got[0], got[1]) and got[3].stride() == (0, 1)
     assert got[3].untyped_storage().data_ptr() == got[2].untyped_storage().data_ptr()
+
+
+def test_torch_is_imported_only_when_a_state_needs_it(tmp_path):
+    # `import agck` and numpy-only use never pay torch's import; torch values still
+    # encode when torch arrives after agck, and a torch container imports it to decode.
+    import subprocess
+    script = f"""
+import sys, numpy as np, agck
+assert 'torch' not in sys.modules
+agck.save({str(tmp_path / 'np.agck')!r}, {{'a': np.arange(3)}})
+assert agck.load({str(tmp_path / 'np.agck')!r}).state['a'].tolist() == [0, 1, 2]
+assert 'torch' not in sys.modules, 'numpy-only use imported torch'
+import torch
+agck.save({str(tmp_path / 'pt.agck')!r}, {{'t': torch.arange(4), 'dt': torch.bfloat16, 's': torch.Size([2])}})
+"""
+    subprocess.run([sys.executable, "-c", script], check=True)
+    script = f"""
+import sys, agck
+c = agck.load({str(tmp_path / 'pt.agck')!r})
+import torch
+assert torch.equal(c.state['t'], torch.arange(4)) and c.state['dt'] is torch.bfloat16
+assert c.state['s'] == torch.Size([2])
+"""
+    subprocess.run([sys.executable, "-c", script], check=True)
