@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap as _mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -82,6 +83,26 @@ def _to_bytes(w: format.ContainerWriter) -> bytes:
     return out
 
 
+def stream(w: format.ContainerWriter) -> Iterator:
+    """The container's bytes as parts for a sink (a file, a COPY stream).
+
+    A large container's blobs are hashed on another thread while the sink takes
+    the bytes, so the footer's digests cost no time on the writing thread; a
+    small one is hashed slice by slice on the way (``w.parts()``)."""
+    if w.total_len < memory.PARALLEL_MIN or memory.threads() == 1:
+        yield from w.parts()
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="agck-hash") as pool:
+        digests = pool.submit(lambda: [format.digest(b) for b in w.blobs])
+        for _, buf, _ in w.layout():
+            for i in range(0, buf.nbytes, _WRITE_SLICE):
+                yield buf[i:i + _WRITE_SLICE]
+        yield w.finish(digests.result())
+
+
+_WRITE_SLICE = 1 << 20  # one giant write(2) is throttled badly by some kernels
+
+
 def loads(data, *, verify: bool = True, copy: bool = True, map_location=None, ref: str | None = None) -> Checkpoint:
     """Decode a container from a bytes-like object.
 
@@ -137,7 +158,7 @@ def save(path: str | os.PathLike, state: Any, *, run: str | None = None, step: i
     temp file in the same directory, write, fsync, rename, fsync(directory): a
     crash at any instant leaves the old file or the new one, never a torn one."""
     w = encode(state, run=run, step=step, parent=parent, meta=meta)
-    durable.write_atomic(os.fspath(path), w.parts(), overwrite=overwrite, size=w.total_len)
+    durable.write_atomic(os.fspath(path), stream(w), overwrite=overwrite, size=w.total_len)
     return w.total_len
 
 
@@ -194,7 +215,7 @@ def inspect(path_or_bytes, *, verify: bool = False) -> dict:
 def iter_parts(state: Any, **kw) -> tuple[int, Iterator]:
     """(total_len, parts) for stores that stream a container to their own sink."""
     w = encode(state, **kw)
-    return w.total_len, w.parts()
+    return w.total_len, stream(w)
 
 
 __all__ = ["Checkpoint", "dumps", "loads", "save", "load", "inspect", "encode", "CorruptCheckpointError"]

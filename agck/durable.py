@@ -9,15 +9,39 @@ harness can substitute one that forgets unsynced writes (simulated power loss).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import secrets
+import sys
 from typing import Iterable
 
 from . import failpoints
 from .errors import CheckpointExistsError, DurabilityError
 
 TEMP_MARK = ".tmp."
+
+# Start the disk on each WRITEBACK_EVERY bytes as soon as they are written, so that
+# writing the rest overlaps with the disk and the final fsync has little left to do
+# (RocksDB's bytes_per_sync). 8 MiB keeps the device busy without a syscall per write.
+WRITEBACK_EVERY = 8 << 20
+_SYNC_FILE_RANGE_WRITE = 2
+_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.ESPIPE, getattr(errno, "EOPNOTSUPP", -1)}
+
+
+def _load_sync_file_range():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        f = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    f.restype = ctypes.c_int
+    return f
+
+
+_sync_file_range = _load_sync_file_range()
 
 
 def temp_name_for(path: str) -> str:
@@ -40,6 +64,20 @@ class FileSystem:
 
     def fsync(self, fd: int) -> None:
         os.fsync(fd)
+
+    def start_writeback(self, fd: int, offset: int, nbytes: int) -> None:
+        """Ask the kernel to start writing a range of the file to disk now, without
+        waiting for it. A hint for speed, not a durability point: only fsync is.
+        Does nothing where the platform or file system lacks sync_file_range(2)."""
+        global _sync_file_range
+        if _sync_file_range is None:
+            return
+        if _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) != 0:
+            err = ctypes.get_errno()
+            if err in _UNSUPPORTED:
+                _sync_file_range = None
+                return
+            raise OSError(err, os.strerror(err))
 
     def close(self, fd: int) -> None:
         os.close(fd)
@@ -67,11 +105,13 @@ class FileSystem:
 REAL = FileSystem()
 
 
-def _write_all(fs: FileSystem, fd: int, data) -> None:
+def _write_all(fs: FileSystem, fd: int, data) -> int:
     view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else memoryview(data)
+    total = view.nbytes
     while view.nbytes:
         n = fs.write(fd, view)
         view = view[n:]
+    return total
 
 
 def write_atomic(path: str, parts: Iterable, *, overwrite: bool = True, size: int | None = None,
@@ -89,11 +129,15 @@ def write_atomic(path: str, parts: Iterable, *, overwrite: bool = True, size: in
         fd = fs.open_new(tmp)
         failpoints.hit("file.before_write")
         first = True
+        written = started = 0
         for part in parts:
-            _write_all(fs, fd, part)
+            written += _write_all(fs, fd, part)
             if first:
                 failpoints.hit("file.mid_write")
                 first = False
+            if written - started >= WRITEBACK_EVERY:
+                fs.start_writeback(fd, started, written - started)
+                started = written
         failpoints.hit("file.before_fsync")
         fs.fsync(fd)
         failpoints.hit("file.after_fsync")

@@ -43,7 +43,8 @@ KNOWN_REQUIRED_FLAGS = 0
 _HEADER = struct.Struct("<4sHHIIQQQqQ")  # everything but the trailing header digest: 56 bytes
 _TAIL = struct.Struct("<QQQ8s")
 _DIGEST = xxhash.xxh3_64_intdigest
-new_hasher = xxhash.xxh3_64  # the format's one checksum, streaming: update(), intdigest()
+digest = _DIGEST             # the format's one checksum, XXH3-64 of a buffer, as an int
+new_hasher = xxhash.xxh3_64  # the same, streaming: update(), intdigest()
 _CHUNK = 1 << 20  # hash-while-writing granularity: stays in L2 between hash and copy
 
 assert _HEADER.size == HEADER_SIZE - 8 and _TAIL.size == FOOTER_TAIL_SIZE

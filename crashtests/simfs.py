@@ -156,6 +156,12 @@ class SimFS(durable.FileSystem):
                 keep.append(op)
         self.unsynced = keep
 
+    def start_writeback(self, fd: int, offset: int, nbytes: int) -> None:
+        # A crash point like any call, and deliberately no change to the model:
+        # writeback that was started promises nothing until fsync returns.
+        self._tick("start_writeback")
+        super().start_writeback(fd, offset, nbytes)
+
     def close(self, fd: int) -> None:
         self._tick("close")
         super().close(fd)

@@ -88,6 +88,43 @@ def test_synced_file_always_survives(tmp_path):
             assert tree["ckpt"] == payload, mode
 
 
+def test_early_writeback_is_no_durability_point(tmp_path, monkeypatch):
+    """write_atomic starts writeback every WRITEBACK_EVERY bytes; a power cut at (or
+    right after) any of those calls still leaves the old file or nothing, never a torn one."""
+    monkeypatch.setattr(durable, "WRITEBACK_EVERY", 4096)
+    old, new = os.urandom(3000), os.urandom(40_000)
+    parts = [new[i:i + 1000] for i in range(0, len(new), 1000)]
+    calls = []
+
+    class Recording(SimFS):
+        def start_writeback(self, fd, offset, nbytes):
+            calls.append((offset, nbytes))
+            super().start_writeback(fd, offset, nbytes)
+
+    root = str(tmp_path / "probe")
+    os.makedirs(root)
+    durable.write_atomic(os.path.join(root, "ckpt"), parts, fs=Recording(root))
+    # contiguous ranges of at least 4096 bytes from 0, each started once
+    assert calls and calls[0][0] == 0 and all(n >= 4096 for _, n in calls)
+    assert all(a + n == b for (a, n), (b, _) in zip(calls, calls[1:]))
+    assert calls[-1][0] + calls[-1][1] <= len(new)
+
+    probe = SimFS(str(tmp_path / "count"))
+    durable.write_atomic(os.path.join(probe.root, "ckpt"), parts, fs=probe)
+    for crash_at in range(1, probe.ops + 1):
+        root = str(tmp_path / f"c{crash_at}")
+        os.makedirs(root)
+        with open(os.path.join(root, "ckpt"), "wb") as f:
+            f.write(old)
+        sim = SimFS(root, crash_at=crash_at)
+        with pytest.raises(Crash):
+            durable.write_atomic(os.path.join(root, "ckpt"), parts, fs=sim)
+        rng = random.Random(crash_at)
+        for mode in MODES:
+            got = sim.image_tree(sim.choose(rng, mode)[1]).get("ckpt")
+            assert got in (old, new), (crash_at, sim.crash_op, mode)
+
+
 # --- the quick campaign ----------------------------------------------------------------
 
 def _run(tmp_path, stores, faults, counts, seed):

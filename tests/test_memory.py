@@ -130,3 +130,19 @@ def test_huge_page_probe_is_harmless():
     assert memory.huge_pages_ready(1 << 62) is False      # never more than the machine has
     assert memory.advise_huge(0, 4096) is False            # too small to ask for
     assert 1 <= memory.threads() <= memory.MAX_THREADS
+
+
+@pytest.mark.parametrize("big", [False, True])
+def test_stream_hashes_aside_and_yields_the_same_bytes(monkeypatch, big):
+    if big:  # the threaded path, on a small state
+        monkeypatch.setattr(memory, "PARALLEL_MIN", 0)
+        monkeypatch.setattr(memory, "threads", lambda: 2)
+        monkeypatch.setattr(checkpoint, "_WRITE_SLICE", 100)
+    state = {"w": torch.randn(300, 7), "v": [np.arange(i, dtype=np.int16) for i in range(40)], "s": "x"}
+    expected = b"".join(bytes(p) for p in checkpoint.encode(state, created_at_ns=5).parts())
+    w = checkpoint.encode(state, created_at_ns=5)
+    pieces = list(checkpoint.stream(w))
+    assert b"".join(bytes(p) for p in pieces) == expected
+    assert w.footer == expected[-len(w.footer):]
+    if big:
+        assert max(len(p) for p in pieces) <= 100 or len(pieces[-1]) > 100  # slices, then the footer

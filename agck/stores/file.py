@@ -64,7 +64,7 @@ class FileStore(Store):
         path = self.path(run, step)
         w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta)
         self._ensure_run_dir(os.path.dirname(path))
-        durable.write_atomic(path, w.parts(), overwrite=overwrite, size=w.total_len, fs=self.fs)
+        durable.write_atomic(path, checkpoint.stream(w), overwrite=overwrite, size=w.total_len, fs=self.fs)
         return path
 
     def _ensure_run_dir(self, d: str) -> None:

@@ -581,7 +581,7 @@ class PostgresStore(Store):
                 if cur.fetchone() is not None and not overwrite:
                     raise CheckpointExistsError("a checkpoint already exists here", ref=ref)
                 failpoints.hit("pg.before_copy")
-                stream = _CopyIn(run, step, w.parts(), total, self.chunk_size)
+                stream = _CopyIn(run, step, checkpoint.stream(w), total, self.chunk_size)
                 cur.copy_expert(f"COPY {n.chunks} (run, step, idx, data) FROM STDIN (FORMAT binary)", stream,
                                 size=COPY_IO_SIZE)
                 if stream.error is not None:

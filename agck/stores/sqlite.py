@@ -169,7 +169,7 @@ class SqliteStore(Store):
                 c.execute(f"DELETE FROM {self._t_chunks} WHERE run = ? AND step = ?", key)
                 c.execute(f"DELETE FROM {self._t_manifest} WHERE run = ? AND step = ?", key)
                 failpoints.hit("sqlite.before_insert")
-                nchunks = self._write_chunks(c, run, step, w.parts(), total)
+                nchunks = self._write_chunks(c, run, step, checkpoint.stream(w), total)
                 c.execute(f"INSERT INTO {self._t_manifest} (run, step, parent, size, checksum, nchunks, "
                           f"created_at, meta) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                           (run, step, parent, total, manifest_checksum(w.footer), nchunks,
