@@ -507,6 +507,28 @@ def test_pg_fail_points_roll_back(pg, point):
     assert pg.steps("r") == [1, 2]
 
 
+def _pg_open_repeatedly(dsn: str, prefix: str, schema: str, n: int) -> None:
+    from agck.stores.postgres import PostgresStore
+    for _ in range(n):
+        PostgresStore(dsn, prefix=prefix, schema=schema, init=True).close()
+
+
+def test_pg_init_races_puts_without_deadlock(pg, pg_dsn, pg_schema):
+    # Processes that open the store with init=True while others put: init on a
+    # complete schema must take no table locks (its DDL would deadlock with a put).
+    ctx = multiprocessing.get_context("spawn")
+    opts = {"init": True, "prefix": pg.prefix, "schema": pg_schema}
+    procs = [ctx.Process(target=_process_writer, args=(pg_dsn, opts, w, list(range(w * 100, w * 100 + 40))))
+             for w in range(2)]
+    procs += [ctx.Process(target=_pg_open_repeatedly, args=(pg_dsn, pg.prefix, pg_schema, 40)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0] * len(procs)
+    assert pg.steps("shared") == list(range(40)) + list(range(100, 140))
+
+
 def test_pg_large_multichunk_round_trip(pg_dsn, pg_schema):
     from agck.stores.postgres import PostgresStore
     s = PostgresStore(pg_dsn, prefix=pg_prefix(), schema=pg_schema, init=True, chunk_size=1 << 20)

@@ -462,12 +462,20 @@ class PostgresStore(Store):
                                   ref=where, hint="upgrade agck to the version that created this schema")
 
     def init_schema(self) -> dict:
-        """Create the tables if missing (idempotent, safe to race: under an advisory lock)."""
+        """Create the tables if missing (idempotent, safe to race: under an advisory lock).
+
+        A schema that is already complete is left alone: its DDL (CREATE INDEX IF
+        NOT EXISTS, ALTER ... SET STORAGE) would still take table locks, and those
+        deadlock against another process's put in flight."""
         n = self.names
         with self._lock:
             cur = self._cursor()
             try:
                 cur.execute("BEGIN; " + _XACT_LOCK, (f"agck schema {n.label}",))
+                version, missing = self._read_version(cur)
+                if version == SCHEMA_VERSION and not missing:
+                    cur.execute("COMMIT")
+                    return self.schema_status()   # the store's lock is reentrant
                 if n.schema_sql:
                     cur.execute(f"CREATE SCHEMA IF NOT EXISTS {n.schema_sql}")
                 cur.execute(f"""
