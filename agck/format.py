@@ -3,7 +3,8 @@
 Pure: buffers in, buffers out. Writing yields the container as a sequence of
 buffers (the blobs' own memory, never a concatenation) and hashes each blob on
 the way; reading parses and verifies a buffer (bytes, bytearray, mmap).
-Nothing here opens files, sockets or decides durability.
+Nothing here opens files, sockets or decides durability; a large payload is
+hashed on a few threads (:func:`agck.memory.digests`).
 
     container := header[64] metadata[meta_len] zero-pad payload footer
     payload   := (zero-pad blob)*          every blob starts 64-aligned in the container
@@ -20,6 +21,7 @@ from typing import Iterator, Sequence
 import msgpack
 import xxhash
 
+from . import memory
 from .errors import CorruptCheckpointError, FormatError, MalformedCheckpointError, UnsupportedVersionError
 
 MAGIC = b"AGCK"
@@ -250,22 +252,20 @@ class Container:
         start = self.header.payload_offset + off
         return self.buffer[start:start + n]
 
-    def verify_blob(self, i: int, name: str | None = None) -> None:
-        got = _DIGEST(self.blob(i))
-        if got != self.digests[i]:
-            what = name or f"blob {i}"
-            raise CorruptCheckpointError(
-                f"checksum mismatch in {what} (stored {self.digests[i]:016x}, computed {got:016x})",
-                ref=self.ref, section="payload", tensor=what)
-
     def verify_payload(self, names: Sequence[str] | None = None) -> None:
-        """Check every blob's digest and that every padding byte is zero."""
+        """Check every blob's digest and that every padding byte is zero. Blobs are
+        hashed in parallel when large; the first bad one in container order is reported."""
         base, pos = self.header.payload_offset, 0
         buf = self.buffer
+        got = memory.digests([self.blob(i) for i in range(len(self.blobs))], _DIGEST)
         for i, (off, n) in enumerate(self.blobs):
             if off > pos and any(buf[base + pos:base + off]):
                 raise CorruptCheckpointError(f"non-zero padding before blob {i}", ref=self.ref, section="payload")
-            self.verify_blob(i, names[i] if names else None)
+            if got[i] != self.digests[i]:
+                what = names[i] if names else f"blob {i}"
+                raise CorruptCheckpointError(
+                    f"checksum mismatch in {what} (stored {self.digests[i]:016x}, computed {got[i]:016x})",
+                    ref=self.ref, section="payload", tensor=what)
             pos = off + n
 
 

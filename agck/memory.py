@@ -236,6 +236,34 @@ def fill(dest: np.ndarray, pieces: Sequence[tuple[int, memoryview, bool]],
     return [digests[k] for k in hashed]
 
 
+def digests(buffers: Sequence[memoryview], digest: Callable[[memoryview], int]) -> list[int]:
+    """``[digest(b) for b in buffers]``, on up to MAX_THREADS threads when the
+    buffers are large (several blobs hash at once; one blob is one sequential pass)."""
+    total = sum(b.nbytes for b in buffers)
+    workers = threads()
+    if workers == 1 or total < PARALLEL_MIN or len(buffers) < 2:
+        return [digest(b) for b in buffers]
+    out = [0] * len(buffers)
+
+    def run(indices):
+        for i in indices:
+            out[i] = digest(buffers[i])
+
+    tasks, group, size = [], [], 0
+    for i in sorted(range(len(buffers)), key=lambda i: -buffers[i].nbytes):
+        group.append(i)
+        size += buffers[i].nbytes
+        if size >= _TASK:
+            tasks.append(group)
+            group, size = [], 0
+    if group:
+        tasks.append(group)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="agck-hash") as pool:
+        for fut in [pool.submit(run, t) for t in tasks]:
+            fut.result()
+    return out
+
+
 def _run_all(ops) -> None:
     for op in ops:
         op()

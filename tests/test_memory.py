@@ -146,3 +146,19 @@ def test_stream_hashes_aside_and_yields_the_same_bytes(monkeypatch, big):
     assert w.footer == expected[-len(w.footer):]
     if big:
         assert max(len(p) for p in pieces) <= 100 or len(pieces[-1]) > 100  # slices, then the footer
+
+
+def test_parallel_verify_reports_the_first_bad_blob(tiny_tasks):
+    state = {f"t{i}": np.full(50 + i, i, dtype=np.int32) for i in range(12)}
+    data = bytearray(serial_bytes(state))
+    c = format.open_container(bytes(data), verify=True)          # clean: verifies on the threaded path
+    base = c.header.payload_offset
+    for bad in ([3], [7, 2], [11]):
+        d = bytearray(data)
+        for i in bad:
+            d[base + c.blobs[i][0]] ^= 0x01
+        with pytest.raises(agck.CorruptCheckpointError) as e:
+            agck.loads(bytes(d))
+        first = min(bad)
+        assert e.value.section == "payload" and f"state['t{first}']" in e.value.tensor, e.value
+    assert memory.digests([memoryview(bytes(range(i))) for i in range(30)], H) == [H(bytes(range(i))) for i in range(30)]
