@@ -34,3 +34,7 @@ def __getattr__(name: str):
         from . import snapshot
         return getattr(snapshot, name)
     raise AttributeError(f"module 'agck' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | {"Snapshotter", "checkpoint_every"})
