@@ -7,7 +7,7 @@
 
 from .checkpoint import Checkpoint, dumps, inspect, load, loads, save
 from .errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
-                     DurabilityError, EncodeError, FormatError, InvalidRunNameError, MalformedCheckpointError,
+                     DependencyError, DurabilityError, EncodeError, FormatError, InvalidRunNameError, MalformedCheckpointError,
                      NoValidCheckpointError, SchemaMismatchError, SchemaUninitializedError, SnapshotError,
                      StoreConnectionError, StoreError, UnsupportedVersionError)
 
@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Checkpoint", "dumps", "loads", "save", "load", "inspect",
-    "AgckError", "FormatError", "UnsupportedVersionError", "CorruptCheckpointError", "MalformedCheckpointError",
+    "AgckError", "DependencyError", "FormatError", "UnsupportedVersionError", "CorruptCheckpointError", "MalformedCheckpointError",
     "EncodeError", "StoreError", "StoreConnectionError", "SchemaUninitializedError", "SchemaMismatchError",
     "CheckpointNotFoundError", "CheckpointExistsError", "DurabilityError", "InvalidRunNameError",
     "NoValidCheckpointError", "SnapshotError",

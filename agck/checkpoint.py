@@ -74,7 +74,14 @@ def _to_bytes(w: format.ContainerWriter) -> bytes:
         out = b"".join(w.parts())
     else:
         out, view = made
-        digests = memory.fill(view, w.layout(), format.new_hasher)
+        layout, pos = w.layout(), 0
+        for off, buf, _ in layout:   # every byte of the new object is written: no gap, no overlap
+            if off != pos:
+                raise RuntimeError(f"container layout has a gap or overlap at byte {pos} (next piece at {off})")
+            pos += buf.nbytes
+        if pos != w.header.footer_offset:
+            raise RuntimeError(f"container layout ends at {pos}, the footer starts at {w.header.footer_offset}")
+        digests = memory.fill(view, layout, format.new_hasher)
         footer = w.finish(digests)
         view[total - len(footer):] = np.frombuffer(footer, dtype=np.uint8)
         del view
@@ -92,8 +99,13 @@ def stream(w: format.ContainerWriter) -> Iterator:
     if w.total_len < memory.PARALLEL_MIN or memory.threads() == 1:
         yield from w.parts()
         return
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="agck-hash") as pool:
+    try:
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agck-hash")
         digests = pool.submit(lambda: [format.digest(b) for b in w.blobs])
+    except RuntimeError:  # the interpreter is shutting down (a last snapshot at exit): no new threads
+        yield from w.parts()
+        return
+    with pool:
         for _, buf, _ in w.layout():
             for i in range(0, buf.nbytes, _WRITE_SLICE):
                 yield buf[i:i + _WRITE_SLICE]

@@ -5,7 +5,8 @@ Exit codes (also in the README):
   1  recovered, but had to walk back past rejected checkpoints; or verify found corruption
   2  usage error (bad arguments)
   3  nothing valid: no checkpoint verifies, or the file is corrupt
-  4  cannot open the store or file (missing, unreachable server, bad credentials, unknown run/step)
+  4  cannot open the store or file (missing, unreachable server, bad credentials, unknown run/step),
+     or the checkpoint needs torch and `import torch` fails here
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 from datetime import datetime, timezone
 
 from . import checkpoint
-from .errors import (AgckError, CheckpointNotFoundError, CorruptCheckpointError, FormatError,
+from .errors import (AgckError, CheckpointNotFoundError, CorruptCheckpointError, DependencyError, FormatError,
                      NoValidCheckpointError, StoreConnectionError, StoreError)
 
 EXIT_OK, EXIT_WALKED_BACK, EXIT_USAGE, EXIT_NOTHING_VALID, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
@@ -258,7 +259,7 @@ def _step(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="agck", description="Crash-safe checkpoints: inspect, verify, recover.",
                                 epilog="Exit codes: 0 ok, 1 walked back / corruption found, 2 usage, "
-                                       "3 nothing valid, 4 store or file unavailable.")
+                                       "3 nothing valid, 4 store or file unavailable (or torch needed and missing).")
     p.add_argument("--version", action="version", version=f"agck {__import__('agck').__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -333,7 +334,7 @@ def main(argv=None) -> int:
     except NoValidCheckpointError as e:
         print(f"agck: {e}", file=sys.stderr)
         return EXIT_NOTHING_VALID
-    except (StoreConnectionError, CheckpointNotFoundError, FormatError) as e:
+    except (StoreConnectionError, CheckpointNotFoundError, FormatError, DependencyError) as e:
         print(f"agck: {e}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     except CorruptCheckpointError as e:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import msgpack
 import numpy as np
 
-from .errors import EncodeError, MalformedCheckpointError
+from .errors import DependencyError, EncodeError, MalformedCheckpointError
 
 # torch is optional and slow to import (about a second), so agck never imports it
 # to encode (a state can only hold torch values if the process already has torch)
@@ -80,21 +80,30 @@ _TORCH_DTYPE_NAMES: dict[Any, str] = {}
 
 def _bind_torch(load: bool = False):
     """The torch module once it is in use, else None. ``load`` imports it (to
-    decode torch values); without it, only a torch the process already has counts."""
+    decode torch values; raises :class:`DependencyError` if torch is missing or
+    broken); without it, only a torch the process has fully imported counts."""
     global torch
-    if torch is None:
-        mod = sys.modules.get("torch")
-        if mod is None and load:
-            try:
-                import torch as mod
-            except ImportError:
-                return None
-        if mod is None or not hasattr(mod, "dtype"):   # absent, or still being imported
+    if torch is not None:
+        return torch
+    mod = sys.modules.get("torch")
+    if mod is not None and getattr(getattr(mod, "__spec__", None), "_initializing", False):
+        mod = None            # another thread is importing it: only a real import waits for that
+    if mod is None:
+        if not load:
             return None
-        TORCH_DTYPES.update({n: getattr(mod, n) for n in _TORCH_NAMES
-                             if isinstance(getattr(mod, n, None), mod.dtype)})
-        _TORCH_DTYPE_NAMES.update({v: k for k, v in TORCH_DTYPES.items()})
-        torch = mod
+        try:
+            import torch as mod
+        except Exception as e:  # ImportError, or a broken install (OSError, RuntimeError, ...)
+            raise DependencyError(f"this checkpoint holds torch values and `import torch` failed: "
+                                  f"{type(e).__name__}: {e}") from None
+    dtypes = {n: getattr(mod, n) for n in _TORCH_NAMES if isinstance(getattr(mod, n, None), mod.dtype)}
+    if "float32" not in dtypes:   # not a complete torch module: never bind a partial one
+        if load:
+            raise DependencyError("torch is importable but incomplete (no torch.float32)")
+        return None
+    TORCH_DTYPES.update(dtypes)
+    _TORCH_DTYPE_NAMES.update({v: k for k, v in dtypes.items()})
+    torch = mod
     return torch
 
 
@@ -497,8 +506,7 @@ class _Decoder:
             if code == EXT_NP_DTYPE and type(inner) is str:
                 return np_dtype_from_name(inner).newbyteorder("=")
             if code in (EXT_TORCH_DTYPE, EXT_TORCH_SIZE, EXT_TORCH_DEVICE):
-                if _bind_torch(load=True) is None:
-                    raise self.bad("the state holds torch values; install torch to load it")
+                _bind_torch(load=True)
                 if code == EXT_TORCH_SIZE and type(inner) is list and all(type(v) is int for v in inner):
                     return torch.Size(inner)
                 if code == EXT_TORCH_DTYPE and type(inner) is str:
@@ -548,8 +556,7 @@ class _Decoder:
         if lib == "numpy":
             dt = np_dtype_from_name(dtype_name)
         else:
-            if _bind_torch(load=True) is None:
-                raise self.bad("the state holds torch tensors; install torch to load it")
+            _bind_torch(load=True)
             if dtype_name not in TORCH_DTYPES:
                 raise self.bad(f"tensor {idx}: unknown torch dtype {dtype_name!r}")
             dt = TORCH_DTYPES[dtype_name]
@@ -674,7 +681,7 @@ def decode_state(tree: bytes, tensors: list, blob: Callable[[int], memoryview], 
     try:
         return msgpack.unpackb(tree, raw=False, strict_map_key=False, ext_hook=dec.ext,
                                unicode_errors="surrogatepass")
-    except MalformedCheckpointError:
+    except (MalformedCheckpointError, DependencyError):
         raise
     except RecursionError:
         raise dec.bad("state nests too deep") from None

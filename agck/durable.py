@@ -70,14 +70,14 @@ class FileSystem:
         waiting for it. A hint for speed, not a durability point: only fsync is.
         Does nothing where the platform or file system lacks sync_file_range(2)."""
         global _sync_file_range
-        if _sync_file_range is None:
+        call = _sync_file_range
+        if call is None:
             return
-        if _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) != 0:
-            err = ctypes.get_errno()
-            if err in _UNSUPPORTED:
-                _sync_file_range = None
-                return
-            raise OSError(err, os.strerror(err))
+        # Any failure is ignored: this is only a hint, and a real I/O error is still
+        # reported by the fsync that follows (without WAIT flags sync_file_range does
+        # not consume the file's writeback error). Unsupported: stop asking.
+        if call(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) != 0 and ctypes.get_errno() in _UNSUPPORTED:
+            _sync_file_range = None
 
     def close(self, fd: int) -> None:
         os.close(fd)

@@ -66,6 +66,13 @@ class MalformedCheckpointError(CorruptCheckpointError):
     """Checksums match but the structure is invalid (hostile or buggy writer)."""
 
 
+class DependencyError(AgckError):
+    """A library this checkpoint needs (torch) is missing or broken here. Says
+    nothing about the checkpoint: recovery does not walk back past it."""
+
+    default_hint = "install it (pip install torch==2.13.0) or load on a machine where `import torch` works"
+
+
 class EncodeError(AgckError, TypeError):
     """A value in the state cannot be encoded; the message names its path."""
 

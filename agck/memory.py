@@ -140,7 +140,9 @@ def _populated_mapping(size: int) -> np.ndarray | None:
         # On kernels before 5.14 this is EINVAL and the pages fault in as they are written.
         _LIBC.madvise(addr, size, _MADV_POPULATE_WRITE)
     raw = (ctypes.c_ubyte * size).from_address(addr)
-    weakref.finalize(raw, _LIBC.munmap, base, span)  # unmapped once no array refers to it
+    # Unmapped once no array refers to it; never at interpreter exit, where a daemon
+    # thread or an atexit handler may still read it (the OS reclaims it at exit).
+    weakref.finalize(raw, _LIBC.munmap, base, span).atexit = False
     return np.frombuffer(raw, dtype=np.uint8)
 
 
@@ -172,8 +174,28 @@ def new_bytes(size: int) -> tuple[bytes, np.ndarray] | None:
     addr = np.frombuffer(out, dtype=np.uint8).ctypes.data
     if size >= PARALLEL_MIN:
         advise_huge(addr, size)
-    view = np.frombuffer((ctypes.c_ubyte * size).from_address(addr), dtype=np.uint8)
-    return out, view
+    raw = (ctypes.c_ubyte * size).from_address(addr)
+    raw._owner = out          # the view keeps the bytes object, and so its memory, alive
+    return out, np.frombuffer(raw, dtype=np.uint8)
+
+
+def run_tasks(tasks: Sequence[Callable[[], Any]], workers: int) -> None:
+    """Run independent tasks on a pool of ``workers`` threads; exceptions propagate.
+
+    A pool cannot be started once the interpreter is shutting down (an atexit
+    handler flushing a last snapshot, a daemon thread), so whatever cannot be
+    scheduled runs on the calling thread instead."""
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="agck") as pool:
+        futures = []
+        for k, task in enumerate(tasks):
+            try:
+                futures.append(pool.submit(task))
+            except RuntimeError:             # "cannot schedule new futures after interpreter shutdown"
+                for rest in tasks[k:]:
+                    rest()
+                break
+        for fut in futures:
+            fut.result()
 
 
 def threads() -> int:
@@ -230,9 +252,7 @@ def fill(dest: np.ndarray, pieces: Sequence[tuple[int, memoryview, bool]],
     if group:
         tasks.append((size, group))
     tasks.sort(key=lambda t: -t[0])
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="agck-fill") as pool:
-        for fut in [pool.submit(_run_all, group) for _, group in tasks]:
-            fut.result()
+    run_tasks([partial(_run_all, group) for _, group in tasks], workers)
     return [digests[k] for k in hashed]
 
 
@@ -258,9 +278,7 @@ def digests(buffers: Sequence[memoryview], digest: Callable[[memoryview], int]) 
             group, size = [], 0
     if group:
         tasks.append(group)
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="agck-hash") as pool:
-        for fut in [pool.submit(run, t) for t in tasks]:
-            fut.result()
+    run_tasks([partial(run, t) for t in tasks], workers)
     return out
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .checkpoint import Checkpoint
-from .errors import AgckError, NoValidCheckpointError, StoreConnectionError
+from .errors import AgckError, DependencyError, NoValidCheckpointError, StoreConnectionError
 from .stores import Rejection, Store, check_run, open_store
 
 
@@ -68,8 +68,8 @@ def recover_run(store: Store, run: str, *, map_location=None, strict: bool = Fal
         try:
             rec.checkpoint = store.read(run, step, verify=True, map_location=map_location)
             break
-        except StoreConnectionError:
-            raise  # an unreachable server says nothing about the checkpoint
+        except (StoreConnectionError, DependencyError):
+            raise  # an unreachable server or a missing torch says nothing about the checkpoint
         except AgckError as e:  # corrupt, malformed, or deleted while we walked
             rec.rejected.append(_reject(store, run, step, e))
     rec.seconds = time.perf_counter() - t0
@@ -116,7 +116,7 @@ def verify_store(store: Store, run: str | None = None, *, progress: Callable[[],
             try:
                 store.read(r, step, verify=True)
                 rep.ok.append((r, step))
-            except StoreConnectionError:
+            except (StoreConnectionError, DependencyError):
                 raise
             except AgckError as e:
                 rep.rejected.append(_reject(store, r, step, e))

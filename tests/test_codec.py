@@ -406,3 +406,61 @@ assert torch.equal(c.state['t'], torch.arange(4)) and c.state['dt'] is torch.bfl
 assert c.state['s'] == torch.Size([2])
 """
     subprocess.run([sys.executable, "-c", script], check=True)
+
+
+def test_a_torch_import_in_progress_is_never_bound_half_done(tmp_path):
+    # One thread imports torch while another keeps encoding numpy states: the codec
+    # must not bind the half-initialised module (its dtype table would stay empty).
+    import subprocess
+    script = """
+import threading, time, numpy as np, agck
+from agck import codec
+done = threading.Event()
+def importer():
+    import torch  # noqa: F401
+    done.set()
+t = threading.Thread(target=importer)
+t.start()
+while not done.is_set():
+    agck.dumps({"a": np.ones(3)})
+    time.sleep(0.001)          # leave the GIL to the import most of the time
+t.join()
+import torch
+assert agck.loads(agck.dumps({"x": torch.ones(3)})).state["x"].dtype == torch.float32
+assert len(codec.TORCH_DTYPES) > 10
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+
+
+def test_missing_torch_is_a_dependency_error_not_corruption(tmp_path):
+    # A machine without (or with a broken) torch says nothing about the checkpoint:
+    # loading raises DependencyError, and recovery does not walk back past it.
+    import subprocess
+    store = tmp_path / "store"
+    s = agck.open_store(str(store))
+    s.put("r", 1, {"n": np.arange(3)})
+    s.put("r", 2, {"t": torch.arange(3)})
+    s.close()
+    script = f"""
+import sys
+sys.modules["torch"] = None      # `import torch` now raises ImportError
+import agck
+from agck import recovery
+try:
+    agck.open_store({str(store)!r}).get("r", 2)
+except agck.DependencyError as e:
+    assert "import torch" in str(e), e
+else:
+    raise SystemExit("no DependencyError")
+try:
+    recovery.recover({str(store)!r}, "r")
+except agck.DependencyError:
+    pass
+else:
+    raise SystemExit("recovery walked back past a checkpoint it could not decode")
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None; "
+                        "from agck.cli import main; sys.exit(main(['recover', sys.argv[1]]))", str(store)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 4 and "import torch" in r.stderr and "Traceback" not in r.stderr, r

@@ -125,6 +125,27 @@ def test_early_writeback_is_no_durability_point(tmp_path, monkeypatch):
             assert got in (old, new), (crash_at, sim.crash_op, mode)
 
 
+def test_writeback_hint_failures_never_fail_a_write(tmp_path, monkeypatch):
+    """start_writeback is only a hint: any error from it is ignored (fsync reports real
+    I/O errors), and an 'unsupported' answer stops further calls."""
+    import ctypes
+    import errno
+    monkeypatch.setattr(durable, "WRITEBACK_EVERY", 1000)
+    for err, keeps_calling in ((errno.EPERM, True), (errno.EIO, True), (errno.EINVAL, False)):
+        calls = []
+
+        def failing(fd, offset, nbytes, flags, err=err):
+            calls.append(offset)
+            ctypes.set_errno(err)
+            return -1
+        monkeypatch.setattr(durable, "_sync_file_range", failing)
+        path = str(tmp_path / f"f{err}")
+        durable.write_atomic(path, [bytes(1000)] * 5)
+        assert open(path, "rb").read() == bytes(5000)
+        assert len(calls) == (5 if keeps_calling else 1), (err, calls)
+        assert (durable._sync_file_range is None) == (not keeps_calling)
+
+
 # --- the quick campaign ----------------------------------------------------------------
 
 def _run(tmp_path, stores, faults, counts, seed):

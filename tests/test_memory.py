@@ -1,5 +1,8 @@
 """Fresh output memory and the parallel fill behind dumps: same bytes as the serial path, always."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -162,3 +165,61 @@ def test_parallel_verify_reports_the_first_bad_blob(tiny_tasks):
         first = min(bad)
         assert e.value.section == "payload" and f"state['t{first}']" in e.value.tensor, e.value
     assert memory.digests([memoryview(bytes(range(i))) for i in range(30)], H) == [H(bytes(range(i))) for i in range(30)]
+
+
+def _run_script(script: str, tmp_path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_large_writes_still_work_at_interpreter_exit(tmp_path):
+    # At exit concurrent.futures refuses new threads before atexit handlers run; the
+    # snapshotter's last flush and any save from an atexit handler must not depend on them.
+    script = f"""
+import atexit, numpy as np, agck
+from agck import checkpoint
+big = {{"w": np.ones(80 << 20, np.uint8)}}
+atexit.register(lambda: checkpoint.save({str(tmp_path / 'atexit.agck')!r}, big))
+atexit.register(lambda: open({str(tmp_path / 'dumps.len')!r}, 'w').write(str(len(agck.dumps(big)))))
+snap = agck.Snapshotter({str(tmp_path / 'store')!r}, "r", every=1, mode="async", handle_signals=False,
+                        capture_rng=False)
+state = {{"w": np.full(96 << 20, 7, np.uint8)}}
+snap.restore(state)
+snap.completed(1, state)
+"""
+    r = _run_script(script, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "failed" not in r.stderr, r.stderr
+    assert agck.load(tmp_path / "atexit.agck").state["w"].nbytes == 80 << 20
+    assert int((tmp_path / "dumps.len").read_text()) > 80 << 20
+    ck = agck.open_store(str(tmp_path / "store")).get("r", 1)
+    assert ck.state["step"] == 1 and ck.state["state"]["w"].nbytes == 96 << 20 and ck.state["state"]["w"][-1] == 7
+
+
+def test_buffers_stay_mapped_while_daemon_threads_read_them_at_exit(tmp_path):
+    # load(mmap=False) returns memory.new_buffer memory: it must not be unmapped at
+    # interpreter exit while a daemon thread (or an atexit handler) still reads it.
+    agck.save(tmp_path / "c.agck", {"a": np.ones(4 << 20, np.float32)})
+    script = f"""
+import atexit, threading, numpy as np
+from agck import checkpoint
+ck = checkpoint.load({str(tmp_path / 'c.agck')!r}, mmap=False)
+atexit.register(lambda: ck.state["a"].sum())
+def spin():
+    while True:
+        ck.state["a"].sum()
+threading.Thread(target=spin, daemon=True).start()
+"""
+    for _ in range(3):
+        r = _run_script(script, tmp_path)
+        assert r.returncode == 0, (r.returncode, r.stderr)
+
+
+def test_new_bytes_view_keeps_the_object_alive():
+    made = memory.new_bytes(1 << 20)
+    assert made is not None
+    out, view = made
+    assert view.base._owner is out   # the view holds the bytes object, so its memory stays valid
+    del out, made
+    view[:] = 3
+    assert int(view.sum()) == 3 << 20
