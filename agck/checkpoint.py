@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import numpy as np
-import xxhash
 
 from . import codec, durable, format, memory
 from .errors import CorruptCheckpointError, FormatError, MalformedCheckpointError
@@ -244,6 +243,6 @@ def read_head(path: str) -> tuple[format.Header, dict]:
         raise FormatError(f"cannot read: {e.strerror}", ref=path) from None
     if len(meta_bytes) != h.meta_len:
         raise CorruptCheckpointError("truncated inside the metadata", ref=path, section="metadata")
-    if xxhash.xxh3_64_intdigest(meta_bytes) != h.meta_digest:
+    if format.digest(meta_bytes) != h.meta_digest:
         raise CorruptCheckpointError("metadata checksum mismatch", ref=path, section="metadata")
     return h, format.decode_metadata(meta_bytes, ref=path)

@@ -26,23 +26,20 @@ disk-bound for every format alike and are not measured here.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import pickle
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import msgpack
 import numpy as np
 
-from benchio import fsync_dir, raw_write_fsync  # noqa: E402
+from benchio import Case, fsync_dir, raw_write_fsync, run_rounds  # noqa: E402
 import xxhash
 
 # Run from a checkout without installing: scripts/ is sys.path[0], the package is one up.
@@ -157,40 +154,7 @@ def unlink(path: str) -> None:
         pass
 
 
-# --- the runner ----------------------------------------------------------------------
-
-@dataclass
-class Case:
-    name: str
-    fn: Callable[[], Any]            # the timed part; its result is dropped after the clock stops
-    after: Callable[[], None] | None = None   # untimed cleanup (delete the file it wrote)
-    nbytes: int = 0                  # bytes the MiB/s figure is computed over
-    times: list = field(default_factory=list)
-    inner: int = 1                   # calls per round, for cases too fast to time once
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.times)
-
-
-def run_rounds(cases: list[Case], repeats: int, log, warmup: int = 0) -> None:
-    for r in range(-warmup, repeats):
-        t_round = time.perf_counter()
-        k = r % len(cases)
-        for c in cases[k:] + cases[:k]:
-            for _ in range(c.inner):
-                gc.collect()
-                t0 = time.perf_counter()
-                result = c.fn()
-                t1 = time.perf_counter()
-                del result
-                if r >= 0:
-                    c.times.append(t1 - t0)
-            if c.after:
-                c.after()
-        what = f"round {r + 1}/{repeats}" if r >= 0 else "warm-up round (not counted)"
-        log(f"  {what}: {time.perf_counter() - t_round:.1f} s")
-
+# --- reporting ------------------------------------------------------------------------
 
 def fs_type(path: str) -> str:
     """The filesystem under ``path``, from /proc/mounts (longest matching mount point)."""

@@ -44,12 +44,10 @@ import struct
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
 
 import numpy as np
 
-from benchio import raw_write_fsync  # noqa: E402
+from benchio import Case, raw_write_fsync, run_rounds  # noqa: E402
 import psycopg2
 import torch
 
@@ -137,41 +135,7 @@ def unlink(path: str) -> None:
         pass
 
 
-# --- the runner ----------------------------------------------------------------------------
-
-@dataclass
-class Case:
-    name: str
-    fn: Callable[[], Any]                     # timed; its result is dropped after the clock stops
-    after: Callable[[], None] | None = None   # untimed cleanup
-    nbytes: int = 0
-    times: list = field(default_factory=list)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.times)
-
-
-def run_rounds(cases: list[Case], repeats: int, warmup: int, quiesce: Callable[[], None], log) -> None:
-    for r in range(-warmup, repeats):
-        t_round = time.perf_counter()
-        k = r % len(cases)
-        for c in cases[k:] + cases[:k]:
-            # Each case starts from a quiet machine: the previous case's dirty pages
-            # (Postgres buffers, OS page cache) flushed, so no case pays for another's writeback.
-            quiesce()
-            gc.collect()
-            t0 = time.perf_counter()
-            result = c.fn()
-            t1 = time.perf_counter()
-            del result
-            if r >= 0:
-                c.times.append(t1 - t0)
-            if c.after:
-                c.after()
-        what = f"round {r + 1}/{repeats}" if r >= 0 else "warm-up round (not counted)"
-        log(f"  {what}: {time.perf_counter() - t_round:.1f} s")
-
+# --- reporting ------------------------------------------------------------------------
 
 def fmt_s(t: float) -> str:
     if t < 0.01:
@@ -335,7 +299,7 @@ def _bench(args, tag: str, workdir: str, admin, opened: list, log) -> int:
         f"{'CHECKPOINT + ' if can_checkpoint else ''}{'sync' if not args.no_quiesce else 'no quiesce'} "
         "before each case ...")
     t_large = time.perf_counter()
-    run_rounds(cases, args.repeats, args.warmup, quiesce, log)
+    run_rounds(cases, args.repeats, log, args.warmup, quiesce)
     t_large = time.perf_counter() - t_large
 
     # Free the large fixtures before the small and recovery phases.

@@ -1,7 +1,15 @@
-"""Plain I/O the benchmarks compare against: the physical limits, not agck."""
+"""What the benchmarks share: the plain I/O they compare against (the physical
+limits, not agck), and the runner that alternates cases round by round."""
 
+from __future__ import annotations
+
+import gc
 import os
+import statistics
 import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 # Run from a checkout without installing: scripts/ is sys.path[0], the package is one up.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,3 +48,42 @@ def raw_write_fsync(path: str, data) -> None:
     finally:
         os.close(fd)
     fsync_dir(os.path.dirname(path))
+
+
+@dataclass
+class Case:
+    name: str
+    fn: Callable[[], Any]            # the timed part; its result is dropped after the clock stops
+    after: Callable[[], None] | None = None   # untimed cleanup (delete the file it wrote)
+    nbytes: int = 0                  # bytes the MiB/s figure is computed over
+    times: list = field(default_factory=list)
+    inner: int = 1                   # calls per round, for cases too fast to time once
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+
+def run_rounds(cases: list[Case], repeats: int, log, warmup: int = 0,
+               quiesce: Callable[[], None] | None = None) -> None:
+    """Every round runs every case once (``inner`` timed calls), in an order rotated
+    each round, so drift on a shared machine spreads over all cases. ``quiesce``
+    runs untimed before each case (e.g. flush the previous case's dirty pages)."""
+    for r in range(-warmup, repeats):
+        t_round = time.perf_counter()
+        k = r % len(cases)
+        for c in cases[k:] + cases[:k]:
+            if quiesce:
+                quiesce()
+            for _ in range(c.inner):
+                gc.collect()
+                t0 = time.perf_counter()
+                result = c.fn()
+                t1 = time.perf_counter()
+                del result
+                if r >= 0:
+                    c.times.append(t1 - t0)
+            if c.after:
+                c.after()
+        what = f"round {r + 1}/{repeats}" if r >= 0 else "warm-up round (not counted)"
+        log(f"  {what}: {time.perf_counter() - t_round:.1f} s")

@@ -45,9 +45,10 @@ from ..checkpoint import Checkpoint
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                       DurabilityError, SchemaMismatchError, SchemaUninitializedError, StoreConnectionError,
                       StoreError)
+from ..memory import new_buffer
 from .base import CheckpointInfo, Store, check_identity, check_run, check_step
 from .sqlrows import (DEFAULT_CHUNK_SIZE, check_chunk_size, check_identifier, chunk_plan, meta_json_text,
-                      check_checksum, manifest_checksum, nchunks_for, new_buffer, split_chunks, sql_row)
+                      check_checksum, manifest_checksum, nchunks_for, split_chunks, sql_row)
 
 SCHEMA_VERSION = 1
 
@@ -581,12 +582,7 @@ class PostgresStore(Store):
         with self._lock:
             cur = self._cursor()
             try:
-                cur.execute(
-                    "BEGIN; SET LOCAL synchronous_commit = on; " + _XACT_LOCK + "; "
-                    f"DELETE FROM {n.chunks} WHERE run = %s AND step = %s; "
-                    f"DELETE FROM {n.manifest} WHERE run = %s AND step = %s RETURNING 1",
-                    (self._row_lock_key(run, step), run, step, run, step))
-                if cur.fetchone() is not None and not overwrite:
+                if self._begin_and_delete(cur, run, step) and not overwrite:
                     raise CheckpointExistsError("a checkpoint already exists here", ref=ref)
                 failpoints.hit("pg.before_copy")
                 stream = _CopyIn(run, step, checkpoint.stream(w), total, self.chunk_size)
@@ -628,18 +624,24 @@ class PostgresStore(Store):
         failpoints.hit("pg.after_commit")
         return ref
 
+    def _begin_and_delete(self, cur, run: str, step: int) -> bool:
+        """Open a durable write transaction holding (run, step)'s lock and delete its
+        rows, chunks first; returns whether a checkpoint was there. Put and delete
+        both start this way, so they serialise on the same lock."""
+        n = self.names
+        cur.execute(
+            "BEGIN; SET LOCAL synchronous_commit = on; " + _XACT_LOCK + "; "
+            f"DELETE FROM {n.chunks} WHERE run = %s AND step = %s; "
+            f"DELETE FROM {n.manifest} WHERE run = %s AND step = %s RETURNING 1",
+            (self._row_lock_key(run, step), run, step, run, step))
+        return cur.fetchone() is not None
+
     def delete(self, run: str, step: int) -> None:
         ref = self.ref(run, step)
-        n = self.names
         with self._lock:
             cur = self._cursor()
             try:
-                cur.execute(
-                    "BEGIN; SET LOCAL synchronous_commit = on; " + _XACT_LOCK + "; "
-                    f"DELETE FROM {n.chunks} WHERE run = %s AND step = %s; "
-                    f"DELETE FROM {n.manifest} WHERE run = %s AND step = %s RETURNING 1",
-                    (self._row_lock_key(run, step), run, step, run, step))
-                if cur.fetchone() is None:
+                if not self._begin_and_delete(cur, run, step):
                     raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref)
                 cur.execute("COMMIT")
             except BaseException as e:

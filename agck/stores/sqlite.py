@@ -25,17 +25,18 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+from contextlib import contextmanager
 from typing import Any
-
 
 from .. import checkpoint, failpoints
 from ..checkpoint import Checkpoint
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                       DurabilityError, SchemaMismatchError, StoreConnectionError,
                       StoreError)
+from ..memory import new_buffer
 from .base import CheckpointInfo, Store, check_identity, check_run, check_step
 from .sqlrows import (DEFAULT_CHUNK_SIZE, check_checksum, check_chunk_size, check_identifier, chunk_plan,
-                      manifest_checksum, meta_json_text, new_buffer, split_chunks, sql_row)
+                      manifest_checksum, meta_json_text, split_chunks, sql_row)
 
 SCHEMA_VERSION = 1
 
@@ -52,6 +53,22 @@ def sqlite_path(url: str) -> str:
             return ":memory:"
         return rest
     return url
+
+
+@contextmanager
+def _immediate(c: sqlite3.Connection):
+    """A write transaction (``BEGIN IMMEDIATE``): committed if the block completes,
+    rolled back if it raises. A failed rollback never hides the error that caused it."""
+    c.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        try:
+            c.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
+        raise
+    c.execute("COMMIT")
 
 
 class SqliteStore(Store):
@@ -108,8 +125,7 @@ class SqliteStore(Store):
         v = self._version()
         if v is None:
             c = self._conn
-            c.execute("BEGIN IMMEDIATE")
-            try:
+            with _immediate(c):
                 c.execute(f"CREATE TABLE IF NOT EXISTS {self._t_version} (version INTEGER NOT NULL)")
                 c.execute(f"""CREATE TABLE IF NOT EXISTS {self._t_manifest} (
                     run TEXT NOT NULL, step INTEGER NOT NULL, parent INTEGER, size INTEGER NOT NULL,
@@ -120,10 +136,6 @@ class SqliteStore(Store):
                     PRIMARY KEY (run, step, idx))""")
                 if c.execute(f"SELECT count(*) FROM {self._t_version}").fetchone()[0] == 0:
                     c.execute(f"INSERT INTO {self._t_version} (version) VALUES (?)", (SCHEMA_VERSION,))
-                c.execute("COMMIT")
-            except BaseException:
-                c.execute("ROLLBACK")
-                raise
             v = self._version()
         if v != SCHEMA_VERSION:
             raise SchemaMismatchError(f"schema version {v}, this agck uses {SCHEMA_VERSION}", ref=self.path,
@@ -227,16 +239,11 @@ class SqliteStore(Store):
         with self._lock:
             c = self._db()
             try:
-                c.execute("BEGIN IMMEDIATE")
-                try:
+                with _immediate(c):
                     n = c.execute(f"DELETE FROM {self._t_manifest} WHERE run = ? AND step = ?", (run, step)).rowcount
                     if n == 0:
                         raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref)
                     c.execute(f"DELETE FROM {self._t_chunks} WHERE run = ? AND step = ?", (run, step))
-                    c.execute("COMMIT")
-                except BaseException:
-                    c.execute("ROLLBACK")
-                    raise
             except sqlite3.Error as e:
                 raise DurabilityError(f"delete failed: {e}", ref=ref) from None
 
@@ -338,15 +345,10 @@ class SqliteStore(Store):
         with self._lock:
             c = self._db()
             try:
-                c.execute("BEGIN IMMEDIATE")
-                try:
+                with _immediate(c):
                     rows = self._orphan_rows(c, run)
                     for r, s in rows:
                         c.execute(f"DELETE FROM {self._t_chunks} WHERE run = ? AND step = ?", (r, s))
-                    c.execute("COMMIT")
-                except BaseException:
-                    c.execute("ROLLBACK")
-                    raise
             except sqlite3.Error as e:
                 raise DurabilityError(f"cleaning orphans failed: {e}", ref=self.path) from None
         return [f"{self.path}::{self._t_chunks}(run='{r}', step={s})" for r, s in rows]

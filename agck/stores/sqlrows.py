@@ -14,11 +14,9 @@ import math
 import re
 from typing import Any, Callable, Iterable, Iterator
 
-import numpy as np
 import xxhash
 
 from .. import format
-from ..memory import new_buffer  # noqa: F401  (the stores' read buffer, re-exported)
 from ..errors import AgckError, CorruptCheckpointError, StoreError
 
 DEFAULT_CHUNK_SIZE = 64 << 20
