@@ -9,20 +9,39 @@ from .checkpoint import Checkpoint, dumps, inspect, load, loads, save
 from .errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                      DependencyError, DurabilityError, EncodeError, FormatError, InvalidRunNameError, MalformedCheckpointError,
                      NoValidCheckpointError, SchemaMismatchError, SchemaUninitializedError, SnapshotError,
-                     StoreConnectionError, StoreError, UnsupportedVersionError)
+                     StoreConnectionError, StoreError, UnsupportedVersionError, UsageError)
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: E402
 
 __all__ = [
     "Checkpoint", "dumps", "loads", "save", "load", "inspect",
     "AgckError", "DependencyError", "FormatError", "UnsupportedVersionError", "CorruptCheckpointError", "MalformedCheckpointError",
     "EncodeError", "StoreError", "StoreConnectionError", "SchemaUninitializedError", "SchemaMismatchError",
     "CheckpointNotFoundError", "CheckpointExistsError", "DurabilityError", "InvalidRunNameError",
-    "NoValidCheckpointError", "SnapshotError",
+    "NoValidCheckpointError", "SnapshotError", "UsageError",
 ]
 
-from .recovery import Recovery, recover  # noqa: E402
-from .stores import open_store  # noqa: E402
+from .recovery import Recovery  # noqa: E402
+from .stores import Store, open_store  # noqa: E402
+
+
+def recover(store, run: str | None = None, *, map_location=None, strict: bool = False):
+    """Recover ``run`` and return a :class:`Recovery`; with ``run=None``, recover
+    every run of the store and return ``{run: Recovery}``.
+
+    ``store`` may be a Store or a URL. ``rec.checkpoint`` is the newest
+    checkpoint that verifies (None if none does, or raise with ``strict``);
+    ``rec.rejected`` lists every newer one refused, with ref and reason."""
+    from .recovery import recover_run
+    own = not isinstance(store, Store)
+    s = open_store(store) if own else store
+    try:
+        if run is not None:
+            return recover_run(s, run, map_location=map_location, strict=strict)
+        return {r: recover_run(s, r, map_location=map_location, strict=strict) for r in s.runs()}
+    finally:
+        if own:
+            s.close()
 
 __all__ += ["open_store", "recover", "Recovery", "Snapshotter", "checkpoint_every"]
 

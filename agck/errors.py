@@ -73,6 +73,15 @@ class DependencyError(AgckError):
     default_hint = "install it (pip install torch==2.13.0) or load on a machine where `import torch` works"
 
 
+class UsageError(AgckError, ValueError):
+    """An argument agck cannot honour here: a ``map_location`` naming a device
+    this machine lacks, a step that is not an integer, an option of the wrong
+    type. Says nothing about any checkpoint: recovery never walks back past it
+    and retention never deletes because of it."""
+
+    default_hint = "fix the argument; the checkpoint itself was not judged"
+
+
 class EncodeError(AgckError, TypeError):
     """A value in the state cannot be encoded; the message names its path."""
 

@@ -11,33 +11,16 @@ a step whose old checkpoint failed verification.
 
 from __future__ import annotations
 
-import re
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
+from .. import recovery
 from ..checkpoint import Checkpoint
-from ..errors import AgckError, CheckpointNotFoundError, CorruptCheckpointError, InvalidRunNameError
-
-_RUN_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._\-:@+=]{0,199}$")
-
-
-def check_run(run: str) -> str:
-    """Run names: 1-200 of letters, digits and ``._-:@+=``, not starting with '.' or '-'.
-    The same rule on every backend, so a run can move between them and no name can
-    reach outside a file store's root."""
-    if not isinstance(run, str) or not _RUN_RE.match(run):
-        raise InvalidRunNameError(f"invalid run name {run!r}")
-    return run
-
-
-def check_step(step: Any) -> int:
-    if type(step) is not int or not 0 <= step < (1 << 63):
-        raise AgckError(f"invalid step {step!r}: steps are integers in [0, 2^63)",
-                        hint="pass a non-negative int")
-    return step
-
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..recovery import Rejection  # noqa: F401  (re-exported: agck.stores.Rejection)
+from ..names import check_run, check_step
 
 @dataclass
 class CheckpointInfo:
@@ -51,20 +34,6 @@ class CheckpointInfo:
     parent: int | None = None
     meta: Any = None
     checksum: str | None = None   # xxh3-64 of the whole container, hex, where the store records one
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class Rejection:
-    """A candidate recovery (or verify) refused, and why."""
-
-    run: str
-    step: int
-    ref: str
-    reason: str
-    section: str | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -115,8 +84,7 @@ class Store(ABC):
         check_run(run)
         if step is not None:
             return self.read(run, check_step(step), verify=verify, map_location=map_location)
-        from ..recovery import recover_run  # recovery owns the walk-back judgement
-        rec = recover_run(self, run, map_location=map_location, strict=True)
+        rec = recovery.recover_run(self, run, map_location=map_location, strict=True)
         if rec.checkpoint is None:
             raise CheckpointNotFoundError(f"run {run!r} has no checkpoints", ref=self.url,
                                           hint="check the run name (`agck ls` lists the runs)")
@@ -137,42 +105,9 @@ class Store(ABC):
 
         Keeps the newest ``keep_last``, every step divisible by ``keep_every``,
         and all steps >= ``before`` (when given, only steps below it are
-        candidates). Never deletes the newest checkpoint that verifies."""
-        check_run(run)
-        steps = self.steps(run)
-        if not steps:
-            return []
-        keep = set()
-        if keep_last is not None:
-            if keep_last < 0:
-                raise AgckError(f"keep_last must be >= 0, not {keep_last}")
-            keep.update(steps[len(steps) - keep_last:] if keep_last else [])
-        if keep_every is not None:
-            if keep_every <= 0:
-                raise AgckError(f"keep_every must be > 0, not {keep_every}")
-            keep.update(s for s in steps if s % keep_every == 0)
-        if before is not None:
-            keep.update(s for s in steps if s >= before)
-        if keep_last is None and keep_every is None and before is None:
-            return []
-        newest_valid = self._newest_valid(run, steps)
-        if newest_valid is not None:
-            keep.add(newest_valid)
-        doomed = [s for s in steps if s not in keep]
-        for s in doomed:
-            self.delete(run, s)
-        return doomed
-
-    def _newest_valid(self, run: str, steps: list[int]) -> int | None:
-        for s in reversed(steps):
-            try:
-                self.read(run, s, verify=True)
-                return s
-            except CorruptCheckpointError:
-                continue
-            except AgckError:
-                continue
-        return None
+        candidates). Never deletes the newest checkpoint that verifies, and
+        deletes nothing when it cannot find one (see :func:`agck.recovery.prune`)."""
+        return recovery.prune(self, run, keep_last=keep_last, keep_every=keep_every, before=before)
 
     def close(self) -> None:
         pass

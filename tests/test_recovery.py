@@ -1,0 +1,161 @@
+"""Recovery's judgement on every backend: only a verdict on a checkpoint's bytes is
+walked past; anything else (a missing torch, an argument this machine cannot
+honour, a newer format) is raised, and retention never deletes because of it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import agck
+from agck import errors, recovery
+from agck.recovery import is_verdict, prune, recover_run
+
+from test_stores import corrupt_payload, state_for
+
+torch = pytest.importorskip("torch")
+
+
+def _fill(store, steps=(1, 2, 3), corrupt=(), spec=None):
+    for s in steps:
+        store.put("r", s, state_for(s, n=4096))
+    for s in corrupt:
+        corrupt_payload(spec, store, "r", s)
+
+
+@pytest.mark.parametrize("cls,verdict", [
+    (errors.CorruptCheckpointError, True), (errors.MalformedCheckpointError, True), (errors.FormatError, True),
+    (errors.UnsupportedVersionError, False), (errors.DependencyError, False), (errors.UsageError, False),
+    (errors.StoreConnectionError, False), (errors.StoreError, False), (errors.DurabilityError, False),
+    (errors.SchemaMismatchError, False), (errors.CheckpointNotFoundError, False), (errors.AgckError, False),
+])
+def test_only_verdicts_on_bytes_are_verdicts(cls, verdict):
+    assert is_verdict(cls("x")) is verdict
+
+
+@pytest.mark.parametrize("cls", [errors.DependencyError, errors.UsageError, errors.StoreError,
+                                 errors.UnsupportedVersionError, errors.AgckError])
+def test_recovery_and_prune_never_walk_past_an_unjudged_checkpoint(store_spec, store, monkeypatch, cls):
+    _fill(store)
+    real = store.read
+
+    def read(run, step, **kw):
+        if step >= 2:
+            raise cls(f"cannot judge step {step} here")
+        return real(run, step, **kw)
+
+    monkeypatch.setattr(store, "read", read)
+    with pytest.raises(cls):
+        recover_run(store, "r")
+    with pytest.raises(cls):
+        store.get("r")
+    with pytest.raises(cls):
+        store.prune("r", keep_last=1)
+    with pytest.raises(cls):
+        recovery.verify_store(store, "r")
+    assert store.steps("r") == [1, 2, 3]
+
+
+def test_prune_deletes_nothing_when_nothing_verifies(store_spec, store):
+    _fill(store, corrupt=(1, 2, 3), spec=store_spec)
+    with pytest.raises(errors.NoValidCheckpointError):
+        prune(store, "r", keep_last=1)
+    assert store.steps("r") == [1, 2, 3]
+
+
+def test_prune_keeps_the_newest_valid_even_outside_the_policy(store_spec, store):
+    _fill(store, steps=(1, 2, 3, 4), corrupt=(3, 4), spec=store_spec)
+    assert store.prune("r", keep_last=1) == [1, 3]
+    assert store.steps("r") == [2, 4]
+    assert recover_run(store, "r").step == 2
+
+
+@pytest.mark.parametrize("kw", [{"keep_last": -1}, {"keep_every": 0}, {"keep_last": "2"}, {"before": -3},
+                                {"keep_last": 1.5}, {"keep_every": True}])
+def test_prune_refuses_bad_policies(store, kw):
+    _fill(store, steps=(1, 2))
+    with pytest.raises(errors.UsageError):
+        store.prune("r", **kw)
+    assert store.steps("r") == [1, 2]
+
+
+def test_prune_with_no_torch_deletes_nothing(tmp_path):
+    """Torch checkpoints, the newest corrupt, a process where `import torch` fails:
+    prune cannot judge them, so it exits 4 and deletes nothing."""
+    root = str(tmp_path / "store")
+    store = agck.open_store(root)
+    _fill(store, corrupt=(3,), spec=("file", root, {}))
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from agck.cli import main\n"
+            f"sys.exit(main(['prune', {root!r}, '--run', 'r', '--keep-last', '1']))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert p.returncode == 4, p.stderr
+    assert "torch" in p.stderr and "Traceback" not in p.stderr
+    assert store.steps("r") == [1, 2, 3]
+    assert recover_run(store, "r").step == 2
+
+
+def test_map_location_this_machine_cannot_honour_is_not_a_walk_back(store):
+    _fill(store, steps=(1, 2))
+    if torch.cuda.is_available():
+        bad = f"cuda:{torch.cuda.device_count()}"
+    else:
+        bad = "cuda"
+    for loc in (bad, "banana", "cuda:7" if torch.cuda.device_count() < 8 else "banana"):
+        with pytest.raises(errors.UsageError):
+            recover_run(store, "r", map_location=loc)
+        with pytest.raises(errors.UsageError):
+            store.get("r", map_location=loc)
+    assert recover_run(store, "r", map_location="cpu").step == 2
+
+
+def test_newer_format_stops_the_walk(tmp_path):
+    """A container with a required flag this reader does not know (a newer minor
+    version's feature) is not damaged, so recovery must not resume from an older one."""
+    import struct
+
+    from agck import format as fmt
+    store = agck.open_store(str(tmp_path / "store"))
+    _fill(store, steps=(1, 2))
+    path = store.ref("r", 2)
+    data = bytearray(open(path, "rb").read())
+    flags_at = 8  # magic[4] major:u16 minor:u16 flags:u32
+    struct.pack_into("<I", data, flags_at, 1 << 15)
+    struct.pack_into("<Q", data, 56, fmt.digest(bytes(data[:56])))
+    open(path, "wb").write(data)
+    with pytest.raises(errors.UnsupportedVersionError):
+        recover_run(store, "r")
+    with pytest.raises(errors.UnsupportedVersionError):
+        store.prune("r", keep_last=1)
+    assert store.steps("r") == [1, 2]
+
+
+def test_deleted_while_walking_is_passed_over(store):
+    _fill(store, steps=(1, 2, 3))
+    real = store.read
+
+    def read(run, step, **kw):
+        if step == 3:
+            store.delete(run, 3)
+        return real(run, step, **kw)
+
+    store.read = read
+    rec = recover_run(store, "r")
+    assert rec.step == 2 and [r.step for r in rec.rejected] == [3]
+
+
+def test_recovery_imports_no_store_backend():
+    code = "import sys, agck.recovery; print([m for m in sys.modules if m.startswith('agck.stores')])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_numpy_integers_are_steps(store):
+    store.put("r", np.int64(3), {"x": 1})
+    assert store.steps("r") == [3] and type(store.steps("r")[0]) is int
+    assert store.get("r", np.uint8(3)).state == {"x": 1}
