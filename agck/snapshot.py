@@ -9,6 +9,7 @@ Two forms over one engine, :class:`Snapshotter`:
 
     for i in range(total):          # unchanged user loop: after a crash, the
         state = step(state, i)      # steps already checkpointed are skipped
+    step.close()                    # checkpoints the last step, flushes
 
 and the loop form::
 
@@ -20,11 +21,13 @@ and the loop form::
 
 A checkpoint at step ``k`` holds the state after ``k`` completed steps, the RNG
 states, and a fingerprint of the software and hardware. Capture happens at a
-step boundary. In async mode the state's tensors are copied into reusable
-staging buffers (pinned host memory for CUDA tensors, one synchronization) and
-encoding plus the durable write run on a background thread; at most
-``max_in_flight`` snapshots are pending (backpressure). A failed write is
-raised on the next step or at close, never swallowed.
+step boundary and is by value: in async mode every mutable part of the state
+(containers, sets, bytearrays, arrays, tensors, state_dict() results) is copied
+there, the tensors into reusable staging buffers (pinned host memory for CUDA
+tensors, one synchronization), and encoding plus the durable write run on a
+background thread; at most ``max_in_flight`` snapshots are pending
+(backpressure). A failed write is raised on the next step or at close, never
+swallowed.
 
 What a SIGKILL loses: the steps completed since ``last_durable_step``, and
 nothing else.
@@ -33,8 +36,11 @@ nothing else.
 from __future__ import annotations
 
 import atexit
+import copy
 import functools
+import inspect
 import logging
+import numbers
 import platform
 import queue
 import random
@@ -46,10 +52,13 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from . import __version__, failpoints
-from .errors import AgckError, SnapshotError
+from . import failpoints
+from .codec import encode_plain
+from .errors import AgckError, SnapshotError, UsageError
+from .names import check_run, check_step
 from .recovery import recover_run
-from .stores import Store, check_run, open_store
+from .stores import Store, open_store
+from .version import __version__
 
 try:
     import torch
@@ -215,13 +224,22 @@ class _Stager:
         return buf
 
     def _walk(self, x):
-        if isinstance(x, dict):
-            return {k: self._walk(v) for k, v in x.items()}
-        if type(x) is list:
+        t = type(x)
+        if t in _ATOMS:
+            return x
+        if isinstance(x, dict):  # dict subclasses too; the codec saves them as dict
+            return {self._walk(k): self._walk(v) for k, v in x.items()}
+        if t is list:
             return [self._walk(v) for v in x]
-        if type(x) is tuple:
+        if t is tuple:  # immutable, but may hold mutable items
             return tuple(self._walk(v) for v in x)
-        if isinstance(x, np.ndarray):
+        if t is set:
+            return {self._walk(v) for v in x}
+        if t is frozenset:  # may hold tensors
+            return frozenset(self._walk(v) for v in x)
+        if isinstance(x, (bytearray, memoryview)):  # the codec saves both as bytes
+            return bytes(x)
+        if t is np.ndarray or t is np.memmap:
             hit = self.memo.get(id(x))
             if hit is not None:
                 return hit
@@ -230,7 +248,7 @@ class _Stager:
             np.copyto(buf, x)
             self.memo[id(x)] = buf
             return buf
-        if torch is not None and isinstance(x, torch.Tensor):
+        if torch is not None and _stageable(x):
             hit = self.memo.get(id(x))
             if hit is not None:
                 return hit
@@ -249,7 +267,17 @@ class _Stager:
                 out = _with_flags_of(buf, x)
             self.memo[id(x)] = out
             return out
+        # Immutable, or a value the codec refuses (array or tensor subclasses, sparse
+        # tensors): a plain copy here would save what sync mode refuses.
         return x
+
+
+_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
+def _stageable(x) -> bool:
+    return (type(x) in (torch.Tensor, torch.nn.Parameter) and x.layout == torch.strided and not x.is_nested
+            and not x.is_quantized and x.device.type != "meta")
 
 
 def _with_flags_of(buf, src):
@@ -262,6 +290,35 @@ def _with_flags_of(buf, src):
 
 # --- the engine -------------------------------------------------------------------
 
+def _count(value: Any, name: str) -> int:
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1:
+        return int(value)
+    raise UsageError(f"{name} must be a positive integer, not {value!r}")
+
+
+def _options(every: int, *, resume: bool = True, mode: str = "auto", max_in_flight: int = 1,
+             on_durable: Callable[[int, str], Any] | None = None, meta: Any = None,
+             handle_signals: bool = True, capture_rng: bool = True) -> dict:
+    """The Snapshotter's options, checked and normalized before anything is opened."""
+    if not isinstance(mode, str) or mode not in ("auto", "async", "sync"):
+        raise UsageError(f"mode must be 'auto', 'async' or 'sync', not {mode!r}")
+    for name, flag in (("resume", resume), ("handle_signals", handle_signals), ("capture_rng", capture_rng)):
+        if not isinstance(flag, bool):
+            raise UsageError(f"{name} must be True or False, not {flag!r}")
+    if on_durable is not None and not callable(on_durable):
+        raise UsageError(f"on_durable must be callable or None, not {on_durable!r}")
+    # Checked here, not in the background write, nested as snapshot() writes it (the
+    # checkpoint's meta['user']); copied, so later edits cannot reach a checkpoint.
+    encode_plain({"fingerprint": None, "user": meta, "snapshot": True}, "meta")
+    meta = copy.deepcopy(meta)
+    return {"every": _count(every, "every"), "resume": resume, "mode": mode,
+            "max_in_flight": _count(max_in_flight, "max_in_flight"), "on_durable": on_durable, "meta": meta,
+            "handle_signals": handle_signals, "capture_rng": capture_rng}
+
+
+_OPTION_NAMES = frozenset(inspect.signature(_options).parameters) - {"every"}
+
+
 class Snapshotter:
     """Checkpoints a pipeline's state every ``every`` steps into ``store``.
 
@@ -270,26 +327,29 @@ class Snapshotter:
     tensors, else sync). ``on_durable(step, ref)`` is called once a checkpoint is
     durable. ``resume=False`` deletes the run's existing checkpoints before the
     first new one is written, so a later crash can never resume into the old run.
+    ``meta`` (plain data, checked and copied here) goes into every checkpoint as
+    its ``meta['user']``.
+
+    Arguments are checked before the store is opened: a bad one raises
+    :class:`UsageError` naming it (a bad run name :class:`InvalidRunNameError`,
+    unencodable meta :class:`EncodeError`). After :meth:`close`, every method
+    but ``close`` and ``flush`` raises :class:`UsageError`.
     """
 
     def __init__(self, store: Store | str, run: str, *, every: int = 10, resume: bool = True,
                  mode: str = "auto", max_in_flight: int = 1, on_durable: Callable[[int, str], Any] | None = None,
                  meta: Any = None, handle_signals: bool = True, capture_rng: bool = True):
-        if type(every) is not int or every < 1:
-            raise AgckError(f"every must be a positive int, not {every!r}")
-        if mode not in ("auto", "async", "sync"):
-            raise AgckError(f"mode must be 'auto', 'async' or 'sync', not {mode!r}")
-        if max_in_flight < 1:
-            raise AgckError(f"max_in_flight must be >= 1, not {max_in_flight!r}")
+        opts = _options(every, resume=resume, mode=mode, max_in_flight=max_in_flight, on_durable=on_durable,
+                        meta=meta, handle_signals=handle_signals, capture_rng=capture_rng)
+        self.run = check_run(run)
         self._own_store = not isinstance(store, Store)
         self.store = open_store(store)
-        self.run = check_run(run)
-        self.every = every
+        self.every = opts["every"]
         self.resume = resume
         self.mode = mode
-        self.max_in_flight = max_in_flight
+        self.max_in_flight = opts["max_in_flight"]
         self.on_durable = on_durable
-        self.meta = meta
+        self.meta = opts["meta"]
         self.capture_rng = capture_rng
         self.start_step = 0
         self.last_durable_step: int | None = None
@@ -298,6 +358,8 @@ class Snapshotter:
         self.blocked_seconds: list[float] = []   # time the pipeline waited per snapshot
         self._state: Any = None
         self._restored = False
+        self._started_over = False
+        self._taken: int | None = None            # the step of the newest snapshot taken (durable or pending)
         self._error: BaseException | None = None
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
@@ -312,21 +374,26 @@ class Snapshotter:
         self._fingerprint: dict | None = None
         if handle_signals:
             self._install_signals()
-        atexit.register(self._flush_quietly)
+        atexit.register(self._close_at_exit)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise UsageError(f"the snapshotter of run {self.run!r} is closed",
+                             hint="create a new Snapshotter to continue the run")
 
     # -- resume ----------------------------------------------------------------
     def restore(self, state: Any = None) -> Any:
         """Restore the run's last valid checkpoint into ``state`` (in place for
         modules, optimizers and dicts) and set ``start_step``. On a fresh run,
-        or with ``resume=False``, returns ``state`` unchanged."""
+        or with ``resume=False``, returns ``state`` unchanged.
+
+        Raises :class:`UsageError` if the newest valid checkpoint of the run was
+        not written by a snapshotter (a plain ``store.put``): it holds no step
+        boundary state to resume from, and the run is left as it is."""
+        self._check_open()
         self._restored = True
         if not self.resume:
-            old = self.store.steps(self.run)
-            if old:
-                log.warning("agck: resume=False: deleting %d old checkpoints of run %r (steps %d..%d)",
-                            len(old), self.run, old[0], old[-1])
-                for s in old:
-                    self.store.delete(self.run, s)
+            self._start_over()
             self._state = state
             return state
         rec = recover_run(self.store, self.run)
@@ -341,16 +408,22 @@ class Snapshotter:
             return state
         ck = rec.checkpoint
         saved = ck.state
-        fp = (ck.meta or {}).get("fingerprint") if isinstance(ck.meta, dict) else None
+        meta = ck.meta if isinstance(ck.meta, dict) else {}
+        if meta.get("snapshot") is not True or not isinstance(saved, dict) or "state" not in saved:
+            raise UsageError(f"run {self.run!r}: the newest valid checkpoint (step {ck.step}) was not written by "
+                             "a snapshotter, so there is no step boundary to resume from", ref=ck.ref,
+                             hint="give the snapshotter a run of its own, or pass resume=False to start over "
+                                  "(it deletes the run's checkpoints)")
+        fp = meta.get("fingerprint")
         now = fingerprint()
         if fp and {k: fp.get(k) for k in now} != now:
             diff = {k: (fp.get(k), now[k]) for k in now if fp.get(k) != now[k]}
             warnings.warn(f"resuming run {self.run!r} at step {ck.step} under a different environment {diff}: "
                           "results may not be bit-identical to an uninterrupted run", FingerprintWarning,
                           stacklevel=2)
-        if self.capture_rng and isinstance(saved, dict) and "rng" in saved:
+        if self.capture_rng and "rng" in saved:
             set_rng_state(saved["rng"])
-        restored = restore_into(state, saved.get("state") if isinstance(saved, dict) else saved)
+        restored = restore_into(state, saved["state"])
         self.start_step = ck.step
         self.last_durable_step = ck.step
         self.last_durable_ref = ck.ref
@@ -358,13 +431,31 @@ class Snapshotter:
         log.info("agck: run %r resumed at step %d from %s", self.run, ck.step, ck.ref)
         return restored
 
+    def _start_over(self) -> None:
+        """resume=False: delete the run's old checkpoints, once, before anything new is written."""
+        if self._started_over:
+            return
+        self._started_over = True
+        old = self.store.steps(self.run)
+        if old:
+            log.warning("agck: resume=False: deleting %d old checkpoints of run %r (steps %d..%d)",
+                        len(old), self.run, old[0], old[-1])
+            for s in old:
+                self.store.delete(self.run, s)
+
     # -- the loop form ---------------------------------------------------------
     def steps(self, total: int | None = None) -> Iterator[int]:
         """Yield step indices from ``start_step``; after each step's body the
         step counts as completed and a snapshot is taken every ``every`` steps
         (and after the last one)."""
+        self._check_open()
+        if total is not None:
+            total = check_step(total, "total")
         if not self._restored:
             self.restore(self._state)
+        return self._steps(total)
+
+    def _steps(self, total: int | None) -> Iterator[int]:
         i = self.start_step
         while total is None or i < total:
             self.raise_pending()
@@ -376,10 +467,13 @@ class Snapshotter:
 
     def update(self, state: Any) -> None:
         """Tell the snapshotter the current state (when it is a new object)."""
+        self._check_open()
         self._state = state
 
     def completed(self, steps_done: int, state: Any, *, force: bool = False) -> None:
         """``steps_done`` steps are complete and ``state`` is their result."""
+        self._check_open()
+        steps_done = check_step(steps_done, "steps_done")
         self._state = state
         if force or steps_done % self.every == 0 or self._stop_signal is not None:
             self.snapshot(steps_done, state)
@@ -389,7 +483,11 @@ class Snapshotter:
     # -- snapshots -------------------------------------------------------------
     def snapshot(self, step: int, state: Any = None) -> None:
         """Checkpoint ``state`` as the state after ``step`` completed steps."""
+        self._check_open()
+        step = check_step(step)
         self.raise_pending()
+        if not self.resume:
+            self._start_over()
         state = self._state if state is None else state
         t0 = time.perf_counter()
         tree = {"state": capture(state), "step": step}
@@ -403,6 +501,7 @@ class Snapshotter:
         if not self._async:
             self.blocked_seconds.append(0.0)
             ref = self._persist(step, tree, meta, self.last_durable_step)
+            self._taken = step
             self.blocked_seconds[-1] = time.perf_counter() - t0
             self._acknowledge(step, ref)
             return
@@ -414,6 +513,7 @@ class Snapshotter:
         with self._cv:
             self._pending += 1
         self._queue.put((step, staged, meta, stager))
+        self._taken = step
         self.blocked_seconds.append(time.perf_counter() - t0)
 
     def _persist(self, step, tree, meta, parent) -> str:
@@ -475,14 +575,17 @@ class Snapshotter:
                 self._cv.wait()
         self.raise_pending()
 
-    def _flush_quietly(self) -> None:
+    def _close_at_exit(self) -> None:
+        # Join the worker before the interpreter finalizes: a daemon thread still
+        # inside torch then is killed mid C++ frame and the process aborts.
         try:
-            self.flush()
+            self.close()
         except Exception as e:  # at interpreter exit there is nobody left to raise to
             log.error("agck: pending snapshot of run %r failed at exit: %s", self.run, e)
 
     def close(self) -> None:
-        """Flush pending snapshots, stop the worker, restore signal handlers."""
+        """Flush pending snapshots, stop the worker, restore signal handlers.
+        Idempotent; afterwards the snapshotter refuses further use."""
         if self._closed:
             return
         self._closed = True
@@ -494,7 +597,7 @@ class Snapshotter:
                 self._worker.join()
                 self._worker = None
             self._restore_signals()
-            atexit.unregister(self._flush_quietly)
+            atexit.unregister(self._close_at_exit)
             if self._own_store:
                 self.store.close()
 
@@ -564,37 +667,70 @@ def _has_cuda(tree) -> bool:
 
 # --- the decorator ----------------------------------------------------------------
 
-def checkpoint_every(n: int, *, store: Store | str = "ckpts/", run: str | None = None, **options):
+def checkpoint_every(n: int, *, store: Store | str = "ckpts/", run: str | None = None, total: int | None = None,
+                     **options):
     """Decorate ``step(state, i, ...) -> state`` to checkpoint every ``n`` steps.
 
     The first call restores the run's last valid checkpoint into the state it is
     given; calls for steps already covered by that checkpoint return the
     restored state without running, so the caller's loop needs no change to
-    resume. ``run`` defaults to the function's qualified name. The wrapper has
-    ``.snapshotter`` (``last_durable_step``, ``flush()``) and ``.close()``."""
+    resume. ``run`` defaults to the function's qualified name; ``options`` are
+    the Snapshotter's, checked here. The wrapper has ``.snapshotter``
+    (``last_durable_step``, ``flush()``) and ``.close()``.
+
+    The end of the loop gets a checkpoint too: with ``total``, the call for step
+    ``total - 1`` takes one; and ``close()`` checkpoints the state the last call
+    returned if its step has none yet (unless that call raised). Call ``close()``
+    right after the loop, before changing the state."""
+    n = _count(n, "n")
+    if total is not None:
+        total = check_step(total, "total")
+    unknown = set(options) - _OPTION_NAMES
+    if unknown:
+        raise UsageError(f"checkpoint_every: unknown option(s) {', '.join(sorted(unknown))}",
+                         hint=f"options are {', '.join(sorted(_OPTION_NAMES))}")
+    _options(n, **options)
 
     def decorate(fn):
-        run_name = run or f"{fn.__module__}.{fn.__qualname__}".replace("<", "").replace(">", "")
+        run_name = check_run(run or f"{fn.__module__}.{fn.__qualname__}".replace("<", "").replace(">", ""))
         snap: Snapshotter | None = None
+        last: tuple[int, Any] | None = None      # (steps done, state) of the last call that returned
+        closed = False
 
         @functools.wraps(fn)
         def wrapper(state, i, *args, **kwargs):
-            nonlocal snap
+            nonlocal snap, last
+            if closed:
+                raise UsageError(f"{fn.__qualname__} is closed: its snapshotter of run {run_name!r} was closed",
+                                 hint="decorate the function again to start another pass")
+            i = check_step(i, "step index")
+            if total is not None and i >= total:
+                raise UsageError(f"step index {i} is past total={total}")
             if snap is None:
                 snap = Snapshotter(store, run_name, every=n, **options)
                 wrapper.snapshotter = snap
                 state = snap.restore(state)
-            if type(i) is not int or i < 0:
-                raise AgckError(f"step index must be a non-negative int, not {i!r}")
+            snap._check_open()
             if i < snap.start_step:
                 return snap._state          # covered by the restored checkpoint
             snap.raise_pending()
+            last = None                     # a call that raises leaves the state half-stepped
             out = fn(state, i, *args, **kwargs)
-            snap.completed(i + 1, out)
+            last = (i + 1, out)
+            snap.completed(i + 1, out, force=total is not None and i + 1 == total)
             return out
 
         def close():
-            if snap is not None:
+            nonlocal closed
+            if closed:
+                return
+            closed = True
+            if snap is None:
+                return
+            try:
+                if last is not None and last[0] != snap._taken and not snap._closed:
+                    snap.snapshot(*last)
+            finally:
                 snap.close()
 
         wrapper.snapshotter = None

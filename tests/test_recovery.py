@@ -149,12 +149,6 @@ def test_deleted_while_walking_is_passed_over(store):
     assert rec.step == 2 and [r.step for r in rec.rejected] == [3]
 
 
-def test_recovery_imports_no_store_backend():
-    code = "import sys, agck.recovery; print([m for m in sys.modules if m.startswith('agck.stores')])"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
-
-
 def test_numpy_integers_are_steps(store):
     store.put("r", np.int64(3), {"x": 1})
     assert store.steps("r") == [3] and type(store.steps("r")[0]) is int

@@ -3,17 +3,21 @@
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
+from collections import OrderedDict, defaultdict
 
 import numpy as np
 import pytest
 import torch
 
+import agck
 from agck import Snapshotter, checkpoint_every
-from agck.errors import DurabilityError, SnapshotError
+from agck.errors import DurabilityError, EncodeError, InvalidRunNameError, SnapshotError, UsageError
 from agck.snapshot import FingerprintWarning
 from agck.stores.file import FileStore
 
@@ -78,21 +82,25 @@ def test_loop_form_checkpoints_every_n_and_at_the_end(tmp_path, mode):
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_resume_restores_modules_optimizers_and_rng_in_place(tmp_path, mode):
-    def run(steps, crash_after=None):
+    def run(steps, crash_at=None):
         state = fresh_state()
         torch.manual_seed(7)
         np.random.seed(7)
 
         @checkpoint_every(2, store=str(tmp_path), run="train", mode=mode, handle_signals=False)
         def step(state, i):
-            return train_step(state, i)
+            state = train_step(state, i)
+            if i == crash_at:
+                raise RuntimeError("crash")  # mid-step: the state is already past the boundary
+            return state
 
-        for i in range(steps):
-            state = step(state, i)
-            if crash_after is not None and i + 1 == crash_after:
-                step.close()
-                return state, step
-        step.close()
+        try:
+            for i in range(steps):
+                state = step(state, i)
+        except RuntimeError:
+            pass
+        finally:
+            step.close()  # after a failed call: no final checkpoint of the half-stepped state
         return state, step
 
     uninterrupted_dir = tmp_path
@@ -100,9 +108,9 @@ def test_resume_restores_modules_optimizers_and_rng_in_place(tmp_path, mode):
     expected = [p.detach().clone() for p in full["model"].parameters()]
     expected_losses = list(full["losses"])
 
-    # a second run in a new store: stop after 5 steps (checkpoint at 4), then resume
+    # a second run in a new store: crash in step 4 (checkpoint at 4), then resume
     tmp_path = uninterrupted_dir / "again"
-    first, _ = run(9, crash_after=5)
+    first, _ = run(9, crash_at=4)
     model_before = first["model"]
     resumed, step = run(9)
     assert step.snapshotter.start_step == 4
@@ -129,7 +137,9 @@ def test_decorator_skips_covered_steps_and_returns_restored_state(tmp_path):
     s = {"n": 0}
     for i in range(7):
         s = step(s, i)
-    step.close()
+    step.snapshotter.flush()  # a crash here: step 5 is the last checkpoint
+    assert FileStore(tmp_path).steps("skip") == [5]
+    step.snapshotter.close()
     calls.clear()
     step = make()
     s = {"n": 0}
@@ -231,6 +241,361 @@ def test_async_snapshot_is_isolated_from_later_mutation(tmp_path):
     snap.close()
     st = store.get("iso", 1).state["state"]
     assert torch.equal(st["t"], torch.zeros(1000)) and np.array_equal(st["a"], np.zeros(5))
+
+
+def every_mutable_kind(tmp_path):
+    """A state holding each mutable value type the codec accepts, and a step that
+    mutates each of them in place."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    mm = np.memmap(tmp_path / "mm.bin", dtype=np.float32, mode="w+", shape=(4,))
+    state = {
+        "seen": set(), "buf": bytearray(b"x"), "mv": memoryview(bytearray(4)),
+        "mv_np": memoryview(np.zeros(3)), "od": OrderedDict(a=[0]), "dd": defaultdict(list),
+        "arr": np.zeros(3), "mm": mm, "t": torch.zeros(3), "p": torch.nn.Parameter(torch.zeros(2)),
+        "tup": ([0], {0}, np.zeros(2), bytearray(b"t")), "fz": frozenset({torch.zeros(2)}), "tk": {torch.zeros(2): "v"},
+        "model": model, "opt": torch.optim.AdamW(model.parameters(), lr=0.1),
+        "g": np.random.default_rng(1), "r": random.Random(1), "tg": torch.Generator().manual_seed(1),
+    }
+
+    def step(s, i):
+        s["seen"].add(i)
+        s["buf"] += bytes([i])
+        s["mv"][i % 4] += 1
+        s["mv_np"].obj[i % 3] += 1
+        s["od"]["a"].append(i)
+        s["dd"][i].append(i)
+        s["arr"] += 1
+        s["mm"] += 1
+        s["t"] += 1
+        with torch.no_grad():
+            s["p"] += 1
+        s["tup"][0].append(i)
+        s["tup"][1].add(i)
+        s["tup"][2][:] += 1
+        s["tup"][3].append(i)
+        for t in (*s["fz"], *s["tk"]):
+            t += 1
+        s["model"](torch.ones(1, 3)).sum().backward()
+        s["opt"].step()  # mutates the optimizer's state tensors and dicts in place
+        s["g"].random(), s["r"].random(), torch.rand(1, generator=s["tg"])
+        return s
+
+    return state, step
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return (isinstance(b, dict) and len(a) == len(b)
+                and all(same(ka, kb) and same(a[ka], b[kb]) for ka, kb in zip(a, b)))
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, (set, frozenset)) and any(isinstance(x, torch.Tensor) for x in a):
+        return type(a) is type(b) and same(sorted(x.tolist() for x in a), sorted(x.tolist() for x in b))
+    return type(a) is type(b) and a == b
+
+
+def test_async_snapshot_captures_every_mutable_kind_by_value(tmp_path):
+    """Checkpoint k holds the state at boundary k, though step k+1 mutates it while k is being written."""
+    trees = {}
+    for mode in ("sync", "async"):
+        d = tmp_path / mode
+        d.mkdir()
+        store = FailingStore(d, fail_on=-1, delay=0.2 if mode == "async" else 0.0)
+        state, step = every_mutable_kind(d)
+        np.random.seed(0), random.seed(0), torch.manual_seed(0)
+        with Snapshotter(store, "iso", every=1, mode=mode, handle_signals=False) as snap:
+            state = snap.restore(state)
+            for i in snap.steps(3):
+                state = step(state, i)
+        trees[mode] = {k: store.get("iso", k).state for k in (1, 2, 3)}
+    first = trees["async"][1]["state"]
+    assert first["seen"] == {0} and first["buf"] == b"x\x00" and first["tup"][1] == {0}
+    assert first["opt"]["state"]["state"][0]["step"] == 1
+    for k in (1, 2, 3):
+        assert same(trees["sync"][k], trees["async"][k]), k
+
+
+def test_async_staging_refuses_what_sync_refuses(tmp_path):
+    # copying a masked array or a sparse tensor into a plain buffer would save what the codec refuses
+    snap = Snapshotter(tmp_path, "refuse", every=1, mode="async", handle_signals=False)
+    snap.restore({})
+    snap.snapshot(1, {"m": np.ma.masked_array([1.0, 2.0], mask=[0, 1])})
+    with pytest.raises(SnapshotError, match="subclass"):
+        snap.flush()
+    snap.snapshot(2, {"s": torch.eye(2).to_sparse()})
+    with pytest.raises(SnapshotError, match="sparse"):
+        snap.close()
+    assert FileStore(tmp_path).steps("refuse") == []
+
+
+def test_meta_is_copied_at_construction(tmp_path):
+    meta = {"tags": ["a"]}
+    with Snapshotter(tmp_path, "m", every=1, meta=meta, handle_signals=False) as snap:
+        snap.restore({})
+        meta["tags"].append("later")
+        snap.snapshot(1, {})
+    assert FileStore(tmp_path).get("m", 1).meta["user"] == {"tags": ["a"]}
+
+
+@pytest.mark.parametrize("meta", [{"k": object()}, {"k": {(1, 2): 3}}])
+def test_meta_that_cannot_round_trip_is_refused_at_construction(tmp_path, meta):
+    with pytest.raises(EncodeError, match="meta"):
+        Snapshotter(tmp_path, "m", every=1, mode="async", meta=meta, handle_signals=False)
+    assert not (tmp_path / "m").exists()
+
+
+def test_meta_is_checked_as_the_snapshot_nests_it(tmp_path):
+    deep = []
+    for _ in range(agck.codec.MAX_DEPTH - 2):
+        deep = [deep]
+    agck.codec.encode_plain(deep)  # fine as the meta of a plain save; one level too deep as meta['user']
+    with pytest.raises(EncodeError, match=r"meta\['user'\].*nesting deeper"):
+        Snapshotter(tmp_path, "m", every=1, mode="async", meta=deep, handle_signals=False)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_closed_snapshotter_refuses_use(tmp_path, mode):
+    snap = Snapshotter(tmp_path, "c", every=1, mode=mode, handle_signals=False)
+    state = snap.restore({"x": np.zeros(2)})
+    snap.completed(1, state)
+    snap.close()
+    snap.close()  # idempotent
+    snap.flush()  # nothing pending
+    for use in (lambda: snap.update(state), lambda: snap.completed(2, state), lambda: snap.snapshot(2, state),
+                lambda: snap.restore(state), lambda: snap.steps(3)):
+        with pytest.raises(UsageError, match="closed"):
+            use()
+    assert FileStore(tmp_path).steps("c") == [1]
+
+
+def test_closed_decorator_refuses_use(tmp_path):
+    @checkpoint_every(1, store=str(tmp_path), run="c", handle_signals=False)
+    def step(state, i):
+        return state
+
+    step({}, 0)
+    step.close()
+    with pytest.raises(UsageError, match="closed"):
+        step({}, 1)
+
+    @checkpoint_every(5, store=str(tmp_path), run="c", handle_signals=False)
+    def again(state, i):
+        return state
+
+    again({}, 0)  # resumes at step 1
+    again.snapshotter.close()
+    with pytest.raises(UsageError, match="closed"):
+        again({}, 0)  # even a step the checkpoint covers
+
+
+def test_closed_async_snapshotter_exits_cleanly(tmp_path):
+    # Used after close, an async snapshotter once started a new writer thread that
+    # was still inside torch at interpreter exit: the process aborted (SIGABRT).
+    script = textwrap.dedent(f"""
+        import numpy as np, torch
+        from agck import Snapshotter, UsageError
+        snap = Snapshotter({str(tmp_path)!r}, "r", every=1, mode="async", handle_signals=False)
+        state = {{"t": torch.zeros(1 << 22), "a": np.zeros(1 << 20)}}
+        snap.restore(state)
+        snap.completed(1, state)
+        snap.close()
+        try:
+            snap.completed(2, state)
+        except UsageError:
+            print("refused")
+        """)
+    for _ in range(3):
+        p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert (p.returncode, p.stdout.strip(), p.stderr) == (0, "refused", "")
+    assert FileStore(tmp_path).steps("r") == [1]
+
+
+def test_pending_async_write_at_exit_completes_cleanly(tmp_path):
+    script = textwrap.dedent(f"""
+        import torch
+        from agck import Snapshotter
+        snap = Snapshotter({str(tmp_path)!r}, "r", every=1, mode="async", handle_signals=False)
+        state = {{"t": torch.ones(1 << 22)}}
+        snap.restore(state)
+        snap.completed(1, state)
+        """)
+    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert (p.returncode, p.stderr) == (0, "")
+    assert torch.equal(FileStore(tmp_path).get("r", 1).state["state"]["t"], torch.ones(1 << 22))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_numpy_integer_steps(tmp_path, mode):
+    with Snapshotter(tmp_path, "np", every=2, mode=mode, handle_signals=False) as snap:
+        snap.restore({})
+        snap.snapshot(np.int64(3), {"v": 3})
+        snap.completed(np.uint8(4), {"v": 4})
+    with Snapshotter(tmp_path, "np", every=2, mode=mode, handle_signals=False) as snap:
+        snap.restore({})
+        assert snap.start_step == 4
+        for i in snap.steps(np.int32(7)):
+            snap.update({"v": i + 1})
+    assert FileStore(tmp_path).steps("np") == [3, 4, 6, 7]
+
+    @checkpoint_every(2, store=str(tmp_path), run="np-deco", mode=mode, handle_signals=False)
+    def step(state, i):
+        return state + [int(i)]
+
+    s = []
+    for i in np.arange(5):
+        s = step(s, i)
+    step.close()
+    assert s == [0, 1, 2, 3, 4] and FileStore(tmp_path).steps("np-deco") == [2, 4, 5]
+
+
+@pytest.mark.parametrize("bad", [np.float64(1.0), True, -1, "3"])
+def test_bad_steps_are_refused(tmp_path, bad):
+    with Snapshotter(tmp_path, "bad", every=1, handle_signals=False) as snap:
+        snap.restore({})
+        with pytest.raises(UsageError, match="step"):
+            snap.snapshot(bad, {})
+        with pytest.raises(UsageError, match="steps_done"):
+            snap.completed(bad, {})
+        with pytest.raises(UsageError, match="total"):
+            snap.steps(bad)
+
+    @checkpoint_every(1, store=str(tmp_path), run="bad-deco", handle_signals=False)
+    def step(state, i):
+        return state
+
+    with pytest.raises(UsageError, match="step index"):
+        step({}, bad)
+    step.close()
+    assert FileStore(tmp_path).steps("bad") == []
+
+
+@pytest.mark.parametrize("arg, value", [
+    ("every", "2"), ("every", 0), ("every", True), ("every", 2.0),
+    ("mode", "fast"), ("mode", ["async"]),
+    ("max_in_flight", "2"), ("max_in_flight", 0), ("max_in_flight", None),
+    ("resume", "yes"), ("handle_signals", None), ("capture_rng", 1), ("on_durable", 5),
+])
+def test_constructor_arguments_are_checked_up_front(tmp_path, arg, value):
+    with pytest.raises(UsageError, match=arg):
+        Snapshotter(tmp_path / "s", "r", **{arg: value})
+    if arg == "every":
+        with pytest.raises(UsageError, match="n must"):
+            checkpoint_every(value)
+    else:
+        with pytest.raises(UsageError, match=arg):  # at decoration, not at the first call
+            checkpoint_every(1, **{arg: value})
+    assert not (tmp_path / "s").exists()  # nothing opened
+
+
+def test_run_and_options_are_checked_up_front(tmp_path):
+    for run in ("../x", 5, None):
+        with pytest.raises(InvalidRunNameError):
+            Snapshotter(tmp_path / "s", run)
+    with pytest.raises(InvalidRunNameError):
+        checkpoint_every(1, run="a/b")(lambda s, i: s)
+    with pytest.raises(UsageError, match="evry"):
+        checkpoint_every(1, evry=2)
+    with pytest.raises(UsageError, match="total"):
+        checkpoint_every(1, total=-1)
+    assert not (tmp_path / "s").exists()
+
+
+def test_numpy_integer_arguments_are_accepted(tmp_path):
+    with Snapshotter(tmp_path, "r", every=np.int64(2), max_in_flight=np.int32(2), handle_signals=False) as snap:
+        assert (type(snap.every), type(snap.max_in_flight)) == (int, int)
+
+
+def test_restore_refuses_a_run_whose_newest_checkpoint_is_not_a_snapshot(tmp_path):
+    with Snapshotter(tmp_path, "mixed", every=1, handle_signals=False) as snap:
+        snap.restore({"x": 0})
+        for i in snap.steps(2):
+            snap.update({"x": i + 1})
+    store = FileStore(tmp_path)
+    store.put("mixed", 5, {"x": 99})
+    store.put("plain", 3, {"x": 1})
+    for run in ("mixed", "plain"):
+        with Snapshotter(tmp_path, run, every=1, handle_signals=False) as snap:
+            with pytest.raises(UsageError, match="not written by a snapshotter") as e:
+                snap.restore({"x": 0})
+            assert e.value.ref == store.path(run, store.steps(run)[-1])
+            assert snap.start_step == 0 and snap.last_durable_step is None
+    assert store.steps("mixed") == [1, 2, 5] and store.steps("plain") == [3]
+    with Snapshotter(tmp_path, "plain", every=1, resume=False, handle_signals=False) as snap:
+        assert snap.restore({"x": 0}) == {"x": 0}
+    assert store.steps("plain") == []
+
+
+@pytest.mark.parametrize("how", ["total", "close"])
+def test_decorator_checkpoints_the_end_of_the_loop(tmp_path, how):
+    calls = []
+
+    def make():
+        extra = {"total": 25} if how == "total" else {}
+
+        @checkpoint_every(10, store=str(tmp_path), run="end", mode="async", handle_signals=False, **extra)
+        def step(state, i):
+            calls.append(i)
+            return state + 1
+        return step
+
+    step = make()
+    s = 0
+    for i in range(25):
+        s = step(s, i)
+    if how == "total":
+        step.snapshotter.flush()
+        assert step.snapshotter.last_durable_step == 25  # before close
+    step.close()
+    assert step.snapshotter.last_durable_step == 25
+    assert FileStore(tmp_path).steps("end") == [10, 20, 25]
+    calls.clear()
+    step = make()
+    s = 0
+    for i in range(25):
+        s = step(s, i)
+    step.close()
+    assert calls == [] and s == 25
+    assert FileStore(tmp_path).steps("end") == [10, 20, 25]
+
+
+def test_readme_decorator_example_runs_and_resumes(tmp_path, monkeypatch, capsys):
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    [example] = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "total=len(docs)" in b]
+    monkeypatch.chdir(tmp_path)
+    first, second = {}, {}
+    exec(example, first)
+    exec(example, second)
+    assert capsys.readouterr().out.split() == ["25", "25"]
+    assert first["step"].snapshotter.start_step == 0 and second["step"].snapshotter.start_step == 25
+    assert second["state"]["out"] == first["state"]["out"] == [len(f"doc-{i}") for i in range(25)]
+    assert FileStore(tmp_path / "ckpts").steps("doc-pipeline") == [10, 20, 25]
+
+
+def test_decorator_refuses_steps_past_total(tmp_path):
+    @checkpoint_every(10, store=str(tmp_path), run="past", total=2, handle_signals=False)
+    def step(state, i):
+        return state
+
+    step({}, 0), step({}, 1)
+    with pytest.raises(UsageError, match="past total"):
+        step({}, 2)
+    step.close()
+
+
+def test_resume_false_without_restore_still_deletes_old_checkpoints(tmp_path):
+    with Snapshotter(tmp_path, "old", every=1, handle_signals=False) as snap:
+        snap.restore({})
+        for _ in snap.steps(5):
+            pass
+    with Snapshotter(tmp_path, "old", every=1, resume=False, handle_signals=False) as snap:
+        snap.completed(1, {})
+        snap.completed(2, {})
+    assert FileStore(tmp_path).steps("old") == [1, 2]
 
 
 def test_resume_false_deletes_old_checkpoints(tmp_path):
