@@ -5,23 +5,31 @@ Exit codes (also in the README):
   1  recovered, but had to walk back past rejected checkpoints; or verify found corruption
   2  usage error (bad arguments)
   3  nothing valid: no checkpoint verifies, or the file is corrupt
-  4  cannot open the store or file (missing, unreachable server, bad credentials, unknown run/step),
-     or the checkpoint needs torch and `import torch` fails here
+  4  cannot open the store or file (missing, unreachable server, bad credentials, unknown run/step,
+     an output path that cannot be written), or the checkpoint needs torch and `import torch` fails here
+
+Every error is one line on stderr, without a traceback and without a DSN password.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import sys
 from datetime import datetime, timezone
 
 from . import checkpoint
-from .errors import (AgckError, CheckpointNotFoundError, CorruptCheckpointError, DependencyError, FormatError,
-                     NoValidCheckpointError, StoreConnectionError, StoreError)
+from .errors import (AgckError, CorruptCheckpointError, DependencyError, FormatError, InvalidRunNameError,
+                     NoValidCheckpointError, StoreError, UsageError)
+from .names import check_run
 
 EXIT_OK, EXIT_WALKED_BACK, EXIT_USAGE, EXIT_NOTHING_VALID, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
+
+# Store arguments that name a store by URL (anything else must be an existing directory).
+_STORE_SCHEMES = ("postgresql:", "postgres:", "sqlite:", "file://")
 
 
 class _Exit(Exception):
@@ -29,32 +37,93 @@ class _Exit(Exception):
         self.code, self.message = code, message
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors on one line, with any DSN password in the arguments hidden."""
+
+    argv: list[str] = []
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, _one_line(f"{self.prog}: error: {_redact_args(message, self.argv)} "
+                                        f"(see {self.prog} --help)") + "\n")
+
+
+def _redact(text: str) -> str:
+    from .stores import redact_dsn
+    return redact_dsn(text)
+
+
+def _redact_args(message: str, argv: list[str]) -> str:
+    for a in sorted(set(argv), key=len, reverse=True):
+        if a and a in message and _redact(a) != a:
+            message = message.replace(a, _redact(a))
+    return message
+
+
+def _one_line(text: str) -> str:
+    return re.sub(r"\s*[\r\n]+\s*", " ", str(text)).strip()
+
+
+class _NoBar:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n=1):
+        pass
+
+
 def _progress(total: int | None, desc: str, quiet: bool):
     """A tqdm bar on stderr, only on a terminal and without --quiet."""
-    from tqdm import tqdm
-    return tqdm(total=total, desc=desc, file=sys.stderr, unit="ckpt", leave=False,
-                disable=quiet or not sys.stderr.isatty())
+    if quiet or not sys.stderr.isatty():
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc=desc, file=sys.stderr, unit="ckpt", leave=False)
 
 
-def _json_default(o):
-    if isinstance(o, bytes):
-        return {"$bytes": o.hex()}
-    if isinstance(o, (set, frozenset, tuple)):
-        return list(o)
+def _meta(meta):
+    """``meta`` as every store lists it: the manifest's JSON form (same output on every backend)."""
+    from .stores.sqlrows import meta_to_json
+    return meta_to_json(meta)
+
+
+def _jsonable(o):
+    """Strict JSON for any output, in the forms the manifest uses where JSON has none:
+    bytes as ``{"$bytes": base64}``, NaN and infinities as ``{"$float": "nan" | "inf" | "-inf"}``,
+    non-string keys as ``str(key)``, tuples and sets as lists, anything else as ``str()``."""
+    if o is None or isinstance(o, (bool, int, str)):
+        return o
+    if isinstance(o, float):
+        return o if math.isfinite(o) else _meta(o)
+    if isinstance(o, (bytes, bytearray, memoryview)):
+        return _meta(o)
+    if isinstance(o, dict):
+        return {(k if isinstance(k, str) else str(k)): _jsonable(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in o]
     return str(o)
 
 
-def _emit(args, obj, text: str) -> None:
-    if getattr(args, "json", False):
-        print(json.dumps(obj, indent=2, default=_json_default, sort_keys=False))
-    else:
-        print(text)
+def _json(obj, **kw) -> str:
+    return json.dumps(_jsonable(obj), allow_nan=False, **kw)
+
+
+def _emit(args, obj, text) -> None:
+    """``obj`` as JSON with --json, else ``text()`` (built only when shown)."""
+    print(_json(obj, indent=2) if getattr(args, "json", False) else text())
 
 
 def _time(ts: float | None) -> str:
     if ts is None:
         return "-"
-    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    except (OverflowError, OSError, ValueError):   # a forged timestamp still prints
+        return str(ts)
 
 
 def _size(n: int | None) -> str:
@@ -68,10 +137,22 @@ def _size(n: int | None) -> str:
 
 
 def _open(url: str):
-    from .stores import open_store
-    if not url.startswith(("postgres", "sqlite:", "file://")) and not os.path.isdir(url):
-        raise _Exit(EXIT_UNAVAILABLE, f"agck: {url}: no such file or store directory")
-    return open_store(url) if url.startswith(("postgres", "sqlite:")) else open_store(url, create=False)
+    """An existing store; reading commands (and prune) never create one."""
+    from .stores import is_kv_dsn, open_store
+    if not (url.startswith(_STORE_SCHEMES) or "://" in url or is_kv_dsn(url) or os.path.isdir(url)):
+        what = "is a file, not a store directory" if os.path.exists(url) else "no such file or store directory"
+        raise _Exit(EXIT_UNAVAILABLE, f"agck: {_redact(url)}: {what}")
+    return open_store(url, create=False)
+
+
+def _file_or_store(args, target: str, command: str) -> bool:
+    """Whether ``target`` is a checkpoint file; --run and --step pick from a store only."""
+    if not os.path.isfile(target):
+        return False
+    if getattr(args, "run", None) is not None or getattr(args, "step", None) is not None:
+        raise _Exit(EXIT_USAGE, f"agck {command}: --run and --step pick a checkpoint from a store, "
+                                f"and {target} is a file")
+    return True
 
 
 def _stored_checkpoint(args, url: str, command: str):
@@ -83,21 +164,24 @@ def _stored_checkpoint(args, url: str, command: str):
         return store.get(args.run, args.step)
 
 
-def _is_file_arg(target: str) -> bool:
-    return os.path.isfile(target)
-
-
 # --- commands ---------------------------------------------------------------------
 
 def cmd_show(args) -> int:
-    if _is_file_arg(args.target):
+    if _file_or_store(args, args.target, "show"):
         info = checkpoint.inspect(args.target, verify=args.verify)
     else:
         ck = _stored_checkpoint(args, args.target, "show")
         info = {"path": ck.ref, "header": ck.header.as_dict(), "run": ck.run, "step": ck.step,
                 "parent": ck.parent, "meta": ck.meta, "tensors": ck.tensors, "verified": True}
-    _emit(args, info, _format_show(info))
+    info["meta"] = _meta(info["meta"])
+    _emit(args, info, lambda: _format_show(info))
     return EXIT_OK
+
+
+def _shape(shape) -> str:
+    if isinstance(shape, (list, tuple)):
+        return "x".join(map(str, shape)) or "()"
+    return str(shape)   # a malformed descriptor still shows
 
 
 def _format_show(info: dict) -> str:
@@ -111,14 +195,13 @@ def _format_show(info: dict) -> str:
              f"  checksums  header {h['header_xxh3']}  metadata {h['meta_xxh3']}  "
              f"({'payload verified' if info.get('verified') else 'payload not verified; use --verify'})"]
     if info.get("meta") is not None:
-        lines.append(f"  meta       {json.dumps(info['meta'], default=_json_default)}")
+        lines.append(f"  meta       {_json(info['meta'])}")
     tensors = info.get("tensors") or []
     lines.append(f"  tensors    {len(tensors)}")
     if tensors:
         rows = [("path", "lib", "dtype", "shape", "offset", "bytes", "xxh3")]
         for t in tensors:
-            rows.append((str(t.get("path")), str(t.get("lib")), str(t.get("dtype")),
-                         "x".join(map(str, t.get("shape") or [])) or "()",
+            rows.append((str(t.get("path")), str(t.get("lib")), str(t.get("dtype")), _shape(t.get("shape")),
                          str(t.get("blob_offset", "-") if t.get("offset", 0) == 0 else
                              f"{t.get('blob_offset')}+{t.get('offset')}"),
                          str(t.get("blob_nbytes", "-")), str(t.get("xxh3", "-"))))
@@ -131,29 +214,34 @@ def _format_show(info: dict) -> str:
 def cmd_ls(args) -> int:
     with _open(args.store) as store:
         infos = store.list(args.run)
-        rows = [i.as_dict() for i in infos]
-        text = ["run  step  parent  size  created  meta"] if infos else ["(no checkpoints)"]
-        for i in infos:
-            meta = json.dumps(i.meta, default=_json_default) if i.meta is not None else ""
-            text.append(f"{i.run}  {i.step}  {'-' if i.parent is None else i.parent}  {_size(i.size)}  "
-                        f"{_time(i.created_at)}  {meta}")
-        _emit(args, rows, "\n".join(text))
+    rows = [{**i.as_dict(), "meta": _meta(i.meta)} for i in infos]
+
+    def text():
+        out = ["run  step  parent  size  created  meta"] if rows else ["(no checkpoints)"]
+        for r in rows:
+            meta = _json(r["meta"]) if r["meta"] is not None else ""
+            out.append(f"{r['run']}  {r['step']}  {'-' if r['parent'] is None else r['parent']}  "
+                       f"{_size(r['size'])}  {_time(r['created_at'])}  {meta}")
+        return "\n".join(out)
+    _emit(args, rows, text)
     return EXIT_OK
 
 
 def cmd_verify(args) -> int:
     from .recovery import verify_store
-    if _is_file_arg(args.target):
+    if _file_or_store(args, args.target, "verify"):
         try:
             checkpoint.load(args.target, verify=True)
         except CorruptCheckpointError as e:
             _emit(args, {"ok": 0, "corrupt": 1, "rejected": [{"ref": args.target, "reason": e.reason,
                                                               "section": e.section}]},
-                  f"CORRUPT {args.target}: {e.reason}")
+                  lambda: f"CORRUPT {args.target}: {e.reason}")
             return EXIT_WALKED_BACK
-        _emit(args, {"ok": 1, "corrupt": 0, "rejected": []}, f"OK {args.target}")
+        _emit(args, {"ok": 1, "corrupt": 0, "rejected": []}, lambda: f"OK {args.target}")
         return EXIT_OK
     with _open(args.target) as store:
+        if args.run is not None and not store.steps(args.run):
+            raise _Exit(EXIT_UNAVAILABLE, f"agck verify: no checkpoints of run {args.run!r} in {store.url}")
         runs = [args.run] if args.run else store.runs()
         total = sum(len(store.steps(r)) for r in runs)
         with _progress(total, "verify", args.quiet) as bar:
@@ -161,16 +249,16 @@ def cmd_verify(args) -> int:
     lines = [f"{len(rep.ok)} ok, {len(rep.rejected)} corrupt"]
     lines += [f"  CORRUPT {r.run} step {r.step} ({r.ref}): {r.reason}" for r in rep.rejected]
     lines += [f"  orphan  {p}" for p in rep.orphans]
-    _emit(args, rep.as_dict(), "\n".join(lines))
+    _emit(args, rep.as_dict(), lambda: "\n".join(lines))
     return EXIT_WALKED_BACK if rep.rejected else EXIT_OK
 
 
 def cmd_recover(args) -> int:
     from .recovery import recover_run
     with _open(args.store) as store:
-        runs = [args.run] if args.run else store.runs()
-        if args.run and args.run not in store.runs():
-            raise _Exit(EXIT_UNAVAILABLE, f"agck recover: no run {args.run!r} in {store.url} "
+        runs = [check_run(args.run)] if args.run is not None else store.runs()
+        if args.run is not None and not store.steps(args.run):
+            raise _Exit(EXIT_UNAVAILABLE, f"agck recover: no run {args.run!r} with checkpoints in {store.url} "
                                           f"(runs: {', '.join(store.runs()) or 'none'})")
         results = []
         with _progress(None, "recover", args.quiet) as bar:
@@ -201,7 +289,7 @@ def cmd_recover(args) -> int:
     if args.restore_to:
         lines.append(f"restored to {args.restore_to}")
     out = {"runs": [r.as_dict() for r in results], "cleaned": cleaned, "restored_to": args.restore_to}
-    _emit(args, out, "\n".join(lines) or "(no runs)")
+    _emit(args, out, lambda: "\n".join(lines) or "(no runs)")
     if any(r.checkpoint is None and r.candidates for r in results) or not results:
         return EXIT_NOTHING_VALID
     return EXIT_WALKED_BACK if any(r.rejected for r in results) else EXIT_OK
@@ -209,38 +297,50 @@ def cmd_recover(args) -> int:
 
 def cmd_prune(args) -> int:
     with _open(args.store) as store:
+        if not store.steps(args.run):   # a mistyped run would otherwise "prune" nothing, successfully
+            raise _Exit(EXIT_UNAVAILABLE, f"agck prune: no checkpoints of run {args.run!r} in {store.url}")
         deleted = store.prune(args.run, keep_last=args.keep_last, keep_every=args.keep_every, before=args.before)
         left = store.steps(args.run)
     _emit(args, {"deleted": deleted, "kept": left},
-          f"deleted {len(deleted)} checkpoints of {args.run}; kept steps {left}")
+          lambda: f"deleted {len(deleted)} checkpoints of {args.run}; kept steps {left}")
     return EXIT_OK
 
 
 def cmd_export(args) -> int:
     from .export import export
-    if _is_file_arg(args.source):
+    if _file_or_store(args, args.source, "export"):
         ck = checkpoint.load(args.source)
     else:
         ck = _stored_checkpoint(args, args.source, "export")
-    summary = export(ck, args.to)
-    _emit(args, summary, f"wrote {summary['tensors']} tensors to {args.to}"
-          + (f" (skipped {len(summary['skipped'])} non-tensor values: {', '.join(summary['skipped'][:5])}"
-             f"{'...' if len(summary['skipped']) > 5 else ''})" if summary["skipped"] else ""))
+    summary = export(ck, args.to, max_bytes=args.max_bytes)
+    skipped = summary["skipped"]
+    _emit(args, summary, lambda: f"wrote {summary['tensors']} tensors to {args.to}"
+          + (f" (skipped {len(skipped)}: {', '.join(skipped[:5])}"
+             f"{'...' if len(skipped) > 5 else ''})" if skipped else ""))
     return EXIT_OK
 
 
 def cmd_db(args) -> int:
-    from .stores.postgres import PostgresStore
-    if not args.dsn.startswith(("postgres", "postgresql")):
-        raise _Exit(EXIT_USAGE, "agck db: DSN must start with postgresql://")
-    store = PostgresStore(args.dsn, prefix=args.prefix, check_schema=False)
-    with store:
+    from .stores import is_kv_dsn, postgres_store_class, split_agck_params
+    PostgresStore = postgres_store_class()
+    if not (args.dsn.startswith(("postgresql://", "postgres://")) or is_kv_dsn(args.dsn)):
+        raise _Exit(EXIT_USAGE, "agck db: DSN must be a postgresql:// URL or a libpq 'key=value ...' string")
+    dsn, own = split_agck_params(args.dsn)
+    opts = {}
+    for name in ("prefix", "schema"):
+        flag = getattr(args, name)
+        if flag is not None and own.get(name, flag) != flag:
+            raise _Exit(EXIT_USAGE, f"agck db: --{name} {flag} disagrees with agck_{name}={own[name]} in the DSN")
+        value = flag if flag is not None else own.get(name)
+        if value is not None:
+            opts[name] = value
+    with PostgresStore(dsn, check_schema=False, **opts) as store:
         if args.action == "init":
             store.init_schema()
         elif args.action == "migrate":
             store.migrate()
         status = store.schema_status()
-    _emit(args, status, f"{store.url}: schema {status}")
+    _emit(args, status, lambda: f"{store.url}: schema {status}")
     return EXIT_OK
 
 
@@ -256,8 +356,19 @@ def _step(text: str) -> int:
     return v
 
 
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _bytes(text: str) -> int:
+    """A byte count: 123, 512M, 8G, 1.5GiB (binary units)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(?:i?b)?\s*", text, re.ASCII | re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a byte count such as 123, 512M or 8G, not {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="agck", description="Crash-safe checkpoints: inspect, verify, recover.",
+    p = _Parser(prog="agck", description="Crash-safe checkpoints: inspect, verify, recover.",
                                 epilog="Exit codes: 0 ok, 1 walked back / corruption found, 2 usage, "
                                        "3 nothing valid, 4 store or file unavailable (or torch needed and missing).")
     p.add_argument("--version", action="version", version=f"agck {__import__('agck').__version__}")
@@ -310,43 +421,56 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--to", required=True, metavar="OUT")
     sp.add_argument("--run")
     sp.add_argument("--step", type=_step)
+    sp.add_argument("--max-bytes", type=_bytes, metavar="SIZE",
+                    help="write at most this much tensor data (default: twice the checkpoint's size)")
     common(sp)
     sp.set_defaults(func=cmd_export)
 
     sp = sub.add_parser("db", help="Postgres schema: init, migrate, status")
     sp.add_argument("action", choices=["init", "migrate", "status"])
     sp.add_argument("dsn")
-    sp.add_argument("--prefix", default="agck", help="table prefix (default agck)")
+    sp.add_argument("--prefix", help="table prefix (default agck, or agck_prefix= in the DSN)")
+    sp.add_argument("--schema", help="Postgres schema of the tables (or agck_schema= in the DSN)")
     common(sp)
     sp.set_defaults(func=cmd_db)
     return p
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _Parser.argv = argv
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="backslashreplace")   # paths that are not valid UTF-8 still print
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:     # --help, --version, usage errors (already printed)
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
     try:
         return args.func(args)
     except _Exit as e:
-        if e.message:
-            print(e.message, file=sys.stderr)
-        return e.code
-    except NoValidCheckpointError as e:
-        print(f"agck: {e}", file=sys.stderr)
-        return EXIT_NOTHING_VALID
-    except (StoreConnectionError, CheckpointNotFoundError, FormatError, DependencyError) as e:
-        print(f"agck: {e}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
-    except CorruptCheckpointError as e:
-        print(f"agck: {e}", file=sys.stderr)
-        return EXIT_NOTHING_VALID
-    except (StoreError, AgckError) as e:
-        print(f"agck: {e}", file=sys.stderr)
-        return EXIT_UNAVAILABLE if isinstance(e, StoreError) else EXIT_USAGE
+        return _fail(e.message, e.code)
+    except (NoValidCheckpointError, CorruptCheckpointError) as e:
+        return _fail(f"agck: {e}", EXIT_NOTHING_VALID)
+    except (UsageError, InvalidRunNameError) as e:
+        return _fail(f"agck: {e}", EXIT_USAGE)
+    except (StoreError, FormatError, DependencyError) as e:
+        return _fail(f"agck: {e}", EXIT_UNAVAILABLE)
+    except AgckError as e:
+        return _fail(f"agck: {e}", EXIT_USAGE)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
         return EXIT_OK
+    except OSError as e:   # a file agck reads or writes for the user: the output of export, --restore-to
+        where = f"{e.filename}: " if e.filename else ""
+        return _fail(f"agck: {where}{e.strerror or e}", EXIT_UNAVAILABLE)
+
+
+def _fail(message: str | None, code: int) -> int:
+    """One line on stderr, never a traceback nor a password."""
+    if message:
+        print(_one_line(_redact_args(message, _Parser.argv)), file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

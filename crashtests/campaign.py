@@ -120,7 +120,7 @@ class Campaign:
                     PostgresStore(self.cluster.dsn(db), init=True).close()
                 self.urls["postgres"] = self.cluster.dsn("crash")
         self.urls["file"] = os.path.join(self.work, "kill-file")
-        self.urls["sqlite"] = f"sqlite://{self.work}/kill.db"
+        self.urls["sqlite"] = f"sqlite:///{self.work}/kill.db"
 
     def cleanup(self) -> None:
         if self.cluster is not None:
@@ -573,7 +573,7 @@ class Campaign:
                 url = os.path.join(self.work, "corrupt-file")
                 stores = [FileStore(url)]
             elif s == "sqlite":
-                url = f"sqlite://{self.work}/corrupt.db"
+                url = f"sqlite:///{self.work}/corrupt.db"
                 stores = [SqliteStore(url), SqliteStore(url, chunk_size=65536)]
             else:
                 from agck.stores.postgres import PostgresStore

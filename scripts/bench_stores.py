@@ -217,7 +217,7 @@ def _bench(args, tag: str, workdir: str, admin, opened: list, log) -> int:
     files_root = os.path.join(workdir, "files")
     fs = FileStore(files_root)
     sq_path = os.path.join(workdir, "bench.db")
-    sq = SqliteStore("sqlite://" + sq_path)
+    sq = SqliteStore("sqlite:///" + sq_path)
     opened.append(sq)
     sq_admin = sqlite3.connect(sq_path, isolation_level=None)
     opened.append(sq_admin)

@@ -13,6 +13,11 @@ import secrets
 
 import pytest
 
+try:  # the codec binds torch once the process has it; test modules read its dtype tables at import
+    import torch  # noqa: F401
+except ImportError:
+    pass
+
 PG_DSN_DEFAULT = "postgresql://postgres@127.0.0.1:5432/test"
 BACKENDS = ("file", "sqlite", "postgres")
 _prefixes = itertools.count()
@@ -55,7 +60,7 @@ def make_spec(kind: str, request, tmp_path) -> tuple[str, str, dict]:
         pytest.importorskip("agck.stores.file", reason="FileStore not available")
         return kind, str(tmp_path / "store"), {}
     if kind == "sqlite":
-        return kind, f"sqlite://{tmp_path}/store.db", {}
+        return kind, f"sqlite:///{tmp_path}/store.db", {}
     dsn = request.getfixturevalue("pg_dsn")
     schema = request.getfixturevalue("pg_schema")
     return kind, dsn, {"prefix": pg_prefix(), "schema": schema, "init": True}

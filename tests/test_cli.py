@@ -165,3 +165,224 @@ def test_cli_reaches_postgres_tables_by_prefix_and_schema(pg_dsn, pg_schema, cap
     assert code == 0 and json.loads(out)["runs"][0]["step"] == 3
     code, out, _ = run_cli(capsys, "ls", url, "--run", "r", "--json")
     assert code == 0 and [r["step"] for r in json.loads(out)] == [3]
+
+
+# --- hostile or odd input: one line, the right code, nothing written that was not asked for -----------
+
+def forge(path, state, mutate):
+    """A container whose tensor descriptors ``mutate`` rewrote, with valid checksums."""
+    from agck import codec, format
+    enc = codec.encode_state(state)
+    mutate(enc.tensors)
+    m = {"run": None, "step": None, "parent": None, "meta": None, "tensors": enc.tensors, "state": enc.tree}
+    w = format.ContainerWriter(m, enc.blobs)
+    with open(path, "wb") as f:
+        for part in w.parts():
+            f.write(part)
+    return str(path)
+
+
+def broadcast(shape):
+    def mutate(tensors):
+        tensors[0]["shape"], tensors[0]["strides"] = list(shape), [0] * len(shape)
+    return mutate
+
+
+def assert_one_line(err):
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("ext", [".npz", ".safetensors", ".pt"])
+def test_export_refuses_to_expand_a_broadcast_view(tmp_path, capsys, ext):
+    huge = forge(tmp_path / "huge.agck", {"a": np.ones(1, np.float32)}, broadcast([1 << 17, 1 << 17]))
+    assert agck.load(huge).state["a"].nbytes == 64 << 30 and os.path.getsize(huge) < 1000
+    code, out, err = run_cli(capsys, "export", huge, "--to", tmp_path / f"o{ext}")
+    assert code == 2 and "--max-bytes" in err and "68719476736" in err
+    assert_one_line(err)
+    assert sorted(os.listdir(tmp_path)) == ["huge.agck"]
+
+    small = forge(tmp_path / "small.agck", {"a": np.full(1, 7, np.float32)}, broadcast([64, 64]))
+    code, _, err = run_cli(capsys, "export", small, "--to", tmp_path / f"s{ext}")
+    assert code == 2 and "16384" in err
+    code, out, _ = run_cli(capsys, "export", small, "--to", tmp_path / f"s{ext}", "--max-bytes", "16K")
+    assert code == 0 and "wrote 1 tensors" in out
+    if ext == ".npz":
+        assert np.array_equal(np.load(tmp_path / "s.npz")["a"], np.full((64, 64), 7, np.float32))
+
+
+def test_export_max_bytes_bounds_plain_checkpoints_too(tmp_path, capsys):
+    src = tmp_path / "c.agck"
+    agck.save(src, {"w": np.zeros(1000, np.float32)})
+    code, _, err = run_cli(capsys, "export", src, "--to", tmp_path / "o.npz", "--max-bytes", "100")
+    assert code == 2 and "4000 bytes" in err
+    assert not (tmp_path / "o.npz").exists()
+    assert run_cli(capsys, "export", src, "--to", tmp_path / "o.npz")[0] == 0
+    code, _, err = run_cli(capsys, "export", src, "--to", tmp_path / "o.npz", "--max-bytes", "lots")
+    assert code == 2 and "byte count" in err
+    assert_one_line(err)
+
+
+def test_export_names_both_paths_of_a_key_collision(tmp_path, capsys):
+    src = tmp_path / "c.agck"
+    agck.save(src, {"a.b": np.ones(1), "a": {"b": np.zeros(1)}, "x": [np.ones(2)], "x.0": np.zeros(2)})
+    for ext in (".npz", ".safetensors"):
+        code, _, err = run_cli(capsys, "export", src, "--to", tmp_path / f"o{ext}")
+        assert code == 2 and "state['a.b']" in err and "state['a']['b']" in err and "'a.b'" in err
+        assert_one_line(err)
+        assert not (tmp_path / f"o{ext}").exists()
+    code, _, _ = run_cli(capsys, "export", src, "--to", tmp_path / "o.pt")     # .pt keeps the structure
+    assert code == 0 and torch.load(tmp_path / "o.pt", weights_only=False)["x.0"].tolist() == [0, 0]
+
+
+def test_export_npz_takes_any_tensor_name(tmp_path, capsys):
+    src = tmp_path / "c.agck"
+    agck.save(src, {"file": np.arange(3), "allow_pickle": np.ones(2), "kwds": {"args": torch.arange(2)}})
+    code, out, _ = run_cli(capsys, "export", src, "--to", tmp_path / "O.NPZ")
+    assert code == 0 and "wrote 3 tensors" in out
+    got = np.load(tmp_path / "O.NPZ")
+    assert sorted(got.files) == ["allow_pickle", "file", "kwds.args"] and got["file"].tolist() == [0, 1, 2]
+
+
+def test_export_to_a_missing_directory_is_exit_4(tmp_path, capsys):
+    src = tmp_path / "c.agck"
+    agck.save(src, {"w": np.zeros(4)})
+    for ext in (".npz", ".safetensors", ".pt"):
+        code, _, err = run_cli(capsys, "export", src, "--to", tmp_path / "nodir" / f"o{ext}")
+        assert code == 4 and f"nodir/o{ext}: No such file or directory" in err
+        assert_one_line(err)
+    code, _, err = run_cli(capsys, "recover", str(tmp_path / "nodir"))
+    assert code == 4
+
+
+def test_show_survives_a_malformed_descriptor(tmp_path, capsys):
+    bad = forge(tmp_path / "bad.agck", {"a": np.zeros(3)}, lambda ts: ts[0].__setitem__("shape", 5))
+    code, out, err = run_cli(capsys, "show", bad)
+    assert code == 0 and "state['a']" in out and not err
+    code, out, _ = run_cli(capsys, "show", bad, "--json")
+    assert code == 0 and json.loads(out)["tensors"][0]["shape"] == 5
+    code, _, err = run_cli(capsys, "verify", bad)
+    assert code in (1, 3) and err.count("\n") <= 1
+
+
+def strict_json(text):
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+ODD_META = {b"k": 1, 2: "int key", None: "none key", 1.5: "float key", True: "bool key",
+            "nan": float("nan"), "inf": float("inf"), "ninf": float("-inf"), "b": b"\x00\x01", "ok": [1, "x"]}
+ODD_META_JSON = {"b'k'": 1, "2": "int key", "None": "none key", "1.5": "float key", "True": "bool key",
+                 "nan": {"$float": "nan"}, "inf": {"$float": "inf"}, "ninf": {"$float": "-inf"},
+                 "b": {"$bytes": "AAE="}, "ok": [1, "x"]}
+
+
+@pytest.mark.parametrize("kind", ["file", "sqlite"])
+def test_any_meta_lists_and_shows_as_strict_json(tmp_path, capsys, kind):
+    url = str(tmp_path / "st") if kind == "file" else f"sqlite:///{tmp_path}/st.db"
+    with agck.open_store(url) as s:
+        s.put("r", 1, {"x": np.arange(2)}, meta=ODD_META)
+        s.put("r", 2, {"x": np.arange(2)}, meta={"plain": 1})
+    code, out, err = run_cli(capsys, "ls", url, "--json")
+    assert code == 0 and not err
+    assert strict_json(out)[0]["meta"] == ODD_META_JSON        # the same on every backend
+    code, out, _ = run_cli(capsys, "ls", url)
+    assert code == 0 and '"nan": {"$float": "nan"}' in out and "NaN" not in out
+    code, out, _ = run_cli(capsys, "show", url, "--run", "r", "--step", "1", "--json")
+    assert code == 0 and strict_json(out)["meta"] == ODD_META_JSON
+    code, out, _ = run_cli(capsys, "show", url, "--run", "r", "--step", "1")
+    assert code == 0 and "Infinity" not in out and '{"$float": "-inf"}' in out
+
+
+@pytest.mark.parametrize("argv", [
+    ["ls", "SQL"], ["show", "SQL", "--run", "r"], ["verify", "SQL"], ["recover", "SQL"],
+    ["export", "SQL", "--run", "r", "--to", "o.npz"], ["prune", "SQL", "--run", "r", "--keep-last", "1"],
+    ["ls", "DIR"], ["verify", "DIR"], ["prune", "DIR", "--run", "r", "--keep-last", "1"],
+])
+def test_commands_never_create_a_missing_store(tmp_path, monkeypatch, capsys, argv):
+    monkeypatch.chdir(tmp_path)
+    argv = ["sqlite:///typo.db" if a == "SQL" else str(tmp_path / "typo") if a == "DIR" else a for a in argv]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 4 and "typo" in err
+    assert_one_line(err)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sqlite_url_is_relative_to_the_working_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with agck.open_store("sqlite:///rel.db") as s:
+        s.put("r", 1, {"x": 1})
+    assert (tmp_path / "rel.db").exists()
+    code, out, _ = run_cli(capsys, "ls", "sqlite:///rel.db", "--json")
+    assert code == 0 and [r["step"] for r in json.loads(out)] == [1]
+    code, out, _ = run_cli(capsys, "ls", f"sqlite:///{tmp_path}/rel.db", "--json")
+    assert code == 0 and [r["step"] for r in json.loads(out)] == [1]
+
+
+def test_stray_step_files_do_not_break_or_duplicate(store, capsys):
+    run_dir = os.path.join(store.root, "r")
+    good = open(store.path("r", 10), "rb").read()
+    for stray in ("\u00b2.agck", "\u0661.agck", "10.agck", "0000000000010.agck"):
+        with open(os.path.join(run_dir, stray), "wb") as f:
+            f.write(good)
+    code, out, err = run_cli(capsys, "recover", store.root, "--json")
+    assert code == 0 and not err
+    code, out, _ = run_cli(capsys, "ls", store.root, "--run", "r", "--json")
+    assert [r["step"] for r in json.loads(out)] == [0, 10, 20, 30, 40, 50]
+
+
+def test_unknown_run_is_exit_4_and_bad_run_name_exit_2(store, capsys):
+    for argv in (["prune", store.root, "--run", "nope", "--keep-last", "1"], ["verify", store.root, "--run", "nope"],
+                 ["recover", store.root, "--run", "nope"]):
+        code, _, err = run_cli(capsys, *argv)
+        assert code == 4 and "'nope'" in err
+    for argv in (["prune", store.root, "--run", "../x", "--keep-last", "1"], ["ls", store.root, "--run", "a/b"],
+                 ["recover", store.root, "--run", "../r"]):
+        code, _, err = run_cli(capsys, *argv)
+        assert code == 2 and "invalid run name" in err
+    code, _, err = run_cli(capsys, "show", store.path("r", 10), "--step", "3")
+    assert code == 2 and "is a file" in err
+
+
+@pytest.mark.parametrize("argv, code, needle", [
+    (["ls", "postgresql://postgres:s3cret@127.0.0.1:1/test"], 4, "Is the server running"),
+    (["ls", "host=127.0.0.1 port=1 user=postgres password=s3cret dbname=test"], 4, "port 1 failed"),
+    (["ls", "host=127.0.0.1 port=1 password='s3cret and more'"], 4, "password=***"),
+    (["ls", "postgresql://u:s3cret@[::1"], 4, "invalid Postgres URL"),
+    (["db", "status", "postgresql://u:s3cret@[::1/test?agck_prefix=p"], 4, "invalid Postgres URL"),
+    (["ls", "STORE", "password=s3cret"], 2, "unrecognized arguments"),
+    (["db", "status", "sqlite:///x.db"], 2, "postgresql://"),
+    (["show", "STORE", "--run", "r", "--step", "99999999999999999999"], 2, "invalid step"),
+    (["export", "STORE", "--run", "r", "--to", "out.txt"], 2, "unknown export format"),
+    (["ls", "sqlite://host/x.db"], 4, "sqlite:////abs/path.db"),
+])
+def test_more_bad_input_is_one_line_without_traceback(store, tmp_path, argv, code, needle):
+    argv = [str(store.root) if a == "STORE" else a for a in argv]
+    p = subprocess.run([sys.executable, "-m", "agck.cli", *argv], capture_output=True, text=True, timeout=60,
+                       cwd=tmp_path, env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(
+                           os.path.abspath(agck.__file__)))))
+    assert p.returncode == code, p.stderr
+    assert_one_line(p.stderr)
+    assert "s3cret" not in p.stderr + p.stdout
+    assert needle in p.stderr
+
+
+@pytest.mark.postgres
+def test_db_takes_the_prefix_in_the_url_and_its_hints_run_verbatim(pg_dsn, pg_schema, capsys):
+    import shlex
+    from conftest import pg_prefix
+    prefix = pg_prefix()
+    sep = "&" if "?" in pg_dsn else "?"
+    url = f"{pg_dsn}{sep}agck_prefix={prefix}&agck_schema={pg_schema}"
+    code, out, err = run_cli(capsys, "db", "status", url, "--json")
+    assert code == 0 and json.loads(out)["state"] == "uninitialized" and json.loads(out)["prefix"] == prefix
+    code, _, err = run_cli(capsys, "ls", url)
+    assert code == 4 and "agck db init" in err
+    assert_one_line(err)
+    command = shlex.split(err.split("`")[1])
+    assert command[:3] == ["agck", "db", "init"]
+    assert run_cli(capsys, *command[1:])[0] == 0
+    code, out, _ = run_cli(capsys, "ls", url, "--json")
+    assert code == 0 and json.loads(out) == []
+    code, _, err = run_cli(capsys, "db", "status", url, "--prefix", "other")
+    assert code == 2 and "disagrees" in err

@@ -412,7 +412,7 @@ def test_db_orphans(db):
 
 @pytest.mark.parametrize("point", ["before_insert", "before_commit"])
 def test_sqlite_fail_points(tmp_path, point):
-    s = open_store(f"sqlite://{tmp_path}/f.db")
+    s = open_store(f"sqlite:///{tmp_path}/f.db")
     s.put("r", 1, state_for(1))
     failpoints.configure(f"sqlite.{point}=raise")
     try:
@@ -430,26 +430,26 @@ def test_sqlite_fail_points(tmp_path, point):
 
 def test_sqlite_urls(tmp_path):
     from agck.stores.sqlite import SqliteStore
-    s = open_store(f"sqlite://{tmp_path}/a.db")
-    assert isinstance(s, SqliteStore) and s.path == f"{tmp_path}/a.db" and s.url == f"sqlite://{tmp_path}/a.db"
+    s = open_store(f"sqlite:///{tmp_path}/a.db")
+    assert isinstance(s, SqliteStore) and s.path == f"{tmp_path}/a.db" and s.url == f"sqlite:///{tmp_path}/a.db"
     assert s._conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert s._conn.execute("PRAGMA synchronous").fetchone()[0] == 2     # FULL
     m = open_store("sqlite:///:memory:")
     m.put("r", 1, state_for(1))
     assert_state(m.read("r", 1), 1)
     with pytest.raises(StoreConnectionError):
-        open_store(f"sqlite://{tmp_path}/no/such/dir/a.db")
+        open_store(f"sqlite:///{tmp_path}/no/such/dir/a.db")
     (tmp_path / "junk.db").write_bytes(b"not a database" * 100)
     with pytest.raises(StoreConnectionError):
-        open_store(f"sqlite://{tmp_path}/junk.db")
+        open_store(f"sqlite:///{tmp_path}/junk.db")
 
 
 def test_sqlite_schema_version(tmp_path):
-    s = open_store(f"sqlite://{tmp_path}/v.db")
+    s = open_store(f"sqlite:///{tmp_path}/v.db")
     s._conn.execute("UPDATE agck_schema_version SET version = 99")
     s.close()
     with pytest.raises(SchemaMismatchError):
-        open_store(f"sqlite://{tmp_path}/v.db")
+        open_store(f"sqlite:///{tmp_path}/v.db")
 
 
 # --- Postgres only ------------------------------------------------------------------------------
@@ -598,6 +598,7 @@ def test_pg_schema_version_mismatch(pg, pg_dsn):
     "postgresql://postgres@127.0.0.1:1/test?password=S3cretPw0rd",
     "postgres://u:S3cret%40Pw0rd@127.0.0.1:1/test",
     "host=127.0.0.1 port=1 user=u password=S3cretPw0rd dbname=test",
+    "host=127.0.0.1 port=1 user=u password = 'S3cretPw0rd' dbname=test",
 ])
 def test_pg_connection_errors_hide_the_password(dsn):
     pytest.importorskip("psycopg2")
@@ -608,6 +609,7 @@ def test_pg_connection_errors_hide_the_password(dsn):
         assert secret not in str(e.value) and secret not in (e.value.ref or "")
         assert secret not in redact_dsn(dsn)
     assert e.value.__cause__ is None
+    assert "\n" not in str(e.value)          # libpq's own message spans two lines
 
 
 def test_pg_url_is_password_free(pg_dsn, pg_schema):
@@ -627,7 +629,7 @@ def test_pg_identifiers_validated(pg_dsn):
 
 
 def test_pg_meta_jsonb(pg):
-    pg.put("r", 1, state_for(1), meta={"lr": 0.1, "b": b"\x01\x02", 3: [1, (2, 3)], "nan": float("nan"),
+    pg.put("r", 1, state_for(1), meta={"lr": 0.1, "b": b"\x01\x02", 3: [1, [2, 3]], "nan": float("nan"),
                                        "nul": "a\x00b"})
     info = pg.list("r")[0]
     assert info.meta == {"lr": 0.1, "b": {"$bytes": "AQI="}, "3": [1, [2, 3]], "nan": {"$float": "nan"},
@@ -641,3 +643,156 @@ def test_pg_storage_external(pg):
     (storage,) = pg._query("SELECT attstorage FROM pg_attribute WHERE attrelid = %s::regclass "
                            "AND attname = 'data'", (pg.names.chunks,))[0]
     assert storage == "e"
+
+
+# --- names, URLs and opening without creating -----------------------------------------------------
+
+def test_numpy_integer_steps_are_plain_ints(store):
+    ref = store.put("r", np.int64(3), state_for(3), parent=np.int32(2))
+    assert ref == store.ref("r", 3) == store.ref("r", np.uint8(3))
+    assert store.steps("r") == [3] and type(store.steps("r")[0]) is int
+    ck = store.read("r", np.int64(3))
+    assert type(ck.step) is int and ck.step == 3 and ck.parent == 2 and type(ck.parent) is int
+    assert_state(ck, 3)
+    assert store.get("r", np.int16(3)).step == 3
+    info = store.list("r")[0]
+    assert type(info.step) is int and info.parent == 2
+    store.delete("r", np.int64(3))
+    assert store.steps("r") == []
+
+
+def test_file_store_lists_only_canonical_step_names(tmp_path):
+    from agck.recovery import recover_run
+    s = open_store(tmp_path / "st")
+    s.put("r", 1, state_for(1))
+    s.put("r", 12, state_for(12))
+    run_dir = tmp_path / "st" / "r"
+    good = (run_dir / "000000000001.agck").read_bytes()
+    for stray in ("1.agck", "0000000000001.agck", "\u00b2.agck", "\u0661.agck", "000000000\u0662\u0663\u0664.agck",
+                  "abc.agck", "000000000001.agck.bak", "-00000000001.agck", "000000000001.AGCK"):
+        (run_dir / stray).write_bytes(good)
+    (tmp_path / "st" / "a b").mkdir()                  # not a run name: not a run
+    (tmp_path / "st" / ".git").mkdir()
+    assert s.runs() == ["r"]
+    assert s.steps("r") == [1, 12]
+    assert [(i.run, i.step) for i in s.list()] == [("r", 1), ("r", 12)]
+    assert recover_run(s, "r").step == 12
+    assert s.orphans() == []                            # strays are not leftovers of writes: never cleaned
+    big = (1 << 63) - 1
+    s.put("r", big, state_for(0))
+    assert s.steps("r") == [1, 12, big]
+
+
+def test_identifiers_are_matched_whole(tmp_path):
+    from agck.stores.sqlrows import check_identifier
+    for bad in ("abc\n", "abc\n\n", "\nabc", "ab\u0131", "abc\x00"):
+        with pytest.raises(StoreError):
+            check_identifier(bad, "table prefix")
+        with pytest.raises(StoreError):
+            open_store(f"sqlite:///{tmp_path}/i.db", prefix=bad)
+    assert check_identifier("abc_1", "table prefix") == "abc_1"
+
+
+def test_sqlite_urls_follow_sqlalchemy(tmp_path, monkeypatch):
+    from agck.stores.sqlite import SqliteStore, sqlite_path
+    monkeypatch.chdir(tmp_path)
+    assert sqlite_path("sqlite:///rel.db") == "rel.db"
+    assert sqlite_path("sqlite:////abs/x.db") == "/abs/x.db"
+    assert sqlite_path("sqlite:///sub/x.db") == "sub/x.db"
+    assert sqlite_path("sqlite:rel.db") == "rel.db"
+    assert sqlite_path("sqlite:///:memory:") == ":memory:"
+    s = open_store("sqlite:///rel.db")
+    assert s.path == str(tmp_path / "rel.db") and (tmp_path / "rel.db").exists()
+    assert s.url == f"sqlite:///{tmp_path}/rel.db" and s.url.startswith("sqlite:////")
+    s.put("r", 1, state_for(1))
+    s.close()
+    with open_store(s.url) as again:                    # store.url opens the same database from anywhere
+        assert isinstance(again, SqliteStore) and again.path == s.path and again.steps("r") == [1]
+    for bad in ("sqlite://host/x.db", "sqlite://x.db", "sqlite://", "sqlite:///"):
+        with pytest.raises(StoreConnectionError) as e:
+            open_store(bad)
+        assert "sqlite:////abs/path.db" in str(e.value)
+
+
+def test_opening_without_create_creates_nothing(tmp_path):
+    for url in (f"sqlite:///{tmp_path}/typo.db", str(tmp_path / "typo"), f"file://{tmp_path}/typo"):
+        with pytest.raises(StoreConnectionError):
+            open_store(url, create=False)
+    assert list(tmp_path.iterdir()) == []
+    other = tmp_path / "other.db"
+    sqlite3.connect(other).execute("CREATE TABLE t (x)")
+    with pytest.raises(StoreConnectionError) as e:
+        open_store(f"sqlite:///{other}", create=False)
+    assert "no agck tables" in str(e.value)
+    tables = [n for (n,) in sqlite3.connect(other).execute("SELECT name FROM sqlite_master")]
+    assert tables == ["t"]
+    assert sqlite3.connect(other).execute("PRAGMA journal_mode").fetchone()[0] != "wal"
+    with pytest.raises(StoreConnectionError):
+        open_store("sqlite:///:memory:", create=False)
+    open_store(f"sqlite:///{tmp_path}/made.db").close()
+    with open_store(f"sqlite:///{tmp_path}/made.db", create=False) as s:
+        assert s.runs() == []
+
+
+# --- DSNs ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dsn, secret", [
+    ("host=h port=1 password=S3cret dbname=d", "S3cret"),
+    ("host=h password = 'S3 cr\\'et' dbname=d", "S3 cr'et"),
+    ("host=h password=S3\\ cret dbname=d", "S3 cret"),
+    ("password='S3cret", "S3cret"),
+    ("postgresql://u:S3cret@[::1", "S3cret"),
+    ("postgresql://u:S3%2Fcret@h/db?password=Other&sslmode=require", "S3/cret"),
+])
+def test_redact_dsn_every_form(dsn, secret):
+    from agck.stores import dsn_secrets, redact_dsn
+    red = redact_dsn(dsn)
+    for s in (secret, "S3cret", "Other", "cret"):
+        assert s not in red
+    assert secret in dsn_secrets(dsn) or secret.replace("/", "%2F") in dsn_secrets(dsn)
+    if "://" not in dsn:
+        assert red.startswith(dsn[:6])
+
+
+def test_agck_params_leave_the_rest_of_the_dsn_as_written():
+    from agck.stores import split_agck_params
+    url = "postgresql://u@h/db?options=-c%20search_path%3Dx&agck_prefix=p&agck_schema=s"
+    assert split_agck_params(url) == ("postgresql://u@h/db?options=-c%20search_path%3Dx",
+                                      {"prefix": "p", "schema": "s"})
+    assert split_agck_params("host=h agck_prefix='p' dbname=d") == ("host=h dbname=d", {"prefix": "p"})
+    assert split_agck_params("host=h dbname=d") == ("host=h dbname=d", {})
+
+
+@pytest.mark.parametrize("dsn", [
+    "postgresql://u:S3cretPw0rd@[::1",
+    "postgresql://u:S3cretPw0rd@[::1/db?agck_prefix=p",
+    "host=127.0.0.1 port=1 user=u password='S3cret Pw0rd' dbname=test",
+    "host=127.0.0.1 port=1 user=u password=S3cret\\ Pw0rd dbname=test",
+])
+def test_pg_bad_dsns_are_one_line_errors_without_the_password(dsn):
+    pytest.importorskip("psycopg2")
+    with pytest.raises(StoreConnectionError) as e:
+        open_store(dsn, connect_timeout=3)
+    text = str(e.value) + (e.value.ref or "")
+    assert "S3cret" not in text and "Pw0rd" not in text and "\n" not in text
+
+
+def test_pg_schema_hint_is_a_command_that_runs(pg_dsn, pg_schema):
+    import shlex
+
+    import psycopg2.extensions
+
+    from agck.cli import main
+    from agck.stores.postgres import PostgresStore
+    params = psycopg2.extensions.parse_dsn(pg_dsn)
+    if "password" in params:
+        pytest.skip("the hint leaves the password out; this server needs one")
+    kv = " ".join(f"{k}={v}" for k, v in params.items()) + " password='not used'"   # trust auth ignores it
+    prefix = pg_prefix()
+    with pytest.raises(SchemaUninitializedError) as e:
+        PostgresStore(kv, prefix=prefix, schema=pg_schema)
+    hint = e.value.hint
+    assert "***" not in hint and "not used" not in hint and "with the password added" in hint
+    argv = shlex.split(hint.split("`")[1])
+    assert argv[:3] == ["agck", "db", "init"] and main(argv[1:]) == 0
+    PostgresStore(kv, prefix=prefix, schema=pg_schema).close()

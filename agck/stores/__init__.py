@@ -1,57 +1,60 @@
 """Stores: where checkpoints live. ``open_store(url)`` picks the backend.
 
     ckpts/ or file:///abs/path        embedded default: a directory of .agck files
-    sqlite:///path/to.db              SQLite (WAL, synchronous=FULL)
+    sqlite:///relative/to.db          SQLite (WAL, synchronous=FULL), path relative to the
+    sqlite:////abs/path/to.db         working directory; four slashes for an absolute path
     postgresql://user@host/db         Postgres (bytea chunks over binary COPY);
                                       ?agck_prefix=P&agck_schema=S pick the tables
+    'host=h dbname=db ...'            Postgres, as a libpq key=value string (agck_prefix=P
+                                      and agck_schema=S are taken here too)
+
+``create=False`` opens only an existing store (the file and SQLite stores
+otherwise create a missing one; Postgres creates tables only with ``init=True``).
 """
 
 from __future__ import annotations
 
 import os
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from ..errors import StoreConnectionError
+from ..errors import DependencyError, StoreConnectionError
 from .base import CheckpointInfo, Rejection, Store, check_run, check_step
+from .sqlrows import dsn_secrets, dsn_without_password, is_kv_dsn, redact_dsn, split_agck_params
 
-__all__ = ["open_store", "Store", "CheckpointInfo", "Rejection", "check_run", "check_step"]
+__all__ = ["open_store", "Store", "CheckpointInfo", "Rejection", "check_run", "check_step", "redact_dsn",
+           "dsn_secrets", "dsn_without_password", "is_kv_dsn", "split_agck_params"]
+
+_URL_HINT = "use a directory path, sqlite:///relative.db, sqlite:////abs/path.db or postgresql://..."
 
 
-def open_store(url, **options) -> Store:
-    """Open a store by URL (or return ``url`` itself if it is already a Store)."""
+def open_store(url, *, create: bool = True, **options) -> Store:
+    """Open a store by URL (or return ``url`` itself if it is already a Store).
+    ``create=False``: a missing store is a StoreConnectionError, never created."""
     if isinstance(url, Store):
         return url
     if isinstance(url, os.PathLike):
         url = os.fspath(url)
     if not isinstance(url, str) or not url:
-        raise StoreConnectionError(f"not a store URL: {url!r}",
-                                   hint="use a directory path, sqlite:///file.db or postgresql://...")
-    if url.startswith(("postgresql:", "postgres:")):
-        from .postgres import PostgresStore
-        url, own = _split_agck_params(url)
+        raise StoreConnectionError(f"not a store URL: {url!r}", hint=_URL_HINT)
+    if url.startswith(("postgresql:", "postgres:")) or (not os.path.exists(url) and is_kv_dsn(url)):
+        PostgresStore = postgres_store_class()
+        url, own = split_agck_params(url)
         return PostgresStore(url, **{**own, **options})
     if url.startswith("sqlite:"):
         from .sqlite import SqliteStore
-        return SqliteStore(url, **options)
+        return SqliteStore(url, create=create, **options)
     if url.startswith("file://"):
         url = url[len("file://"):]
     elif "://" in url:
-        raise StoreConnectionError(f"unknown store scheme in {url.split('://')[0]!r}",
-                                   hint="use a directory path, file://, sqlite:/// or postgresql://")
+        raise StoreConnectionError(f"unknown store scheme {url.split('://')[0]!r}", hint=_URL_HINT)
     from .file import FileStore
-    return FileStore(url, **options)
+    return FileStore(url, create=create, **options)
 
 
-def _split_agck_params(url: str) -> tuple[str, dict]:
-    """``?agck_prefix=p&agck_schema=s`` in a Postgres URL choose the tables (so the
-    CLI can reach them); they are removed before the URL reaches libpq."""
-    parts = urlsplit(url)
-    keep, own = [], {}
-    for k, v in parse_qsl(parts.query, keep_blank_values=True):
-        if k in ("agck_prefix", "agck_schema"):
-            own[k[len("agck_"):]] = v
-        else:
-            keep.append((k, v))
-    if not own:
-        return url, {}
-    return urlunsplit(parts._replace(query=urlencode(keep))), own
+def postgres_store_class():
+    """PostgresStore; a DependencyError when psycopg2 cannot be imported here."""
+    try:
+        from .postgres import PostgresStore
+    except ImportError as e:
+        raise DependencyError(f"Postgres stores need psycopg2, which cannot be imported here ({e})",
+                              hint="pip install psycopg2-binary") from None
+    return PostgresStore

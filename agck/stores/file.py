@@ -6,20 +6,25 @@ One container per checkpoint, written by :mod:`agck.durable` (temp file,
 fsync, rename, fsync of the directory); a new run directory is made durable
 by fsync'ing the root after mkdir. Loads are mmap'd (private, copy-on-write)
 and zero-copy. Temp files left by a crash are listed by :meth:`orphans`.
+Other files (another spelling of a step's name, notes, other tools' files) are ignored.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shlex
 from typing import Any
 
 from .. import checkpoint, durable
 from ..checkpoint import Checkpoint
-from ..errors import AgckError, CheckpointNotFoundError, DurabilityError, StoreConnectionError
+from ..errors import AgckError, CheckpointNotFoundError, DurabilityError, InvalidRunNameError, StoreConnectionError
+from ..names import MAX_STEP
 from .base import CheckpointInfo, Store, check_identity, check_run, check_step
 
 SUFFIX = ".agck"
 _STEP_DIGITS = 12
+_STEP_NAME_RE = re.compile(r"[0-9]{12,19}\.agck", re.ASCII)
 
 
 def step_filename(step: int) -> str:
@@ -27,10 +32,12 @@ def step_filename(step: int) -> str:
 
 
 def parse_step_filename(name: str) -> int | None:
-    if not name.endswith(SUFFIX) or name.startswith("."):
+    """The step a file holds, for the canonical name only (``step_filename``): another
+    spelling of a step (``1.agck``, other digits) would list one checkpoint twice."""
+    if not _STEP_NAME_RE.fullmatch(name):
         return None
-    stem = name[: -len(SUFFIX)]
-    return int(stem) if stem.isdigit() else None
+    step = int(name[: -len(SUFFIX)])
+    return step if step <= MAX_STEP and step_filename(step) == name else None
 
 
 class FileStore(Store):
@@ -61,6 +68,9 @@ class FileStore(Store):
     # -- writing ---------------------------------------------------------------
     def put(self, run: str, step: int, state: Any, *, meta: Any = None, parent: int | None = None,
             overwrite: bool = True) -> str:
+        step = check_step(step)
+        if parent is not None:
+            parent = check_step(parent, "parent")
         path = self.path(run, step)
         w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta)
         self._ensure_run_dir(os.path.dirname(path))
@@ -82,6 +92,7 @@ class FileStore(Store):
             raise DurabilityError(f"fsync of the store directory failed: {e.strerror}", ref=self.root) from None
 
     def delete(self, run: str, step: int) -> None:
+        step = check_step(step)
         path = self.path(run, step)
         try:
             self.fs.unlink(path)
@@ -95,12 +106,12 @@ class FileStore(Store):
             names = os.listdir(self.root)
         except OSError as e:
             raise StoreConnectionError(f"cannot list the store: {e.strerror}", ref=self.root) from None
-        return sorted(n for n in names if not n.startswith(".") and os.path.isdir(os.path.join(self.root, n)))
+        return sorted(n for n in names if _is_run_name(n) and os.path.isdir(os.path.join(self.root, n)))
 
     def steps(self, run: str) -> list[int]:
         try:
             names = os.listdir(self._run_dir(run))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
         return sorted(s for s in map(parse_step_filename, names) if s is not None)
 
@@ -122,10 +133,11 @@ class FileStore(Store):
         return out
 
     def read(self, run: str, step: int, *, verify: bool = True, map_location=None) -> Checkpoint:
+        step = check_step(step)
         path = self.path(run, step)
         if not os.path.exists(path):
             raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=path,
-                                          hint=f"`agck ls {self.root} --run {run}` lists the steps")
+                                          hint=f"`agck ls {shlex.quote(self.root)} --run {run}` lists the steps")
         ck = checkpoint.load(path, verify=verify, mmap=True, map_location=map_location)
         check_identity(ck, run, step, path)
         return ck
@@ -153,3 +165,12 @@ class FileStore(Store):
         for d in {os.path.dirname(p) for p in removed}:
             self.fs.fsync_dir(d)
         return removed
+
+
+def _is_run_name(name: str) -> bool:
+    """Directories whose names are not run names (``.git``, ``a b``) are not runs."""
+    try:
+        check_run(name)
+        return True
+    except InvalidRunNameError:
+        return False

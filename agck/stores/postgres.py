@@ -29,11 +29,10 @@ Passwords never appear in ``store.url`` or in error messages.
 from __future__ import annotations
 
 import os
-import re
+import shlex
 import struct
 import threading
 from typing import Any, Callable
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 import psycopg2
 import psycopg2.errors
@@ -47,8 +46,9 @@ from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError,
                       StoreError)
 from ..memory import new_buffer
 from .base import CheckpointInfo, Store, check_identity, check_run, check_step
-from .sqlrows import (DEFAULT_CHUNK_SIZE, check_chunk_size, check_identifier, chunk_plan, meta_json_text,
-                      check_checksum, manifest_checksum, nchunks_for, split_chunks, sql_row)
+from .sqlrows import (DEFAULT_CHUNK_SIZE, check_chunk_size, check_checksum, check_identifier, chunk_plan,
+                      dsn_secrets, dsn_without_password, manifest_checksum, meta_json_text, nchunks_for,
+                      redact_dsn, split_chunks, sql_row)
 
 SCHEMA_VERSION = 1
 
@@ -69,53 +69,25 @@ _I32 = struct.Struct("!i")
 _ROW_TAIL = struct.Struct("!iqiii")    # step (len, int8), idx (len, int4), data length
 
 
-# --- DSNs without secrets ------------------------------------------------------------
+# --- messages without secrets ------------------------------------------------------------
 
-def _dsn_secrets(dsn: str) -> list[str]:
-    """Every spelling of the password a DSN carries, to scrub from any text we show."""
-    found = []
+def _secrets(dsn: str) -> list[str]:
+    """The password's spellings in ``dsn``, as agck reads it and as libpq does."""
+    found = dsn_secrets(dsn)
     try:
         pw = psycopg2.extensions.parse_dsn(dsn).get("password")
-        if pw:
-            found.append(pw)
-    except Exception:
-        pass
-    if "://" in dsn:
-        netloc = urlsplit(dsn).netloc
-        userinfo = netloc.rpartition("@")[0]
-        if ":" in userinfo:
-            raw = userinfo.split(":", 1)[1]
-            found += [raw, unquote(raw)]
-        for k, v in parse_qsl(urlsplit(dsn).query, keep_blank_values=True):
-            if k == "password":
-                found += [v]
-    else:
-        for m in re.finditer(r"password\s*=\s*('(?:[^'\\]|\\.)*'|\S+)", dsn):
-            found += [m.group(1), m.group(1).strip("'")]
-    return sorted({s for s in found if s}, key=len, reverse=True)
-
-
-def redact_dsn(dsn: str) -> str:
-    """The DSN with any password removed (URI userinfo, ``?password=``, ``password=...``)."""
-    if "://" in dsn:
-        parts = urlsplit(dsn)
-        userinfo, at, hosts = parts.netloc.rpartition("@")
-        if at:
-            userinfo = userinfo.split(":", 1)[0]
-            netloc = f"{userinfo}@{hosts}" if userinfo else hosts
-        else:
-            netloc = hosts
-        query = urlencode([(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "password"])
-        # built by hand: urlunsplit drops the empty host of postgresql:///db
-        return (f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
-                + (f"#{parts.fragment}" if parts.fragment else ""))
-    return re.sub(r"password\s*=\s*('(?:[^'\\]|\\.)*'|\S+)", "password=***", dsn)
+    except psycopg2.Error:
+        pw = None
+    return sorted(set(found) | ({pw} if pw else set()), key=len, reverse=True)
 
 
 def _scrub(text: str, secrets: list[str]) -> str:
+    """``text`` without the password, on one line: libpq's messages span several
+    (a hint on the next, or the query echoed with a caret under it)."""
     for s in secrets:
         text = text.replace(s, "***")
-    return text.strip()
+    lines = [ln.strip() for ln in text.splitlines()]
+    return " ".join(ln for ln in lines if ln and not ln.startswith("LINE ") and set(ln) != {"^"})
 
 
 # --- the binary COPY streams -------------------------------------------------------------
@@ -341,7 +313,7 @@ class PostgresStore(Store):
             raise StoreConnectionError(f"not a Postgres URL: {type(url).__name__}",
                                        hint="use postgresql://user@host:port/dbname")
         self._dsn = url
-        self._secrets = _dsn_secrets(url)
+        self._secrets = _secrets(url)
         self.url = redact_dsn(url)
         self.prefix = check_identifier(prefix, "table prefix")
         self.schema = check_identifier(schema, "schema name") if schema is not None else None
@@ -403,8 +375,18 @@ class PostgresStore(Store):
             return StoreConnectionError(f"{what}: lost the connection to Postgres ({msg})", ref=ref)
         if isinstance(e, psycopg2.errors.UndefinedTable):
             return SchemaUninitializedError(f"{what}: {msg}", ref=ref,
-                                            hint=f"run `agck db init {self.url}` (or store.init_schema())")
+                                            hint=self._db_hint("init", "or call store.init_schema()"))
         return cls(f"{what}: {msg}", ref=ref)
+
+    def _db_hint(self, action: str, alternative: str | None = None) -> str:
+        """An ``agck db`` command for these very tables, quoted for a shell, to run as shown."""
+        cmd = f"agck db {action} {shlex.quote(dsn_without_password(self._dsn))}"
+        if self.prefix != "agck":
+            cmd += f" --prefix {self.prefix}"
+        if self.schema:
+            cmd += f" --schema {self.schema}"
+        text = f"run `{cmd}`" + (" with the password added" if self._secrets else "")
+        return f"{text}, {alternative}" if alternative else text
 
     def close(self) -> None:
         with self._lock:
@@ -455,10 +437,10 @@ class PostgresStore(Store):
             detail = "" if st["state"] == "uninitialized" else f" (missing {', '.join(st['missing_tables'])})"
             raise SchemaUninitializedError(f"no agck schema with prefix {self.prefix!r} in this database{detail}",
                                            ref=where,
-                                           hint=f"run `agck db init {self.url}` (or open with init=True)")
+                                           hint=self._db_hint("init", "or open with init=True"))
         if st["state"] == "outdated":
             raise SchemaMismatchError(f"schema version {st['version']}, this agck uses {SCHEMA_VERSION}", ref=where,
-                                      hint=f"run `agck db migrate {self.url}`")
+                                      hint=self._db_hint("migrate"))
         raise SchemaMismatchError(f"schema version {st['version']} is newer than this agck's {SCHEMA_VERSION}",
                                   ref=where, hint="upgrade agck to the version that created this schema")
 
@@ -506,7 +488,7 @@ class PostgresStore(Store):
                 elif version != SCHEMA_VERSION:
                     raise SchemaMismatchError(
                         f"schema version {version} exists, this agck uses {SCHEMA_VERSION}", ref=n.label,
-                        hint=f"run `agck db migrate {self.url}`" if version < SCHEMA_VERSION
+                        hint=self._db_hint("migrate") if version < SCHEMA_VERSION
                         else "upgrade agck to the version that created this schema")
                 cur.execute("COMMIT")
             except BaseException as e:
@@ -528,7 +510,7 @@ class PostgresStore(Store):
                 version, missing = self._read_version(cur)
                 if version is None:
                     raise SchemaUninitializedError(f"no agck schema with prefix {self.prefix!r} to migrate",
-                                                   ref=n.label, hint=f"run `agck db init {self.url}`")
+                                                   ref=n.label, hint=self._db_hint("init"))
                 if version > SCHEMA_VERSION:
                     raise SchemaMismatchError(f"schema version {version} is newer than this agck's "
                                               f"{SCHEMA_VERSION}", ref=n.label,
@@ -567,12 +549,12 @@ class PostgresStore(Store):
         """Write a checkpoint in one transaction (see the module docstring).
 
         The manifest's ``meta`` column is the JSONB form of ``meta`` described in
-        :func:`agck.stores.sqlite.meta_to_json` (bytes as ``{"$bytes": base64}``,
+        :func:`agck.stores.sqlrows.meta_to_json` (bytes as ``{"$bytes": base64}``,
         non-string keys as strings); ``read().meta`` is always the exact value."""
         check_run(run)
-        check_step(step)
+        step = check_step(step)
         if parent is not None:
-            check_step(parent)
+            parent = check_step(parent, "parent")
         w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta)
         meta_text = meta_json_text(meta)
         total = w.total_len
@@ -637,6 +619,7 @@ class PostgresStore(Store):
         return cur.fetchone() is not None
 
     def delete(self, run: str, step: int) -> None:
+        step = check_step(step)
         ref = self.ref(run, step)
         with self._lock:
             cur = self._cursor()
@@ -679,6 +662,7 @@ class PostgresStore(Store):
                 for r, s, size, created, parent, meta, checksum in rows]
 
     def read(self, run: str, step: int, *, verify: bool = True, map_location=None) -> Checkpoint:
+        step = check_step(step)
         ref = self.ref(run, step)
         n = self.names
         chunk_ref = lambda i: self._chunk_ref(run, step, i)  # noqa: E731

@@ -1,6 +1,7 @@
 """SQLite store: checkpoints as chunk rows plus a manifest row in one database file.
 
-    sqlite:///abs/path/to.db     (the path is whatever follows "sqlite://", as for file://)
+    sqlite:///relative/to.db     relative to the working directory (SQLAlchemy's convention)
+    sqlite:////abs/path/to.db    absolute: four slashes
     sqlite:relative/to.db
     sqlite:///:memory:           (one process only; gone on close)
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import urllib.parse
 from contextlib import contextmanager
 from typing import Any
 
@@ -44,15 +46,17 @@ SCHEMA_VERSION = 1
 # --- the store ---------------------------------------------------------------------
 
 def sqlite_path(url: str) -> str:
-    """``sqlite:///abs.db`` -> ``/abs.db``; ``sqlite:rel.db`` -> ``rel.db``; a plain path is itself."""
-    if url.startswith("sqlite:"):
-        rest = url[len("sqlite:"):]
-        if rest.startswith("//"):
-            rest = rest[2:]
-        if rest in ("/:memory:", ":memory:"):
-            return ":memory:"
-        return rest
-    return url
+    """As SQLAlchemy reads them: ``sqlite:///rel.db`` -> ``rel.db``, ``sqlite:////abs.db`` ->
+    ``/abs.db``; also ``sqlite:rel.db`` -> ``rel.db``; a plain path is itself."""
+    if not url.startswith("sqlite:"):
+        return url
+    rest = url[len("sqlite:"):]
+    if rest.startswith("//"):
+        host, _, rest = rest[2:].partition("/")
+        if host:
+            raise StoreConnectionError(f"a SQLite URL names no host, but {url!r} has {host!r}",
+                                       hint="use sqlite:///relative/path.db or sqlite:////abs/path.db")
+    return ":memory:" if rest == ":memory:" else rest
 
 
 @contextmanager
@@ -75,28 +79,38 @@ class SqliteStore(Store):
     """Checkpoints in one SQLite database file; safe to share between threads and processes."""
 
     def __init__(self, url: str | os.PathLike, *, prefix: str = "agck", chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 busy_timeout: float = 30.0):
+                 busy_timeout: float = 30.0, create: bool = True):
         super().__init__()
         url = os.fspath(url)
         self.path = sqlite_path(url)
         if not self.path:
-            raise StoreConnectionError(f"no database path in {url!r}", hint="use sqlite:///path/to.db")
+            raise StoreConnectionError(f"no database path in {url!r}",
+                                       hint="use sqlite:///relative/path.db or sqlite:////abs/path.db")
         if self.path != ":memory:":
             self.path = os.path.abspath(self.path)
-        self.url = "sqlite:///:memory:" if self.path == ":memory:" else "sqlite://" + self.path
+        self.url = "sqlite:///:memory:" if self.path == ":memory:" else "sqlite:///" + self.path
         self.prefix = check_identifier(prefix, "table prefix")
         self.chunk_size = check_chunk_size(chunk_size)
         p = self.prefix
         self._t_version, self._t_manifest, self._t_chunks = f"{p}_schema_version", f"{p}_manifest", f"{p}_chunks"
         self._owner_pid = os.getpid()
+        target, uri = self.path, False
+        if not create and self.path != ":memory:":
+            if not os.path.isfile(self.path):
+                raise StoreConnectionError("no such database file", ref=self.path,
+                                           hint="check the path: sqlite:///relative/path.db or sqlite:////abs/path.db")
+            target, uri = "file:" + urllib.parse.quote(self.path) + "?mode=rw", True  # mode=rw never creates
         try:
-            self._conn = sqlite3.connect(self.path, timeout=busy_timeout, isolation_level=None,
-                                         check_same_thread=False)
+            self._conn = sqlite3.connect(target, timeout=busy_timeout, isolation_level=None,
+                                         check_same_thread=False, uri=uri)
         except sqlite3.Error as e:
             raise StoreConnectionError(f"cannot open the database: {e}", ref=self.path) from None
         try:
             c = self._conn
             c.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+            if not create and self._version() is None:
+                raise StoreConnectionError(f"no agck tables with prefix {self.prefix!r} in this database",
+                                           ref=self.path, hint="check the path and the prefix")
             if self.path != ":memory:":
                 mode = c.execute("PRAGMA journal_mode = WAL").fetchone()[0]
                 if str(mode).lower() != "wal":
@@ -160,9 +174,9 @@ class SqliteStore(Store):
     def put(self, run: str, step: int, state: Any, *, meta: Any = None, parent: int | None = None,
             overwrite: bool = True) -> str:
         check_run(run)
-        check_step(step)
+        step = check_step(step)
         if parent is not None:
-            check_step(parent)
+            parent = check_step(parent, "parent")
         w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta)
         meta_text = meta_json_text(meta)
         total = w.total_len
@@ -235,6 +249,7 @@ class SqliteStore(Store):
         return cur_idx + 1
 
     def delete(self, run: str, step: int) -> None:
+        step = check_step(step)
         ref = self.ref(run, step)
         with self._lock:
             c = self._db()
@@ -281,6 +296,7 @@ class SqliteStore(Store):
         return out
 
     def read(self, run: str, step: int, *, verify: bool = True, map_location=None) -> Checkpoint:
+        step = check_step(step)
         ref = self.ref(run, step)
         with self._lock:
             c = self._db()
