@@ -1,9 +1,10 @@
 """The tensor-aware value codec: a state tree <-> (msgpack tree, tensor descriptors, blobs).
 
 No pickle, no import-by-name, no code runs on decode: the decoder only builds
-values of a fixed set of types from data. Arrays and tensors are not put in
-the msgpack tree; they become blobs (raw bytes, written by the format layer
-64-byte aligned) described by descriptors, and the tree holds a reference.
+values of a fixed set of types from data, finding dtypes and devices in fixed
+tables. Arrays and tensors are not put in the msgpack tree; they become blobs
+(raw bytes, written by the format layer 64-byte aligned) described by
+descriptors, and the tree holds a reference.
 
 Sharing: tensors that share memory (the same object twice, tied weights,
 views of one storage) are stored once and come back sharing memory. Within one
@@ -18,13 +19,13 @@ import ctypes
 import math
 import re
 import sys
-import warnings
 from typing import Any, Callable
 
 import msgpack
 import numpy as np
 
-from .errors import DependencyError, EncodeError, MalformedCheckpointError
+from .errors import AgckError, DependencyError, EncodeError, MalformedCheckpointError, UsageError
+from .format import MAX_DEPTH, MAX_SAME_HASH, TreeBuilder, crowded
 
 # torch is optional and slow to import (about a second), so agck never imports it
 # to encode (a state can only hold torch values if the process already has torch)
@@ -44,38 +45,63 @@ EXT_TORCH_SIZE = 9
 EXT_TORCH_DEVICE = 10
 EXT_NP_DTYPE = 11
 
-MAX_DEPTH = 256
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
 
 # --- dtypes -----------------------------------------------------------------------
 
 _NP_NAMES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
              "float16", "float32", "float64", "complex64", "complex128"]
+_NP_LONG_DOUBLE = ("float128", "complex256")  # x86-64 long double: 80-bit extended, 16 bytes
 if hasattr(np, "float128"):
-    _NP_NAMES += ["float128", "complex256"]  # x86-64 long double: 80-bit extended, 16 bytes
-_NP_TIME = re.compile(r"^(datetime64|timedelta64)\[(Y|M|W|D|h|m|s|ms|us|ns|ps|fs|as)\]$")
+    _NP_NAMES += _NP_LONG_DOUBLE
+_NP_TIME = re.compile(r"(datetime64|timedelta64)\[(Y|M|W|D|h|m|s|ms|us|ns|ps|fs|as)\]")
 
 
 def np_dtype_name(dt: np.dtype) -> str | None:
     """The format's name for a numpy dtype, or None if unsupported."""
     if dt.kind in "mM":
         name = str(dt.newbyteorder("="))
-        return name if _NP_TIME.match(name) else None
+        return name if _NP_TIME.fullmatch(name) else None
     name = dt.newbyteorder("=").name
     return name if name in _NP_NAMES and dt.fields is None else None
 
 
 def np_dtype_from_name(name: str) -> np.dtype:
-    if isinstance(name, str) and (name in _NP_NAMES or _NP_TIME.match(name)):
+    """The little-endian numpy dtype of a format name (ValueError for any other
+    name; DependencyError for long double where numpy lacks it)."""
+    if isinstance(name, str) and (name in _NP_NAMES or _NP_TIME.fullmatch(name)):
         return np.dtype(name).newbyteorder("<")
+    if name in _NP_LONG_DOUBLE:
+        raise DependencyError(f"this checkpoint holds numpy {name} values, which numpy has no type for on "
+                              "this platform", hint="load it on x86-64 Linux, where numpy has float128")
     raise ValueError(f"unknown numpy dtype {name!r}")
 
 
+# Tensor dtypes (FORMAT.md section 7), then the other dtypes a torch.dtype value (ext 8) may
+# be. Fixed lists: the decoder never looks a name up in the torch module.
 _TORCH_NAMES = ["bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
                 "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
                 "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"]
-TORCH_DTYPES: dict[str, Any] = {}        # filled in place once torch is bound
+_TORCH_VALUE_NAMES = _TORCH_NAMES + [
+    "float4_e2m1fn_x2", "bits1x8", "bits2x4", "bits4x2", "bits8", "bits16",
+    "int1", "int2", "int3", "int4", "int5", "int6", "int7",
+    "uint1", "uint2", "uint3", "uint4", "uint5", "uint6", "uint7",
+    "qint8", "quint8", "qint32", "quint4x2", "quint2x4"]
+TORCH_DTYPES: dict[str, Any] = {}        # tensor dtypes by name; filled in place once torch is bound
 _TORCH_DTYPE_NAMES: dict[Any, str] = {}
+_TORCH_VALUES: dict[str, Any] = {}       # every dtype ext 8 may name, by name
+_TORCH_VALUE_NAME: dict[Any, str] = {}
+
+# Device types a torch.device value (ext 10) may have: torch 2.13's list.
+_DEVICE_TYPES = frozenset({"cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve",
+                           "fpga", "maia", "xla", "lazy", "vulkan", "mps", "meta", "hpu", "mtia", "privateuseone"})
+_DEVICE_RE = re.compile(r"([a-z][a-z0-9_]*)(?::(0|[1-9][0-9]{0,2}))?")
+
+
+def _device_syntax(s) -> str | None:
+    """The device type of a device string ``type`` or ``type:index`` (index 0-127), else None."""
+    m = _DEVICE_RE.fullmatch(s) if type(s) is str else None
+    return m.group(1) if m and (m.group(2) is None or int(m.group(2)) < 128) else None
 
 
 def _bind_torch(load: bool = False):
@@ -96,22 +122,34 @@ def _bind_torch(load: bool = False):
         except Exception as e:  # ImportError, or a broken install (OSError, RuntimeError, ...)
             raise DependencyError(f"this checkpoint holds torch values and `import torch` failed: "
                                   f"{type(e).__name__}: {e}") from None
-    dtypes = {n: getattr(mod, n) for n in _TORCH_NAMES if isinstance(getattr(mod, n, None), mod.dtype)}
+    dtype_type = getattr(mod, "dtype", None)
+    found = {n: getattr(mod, n, None) for n in _TORCH_VALUE_NAMES} if isinstance(dtype_type, type) else {}
+    dtypes = {n: d for n, d in found.items() if isinstance(d, dtype_type)}
     if "float32" not in dtypes:   # not a complete torch module: never bind a partial one
         if load:
             raise DependencyError("torch is importable but incomplete (no torch.float32)")
         return None
-    TORCH_DTYPES.update(dtypes)
-    _TORCH_DTYPE_NAMES.update({v: k for k, v in dtypes.items()})
+    _TORCH_VALUES.update(dtypes)
+    _TORCH_VALUE_NAME.update({v: k for k, v in dtypes.items()})
+    TORCH_DTYPES.update({n: d for n, d in dtypes.items() if n in _TORCH_NAMES})
+    _TORCH_DTYPE_NAMES.update({v: k for k, v in TORCH_DTYPES.items()})
     torch = mod
     return torch
 
 
+def _torch_dtype(name: str, table: dict, what: str, bad):
+    """The torch.dtype a format name stands for: refused (``bad``) when the name
+    is not in the format's list, DependencyError when this torch lacks it."""
+    dt = table.get(name) if type(name) is str else None
+    if dt is not None:
+        return dt
+    if name in (_TORCH_NAMES if table is TORCH_DTYPES else _TORCH_VALUE_NAMES):
+        raise DependencyError(f"this checkpoint holds {what} of torch dtype {name}, which torch "
+                              f"{torch.__version__} lacks", hint="load it with a newer torch")
+    raise bad(f"unknown torch dtype {name!r} for {what}")
+
+
 _bind_torch()
-
-
-def _torch_dtype_any_name(dt) -> str:
-    return str(dt).removeprefix("torch.")
 
 
 # --- encoding ---------------------------------------------------------------------
@@ -169,13 +207,55 @@ def encode_state(state: Any, *, root: str = "state") -> Encoded:
     return Encoded(tree_bytes, tensors, blobs)
 
 
+_PLAIN_KEYS = (type(None), bool, int, float, str, bytes)
+
+
 def encode_plain(value: Any, what: str = "meta") -> Any:
-    """Check that ``value`` is plain msgpack (None, bool, int, float, str, bytes, list, dict)."""
+    """Check that ``value`` is plain data that loads back equal (FORMAT.md, ``meta``):
+    None, bool, int in [-2**63, 2**64), float, str, bytes, bytearray, list, and
+    dict whose keys are None, bool, int, float, str or bytes; subclasses of these
+    load back as the base type. Not tuples (they would load back as lists) nor
+    anything else. Returns ``value``; raises :class:`EncodeError` naming the path."""
     try:
-        msgpack.packb(value, use_bin_type=True, strict_types=False, unicode_errors="surrogatepass")
-    except (TypeError, ValueError, OverflowError) as e:
-        raise EncodeError(f"{what}: not plain msgpack data ({e})") from None
+        _check_plain(value, 2)   # the value sits in the metadata map, itself at depth 1
+    except _Unencodable as e:
+        raise EncodeError(f"{what}{''.join(reversed(e.path))}: {e.msg}") from None
     return value
+
+
+def _check_plain(x, depth: int) -> None:
+    if x is None or isinstance(x, (bool, float, str, bytes, bytearray)):
+        return
+    if isinstance(x, int):
+        if not _INT_MIN <= x <= _INT_MAX:
+            raise _Unencodable(f"int {x} is outside msgpack's range [-2**63, 2**64)")
+        return
+    if not isinstance(x, (list, dict)):
+        hint = " (use a list: a tuple would load back as a list)" if isinstance(x, tuple) else ""
+        raise _Unencodable(f"cannot encode {type(x)!r} in plain data{hint}")
+    if depth > MAX_DEPTH:
+        raise _Unencodable(f"nesting deeper than {MAX_DEPTH}")
+    if isinstance(x, list):
+        for i, item in enumerate(x):
+            try:
+                _check_plain(item, depth + 1)
+            except _Unencodable as e:
+                e.path.append(f"[{i}]")
+                raise
+        return
+    if crowded(x, len(x)):
+        raise _Unencodable(f"more than {MAX_SAME_HASH} keys share one hash (such a map cannot be loaded "
+                           "in linear time)")
+    for k, v in x.items():
+        try:
+            if not isinstance(k, _PLAIN_KEYS):
+                raise _Unencodable(f"map key {k!r} is a {type(k).__name__}; plain map keys are None, bool, "
+                                   "int, float, str or bytes")
+            _check_plain(k, depth + 1)
+            _check_plain(v, depth + 1)
+        except _Unencodable as e:
+            e.path.append(_key_repr(k))
+            raise
 
 
 class _Encoder:
@@ -192,8 +272,6 @@ class _Encoder:
             return x
         if t is int:
             return x if _INT_MIN <= x <= _INT_MAX else self.bigint(x)
-        if depth >= MAX_DEPTH:
-            raise _Unencodable(f"nesting deeper than {MAX_DEPTH}")
         if t is list:
             return self.seq(x, depth)
         if t is dict:
@@ -212,16 +290,28 @@ class _Encoder:
                 items = sorted(x)  # deterministic bytes where the items order
             except TypeError:
                 items = list(x)
-            return msgpack.ExtType(code, self.pack(self.seq(items, depth)))
+            if crowded(items, len(items)):
+                raise _Unencodable(f"more than {MAX_SAME_HASH} items of the set share one hash (such a set "
+                                   "cannot be loaded in linear time)")
+            out = self.seq(items, depth)
+            if len(set(out)) != len(out):  # items equal once encoded (str subclasses with their own ==)
+                raise _Unencodable("set items that differ only by their type would load back equal")
+            return msgpack.ExtType(code, self.pack(out))
         if t is complex:
             return msgpack.ExtType(EXT_COMPLEX, self.pack([x.real, x.imag]))
         if torch is not None:
             if t is torch.Size:
                 return msgpack.ExtType(EXT_TORCH_SIZE, self.pack(list(x)))
             if t is torch.dtype:
-                return msgpack.ExtType(EXT_TORCH_DTYPE, self.pack(_torch_dtype_any_name(x)))
+                name = _TORCH_VALUE_NAME.get(x)
+                if name is None:
+                    raise _Unencodable(f"cannot encode torch dtype {x} (not in the format's list)")
+                return msgpack.ExtType(EXT_TORCH_DTYPE, self.pack(name))
             if t is torch.device:
-                return msgpack.ExtType(EXT_TORCH_DEVICE, self.pack(str(x)))
+                name = str(x)
+                if _device_syntax(name) not in _DEVICE_TYPES:
+                    raise _Unencodable(f"cannot encode torch device {name!r} (not in the format's list)")
+                return msgpack.ExtType(EXT_TORCH_DEVICE, self.pack(name))
         if t is np.dtype or isinstance(x, np.dtype):
             name = np_dtype_name(x)
             if name is None:
@@ -249,6 +339,8 @@ class _Encoder:
         return msgpack.ExtType(EXT_BIGINT, x.to_bytes(n, "little", signed=True))
 
     def seq(self, xs, depth):
+        if depth >= MAX_DEPTH:  # depth counts from 0 here: this container is at depth + 1
+            raise _Unencodable(f"nesting deeper than {MAX_DEPTH}")
         out = []
         stack = self.stack
         d = depth + 1
@@ -264,6 +356,11 @@ class _Encoder:
         return out
 
     def mapping(self, m, depth):
+        if depth >= MAX_DEPTH:
+            raise _Unencodable(f"nesting deeper than {MAX_DEPTH}")
+        if crowded(m, len(m)):
+            raise _Unencodable(f"more than {MAX_SAME_HASH} keys share one hash (such a map cannot be loaded "
+                               "in linear time)")
         out = {}
         d = depth + 1
         for k, v in m.items():
@@ -279,6 +376,8 @@ class _Encoder:
             except _Unencodable as e:
                 e.path.append(_key_repr(k))
                 raise
+        if len(out) != len(m):  # keys equal once encoded (str subclasses with their own ==)
+            raise _Unencodable("keys that differ only by their type would load back equal")
         return out
 
     def np_scalar(self, x):
@@ -323,6 +422,17 @@ class _Encoder:
         return descs, blobs  # type: ignore[return-value]
 
 
+def _shape_error(shape, itemsize: int) -> str | None:
+    """What makes a shape one the format cannot hold (FORMAT.md section 6), or None."""
+    if len(shape) > 64:
+        return f"{len(shape)} dimensions (at most 64)"
+    if any(n >= 1 << 62 for n in shape):
+        return f"a dimension of 2**62 or more in {tuple(shape)}"
+    if math.prod(n for n in shape if n) * itemsize >= 1 << 63:
+        return f"shape {tuple(shape)} spans 2**63 bytes or more"
+    return None
+
+
 def _check_np(a: np.ndarray) -> None:
     if type(a) not in (np.ndarray, np.memmap):
         # a masked array or matrix would come back a plain array, silently losing what makes it one
@@ -331,6 +441,9 @@ def _check_np(a: np.ndarray) -> None:
         kind = "object" if a.dtype.kind == "O" else "structured" if a.dtype.fields else str(a.dtype)
         raise _Unencodable(f"cannot encode numpy array of {kind} dtype (only numeric, bool, complex and "
                            "datetime dtypes; object arrays would need pickle)")
+    err = _shape_error(a.shape, a.itemsize)
+    if err:
+        raise _Unencodable(f"cannot encode an array of {err}")
 
 
 def _check_torch(t) -> None:
@@ -344,6 +457,11 @@ def _check_torch(t) -> None:
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
             raise _Unencodable(f"cannot encode tensor subclass {type(t)!r}")
         raise _Unencodable("cannot encode a nested tensor")
+    if _device_syntax(str(t.device)) is None:
+        raise _Unencodable(f"cannot encode a tensor on device {str(t.device)!r}")
+    err = _shape_error(t.shape, t.element_size())
+    if err:
+        raise _Unencodable(f"cannot encode a tensor of {err}")
 
 
 def _memory_key(x, i):
@@ -463,62 +581,138 @@ def _shared_group(members, refs, paths, descs, blobs) -> None:
 
 # --- decoding ---------------------------------------------------------------------
 
-class _Decoder:
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _usable_device(target, what: str):
+    """``target`` as a torch.device this process can allocate on, else UsageError."""
+    if not isinstance(target, (str, torch.device)):
+        raise UsageError(f"{what} is a {type(target).__name__}, not a device (a str or torch.device)")
+    try:
+        dev = torch.device(target)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise UsageError(f"{what}: {target!r} is not a device ({_first_line(e)})") from None
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise UsageError(f"{what}: {str(dev)!r} is not available here "
+                         f"({torch.cuda.device_count()} CUDA devices)")
+    try:
+        torch.empty(0, device=dev)
+    except Exception as e:  # each backend fails its own way (AssertionError, RuntimeError, ...)
+        raise UsageError(f"{what}: device {str(dev)!r} is not available here ({_first_line(e)})") from None
+    return dev
+
+
+class _DeviceMap:
+    """A checked ``map_location``: saved device string -> torch.device, or None for
+    "leave it on the CPU". Results of a callable are checked once per saved device."""
+
+    def __init__(self, *, fixed=None, table: dict | None = None, fn: Callable | None = None):
+        self.fixed, self.table, self.fn = fixed, table, fn
+        self.seen: dict[str, Any] = {}
+
+    def __call__(self, saved: str):
+        if self.table is not None:
+            return self.table.get(saved)
+        if self.fn is None:
+            return self.fixed
+        if saved not in self.seen:
+            try:
+                target = self.fn(saved)
+            except Exception as e:
+                raise UsageError(f"map_location({saved!r}) raised {type(e).__name__}: {e}") from e
+            self.seen[saved] = None if target is None else _usable_device(target, f"map_location({saved!r})")
+        return self.seen[saved]
+
+
+def check_map_location(map_location) -> _DeviceMap | None:
+    """Check ``map_location`` before anything is decoded: None; a device (str or
+    torch.device) for every tensor; a dict from saved device (``"cuda:0"``) to
+    device, tensors saved elsewhere staying on the CPU; or a callable taking the
+    saved device string and returning a device or None (the CPU), checked when
+    first called. A device that does not parse or that this process cannot
+    allocate on raises :class:`UsageError`, never a checkpoint error."""
+    if map_location is None or isinstance(map_location, _DeviceMap):
+        return map_location
+    if callable(map_location):
+        return _DeviceMap(fn=map_location)
+    _bind_torch(load=True)
+    if not isinstance(map_location, dict):
+        return _DeviceMap(fixed=_usable_device(map_location, "map_location"))
+    table = {}
+    for k, v in map_location.items():
+        if not isinstance(k, (str, torch.device)):
+            raise UsageError(f"map_location keys are saved devices (str), not {type(k).__name__}")
+        table[str(k)] = None if v is None else _usable_device(v, f"map_location[{k!r}]")
+    return _DeviceMap(table=table)
+
+
+_CONTAINER_EXT = {EXT_TUPLE: tuple, EXT_SET: set, EXT_FROZENSET: frozenset}
+
+
+class _Decoder(TreeBuilder):
     def __init__(self, tensors: list, blob: Callable[[int], memoryview], nblobs: int, *, copy: bool,
-                 map_location, ref):
+                 devices: _DeviceMap | None, ref):
+        super().__init__(lambda msg: MalformedCheckpointError(msg, ref=ref, section="metadata"))
         self.descs = tensors
         self.blob = blob
         self.nblobs = nblobs
         self.copy = copy
-        self.map_location = map_location
+        self.devices = devices
         self.ref = ref
         self.cache: dict[int, Any] = {}
         self.bases: dict[tuple[str, int], Any] = {}
         self.depth = 0
 
-    def bad(self, msg: str) -> MalformedCheckpointError:
-        return MalformedCheckpointError(msg, ref=self.ref, section="metadata")
-
     def ext(self, code: int, data: bytes):
         self.depth += 1
         try:
-            if self.depth > MAX_DEPTH:
-                raise self.bad(f"state nests deeper than {MAX_DEPTH}")
+            # Containers nest at most MAX_DEPTH deep and a leaf extension value may sit in
+            # the deepest; this bounds the recursion before heights are known.
+            if self.depth > MAX_DEPTH + 1:
+                raise self.bad(f"extension values nest deeper than {MAX_DEPTH + 1}")
             if code == EXT_BIGINT:
                 return int.from_bytes(data, "little", signed=True)
             inner = self.unpack(data)
-            if code == EXT_TUPLE and type(inner) is list:
-                return tuple(inner)
-            if code == EXT_SET and type(inner) is list:
-                return set(inner)
-            if code == EXT_FROZENSET and type(inner) is list:
-                return frozenset(inner)
+            kind = _CONTAINER_EXT.get(code)
+            if kind is not None and type(inner) is list:
+                h = self.heights.pop(id(inner), 1)   # the payload array is this container
+                return self.place(tuple(inner) if kind is tuple else self.members(inner, kind), h)
             if code == EXT_TENSOR and type(inner) is int:
                 return self.tensor(inner)
-            if code == EXT_NP_SCALAR and type(inner) is list and len(inner) == 2:
+            if (code == EXT_NP_SCALAR and type(inner) is list and len(inner) == 2
+                    and type(inner[1]) is bytes):
                 dt = np_dtype_from_name(inner[0])
-                if type(inner[1]) is not bytes or len(inner[1]) != dt.itemsize:
-                    raise self.bad(f"numpy scalar of {inner[0]} with {len(inner[1])} bytes")
-                return np.frombuffer(inner[1], dtype=dt)[0].astype(dt.newbyteorder("="))[()]
+                raw = inner[1]
+                if len(raw) != dt.itemsize:
+                    raise self.bad(f"numpy scalar of {inner[0]} with {len(raw)} bytes")
+                if dt.kind == "b" and raw not in (b"\x00", b"\x01"):
+                    raise self.bad(f"numpy bool scalar with byte {raw!r}")
+                return np.frombuffer(raw, dtype=dt)[0].astype(dt.newbyteorder("="))[()]
             if code == EXT_COMPLEX and type(inner) is list and len(inner) == 2 \
                     and all(type(v) is float for v in inner):
                 return complex(inner[0], inner[1])
             if code == EXT_NP_DTYPE and type(inner) is str:
                 return np_dtype_from_name(inner).newbyteorder("=")
-            if code in (EXT_TORCH_DTYPE, EXT_TORCH_SIZE, EXT_TORCH_DEVICE):
+            if code == EXT_TORCH_SIZE and type(inner) is list and all(type(v) is int for v in inner):
                 _bind_torch(load=True)
-                if code == EXT_TORCH_SIZE and type(inner) is list and all(type(v) is int for v in inner):
-                    return torch.Size(inner)
-                if code == EXT_TORCH_DTYPE and type(inner) is str:
-                    dt = getattr(torch, inner, None)
-                    if isinstance(dt, torch.dtype):
-                        return dt
-                if code == EXT_TORCH_DEVICE and type(inner) is str:
+                return torch.Size(inner)
+            if code == EXT_TORCH_DTYPE and type(inner) is str:
+                _bind_torch(load=True)
+                return _torch_dtype(inner, _TORCH_VALUES, "a torch.dtype value", self.bad)
+            if code == EXT_TORCH_DEVICE and _device_syntax(inner) in _DEVICE_TYPES:
+                _bind_torch(load=True)
+                try:
                     return torch.device(inner)
+                except RuntimeError:  # a device type of the format's list that this torch lacks
+                    raise DependencyError(f"this checkpoint holds a torch.device {inner!r}, which torch "
+                                          f"{torch.__version__} does not know",
+                                          hint="load it with a newer torch") from None
             raise self.bad(f"invalid extension value (type {code})")
-        except MalformedCheckpointError:
+        except (AgckError, RecursionError):  # the caller's stack, not the data: the nesting is bounded above
             raise
-        except (ValueError, TypeError, RuntimeError, IndexError) as e:
+        except (ValueError, TypeError, RuntimeError, IndexError, OverflowError) as e:
             raise self.bad(f"invalid extension value (type {code}): {e}") from None
         finally:
             self.depth -= 1
@@ -529,8 +723,9 @@ class _Decoder:
         # an Unpacker keeps it on the heap.
         if not data:
             raise ValueError("empty msgpack document")
-        u = msgpack.Unpacker(None, raw=False, strict_map_key=False, ext_hook=self.ext,
-                             unicode_errors="surrogatepass", max_buffer_size=len(data))
+        u = msgpack.Unpacker(None, raw=False, strict_map_key=False, ext_hook=self.ext, list_hook=self.array,
+                             object_pairs_hook=self.map, unicode_errors="surrogatepass",
+                             max_buffer_size=len(data))
         u.feed(data)
         try:
             value = u.unpack()
@@ -557,10 +752,11 @@ class _Decoder:
             dt = np_dtype_from_name(dtype_name)
         else:
             _bind_torch(load=True)
-            if dtype_name not in TORCH_DTYPES:
-                raise self.bad(f"tensor {idx}: unknown torch dtype {dtype_name!r}")
-            dt = TORCH_DTYPES[dtype_name]
+            dt = _torch_dtype(dtype_name, TORCH_DTYPES, f"tensor {idx}", self.bad)
         itemsize = dt.itemsize
+        err = _shape_error(shape, itemsize)
+        if err:
+            raise self.bad(f"tensor {idx}: {err}")
         strides = d.get("strides")
         count = math.prod(shape)
         if strides is None:
@@ -573,7 +769,7 @@ class _Decoder:
             contiguous = True
         else:
             if (type(strides) is not list or len(strides) != len(shape)
-                    or not all(type(s) is int for s in strides)):
+                    or not all(type(s) is int and _INT_MIN <= s < -_INT_MIN for s in strides)):
                 raise self.bad(f"tensor {idx}: strides {strides!r} do not match shape {shape}")
             contiguous = False
         if count == 0:
@@ -596,17 +792,11 @@ class _Decoder:
         base = self.bases.get(key)
         if base is None:
             arr = np.frombuffer(blob, dtype=np.uint8) if blob.nbytes else np.empty(0, np.uint8)
-            if self.copy:
+            # torch has no read-only tensors: over read-only memory it gets a copy, so
+            # that no write through a tensor can change the caller's bytes
+            if self.copy or (lib == "torch" and not arr.flags.writeable):
                 arr = arr.copy()
-            if lib == "torch":
-                if arr.flags.writeable:
-                    base = torch.from_numpy(arr)
-                else:  # zero-copy over read-only memory: documented as not to be written
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        base = torch.from_numpy(arr)
-            else:
-                base = arr
+            base = torch.from_numpy(arr) if lib == "torch" else arr
             self.bases[key] = base
         return base
 
@@ -616,6 +806,8 @@ class _Decoder:
             raise self.bad(f"tensor {idx}: strides/offset not multiples of the {itemsize}-byte element")
         if any(s < 0 for s in strides):
             raise self.bad(f"tensor {idx}: negative strides")
+        if d.get("grad") and not (dt.is_floating_point or dt.is_complex):
+            raise self.bad(f"tensor {idx}: grad on a tensor of {dt}")
         if count == 0:
             t = torch.empty(shape, dtype=dt)
         else:
@@ -625,25 +817,18 @@ class _Decoder:
                 t = window.view(dt).reshape(shape)
             else:
                 t = window.view(dt).as_strided(shape, [s // itemsize for s in strides])
-        device = _map_device(d.get("device", "cpu"), self.map_location)
-        if device is not None and device != "cpu":
-            t = t.to(device)
+        dev = self.devices(d.get("device", "cpu")) if self.devices is not None else None
+        if dev is not None and dev.type != "cpu":
+            try:
+                t = t.to(dev)
+            except Exception as e:  # out of memory there, or a device gone since it was checked
+                raise UsageError(f"cannot move tensor {idx} ({d.get('path')}) to {dev}: {_first_line(e)}",
+                                 ref=self.ref) from None
         if d.get("param"):
             t = torch.nn.Parameter(t, requires_grad=bool(d.get("grad")))
         elif d.get("grad"):
             t.requires_grad_(True)
         return t
-
-
-def _map_device(saved: str, map_location):
-    if map_location is None:
-        return None
-    if isinstance(map_location, dict):
-        target = map_location.get(saved)
-        return None if target is None else str(target)
-    if callable(map_location):
-        return str(map_location(saved))
-    return str(map_location)
 
 
 def _check_descriptor(d, nblobs, bad, idx):
@@ -659,6 +844,14 @@ def _check_descriptor(d, nblobs, bad, idx):
             np_dtype_from_name(dtype_name)
         except ValueError:
             raise bad(f"tensor {idx}: unknown numpy dtype {dtype_name!r}") from None
+        torch_only = [k for k in ("grad", "param", "device") if k in d]
+        if torch_only:
+            raise bad(f"tensor {idx}: {', '.join(torch_only)} on a numpy descriptor")
+    else:
+        if any(k in d and type(d[k]) is not bool for k in ("grad", "param")):
+            raise bad(f"tensor {idx}: grad and param are booleans")
+        if "device" in d and _device_syntax(d["device"]) is None:
+            raise bad(f"tensor {idx}: invalid device {d['device']!r}")
     if (type(shape) is not list or len(shape) > 64
             or not all(type(n) is int and 0 <= n < (1 << 62) for n in shape)):
         raise bad(f"tensor {idx}: invalid shape {shape!r}")
@@ -674,19 +867,24 @@ def decode_state(tree: bytes, tensors: list, blob: Callable[[int], memoryview], 
     """Rebuild the state tree. ``blob(i)`` returns blob i's bytes (a view).
 
     With ``copy`` every blob is copied once into owned, writable memory; without
-    it arrays and tensors are views of the blobs' memory."""
+    it numpy arrays are views of the blobs' memory (read-only when it is), and so
+    are torch tensors over writable memory; over read-only memory torch tensors
+    get a copy, as torch has no read-only tensors. ``map_location``: see
+    :func:`check_map_location`, which runs before anything is decoded."""
+    devices = check_map_location(map_location)
     if type(tensors) is not list:
         raise MalformedCheckpointError("tensor index is not a list", ref=ref, section="metadata")
-    dec = _Decoder(tensors, blob, nblobs, copy=copy, map_location=map_location, ref=ref)
+    dec = _Decoder(tensors, blob, nblobs, copy=copy, devices=devices, ref=ref)
     try:
-        return msgpack.unpackb(tree, raw=False, strict_map_key=False, ext_hook=dec.ext,
-                               unicode_errors="surrogatepass")
-    except (MalformedCheckpointError, DependencyError):
+        value = msgpack.unpackb(tree, raw=False, strict_map_key=False, ext_hook=dec.ext, list_hook=dec.array,
+                                object_pairs_hook=dec.map, unicode_errors="surrogatepass")
+    except (AgckError, MemoryError, RecursionError):  # not the data's fault: it nests boundedly
         raise
-    except RecursionError:
-        raise dec.bad("state nests too deep") from None
     except Exception as e:  # msgpack reports bad input with several exception types
         raise dec.bad(f"state tree is not valid ({type(e).__name__}: {e})") from None
+    if type(value) is msgpack.Timestamp:
+        raise dec.bad("msgpack timestamp (extension type -1) in the tree")
+    return value
 
 
 sys.setrecursionlimit(max(sys.getrecursionlimit(), 4 * MAX_DEPTH + 1000))

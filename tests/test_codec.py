@@ -33,6 +33,7 @@ NP_DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint
              "datetime64[ns]", "datetime64[D]", "timedelta64[us]"]
 if hasattr(np, "float128"):
     NP_DTYPES += ["float128", "complex256"]
+codec._bind_torch(load=True)  # agck may have been imported, by another test module, before torch
 TORCH_DTYPES = sorted(codec.TORCH_DTYPES.items())
 
 
@@ -445,7 +446,6 @@ def test_missing_torch_is_a_dependency_error_not_corruption(tmp_path):
 import sys
 sys.modules["torch"] = None      # `import torch` now raises ImportError
 import agck
-from agck import recovery
 try:
     agck.open_store({str(store)!r}).get("r", 2)
 except agck.DependencyError as e:
@@ -453,7 +453,7 @@ except agck.DependencyError as e:
 else:
     raise SystemExit("no DependencyError")
 try:
-    recovery.recover({str(store)!r}, "r")
+    agck.recover({str(store)!r}, "r")
 except agck.DependencyError:
     pass
 else:
@@ -464,3 +464,226 @@ else:
                         "from agck.cli import main; sys.exit(main(['recover', sys.argv[1]]))", str(store)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 4 and "import torch" in r.stderr and "Traceback" not in r.stderr, r
+
+
+# --- meta: what saves, loads ------------------------------------------------------
+
+plain_leaf = st.one_of(st.none(), st.booleans(), big_ints, floats, texts, st.binary(max_size=8),
+                       st.binary(max_size=4).map(bytearray))
+plain_keys = st.one_of(st.none(), st.booleans(), big_ints, floats, texts, st.binary(max_size=8),
+                       st.tuples(st.integers(), st.integers()), st.frozensets(st.integers(), max_size=2))
+almost_plain = st.recursive(
+    plain_leaf,
+    lambda kids: st.one_of(st.lists(kids, max_size=3), st.lists(kids, max_size=3).map(tuple),
+                           st.dictionaries(plain_keys, kids, max_size=3)),
+    max_leaves=10)
+
+
+@SETTINGS
+@given(almost_plain)
+def test_meta_that_saves_loads_back_equal(meta):
+    try:
+        data = agck.dumps({}, meta=meta)
+    except agck.EncodeError as e:
+        assert str(e).startswith("meta")
+        return
+    assert_same(meta, agck.loads(data).meta, "meta")
+
+
+@pytest.mark.parametrize("meta, where", [
+    ({"k": {(1, 2): 3}}, r"meta\['k'\]\[\(1, 2\)\]: map key \(1, 2\) is a tuple"),
+    ({"k": [1, (2, 3)]}, r"meta\['k'\]\[1\]: .*tuple"),
+    ({"k": {frozenset(): 1}}, r"meta\['k'\]\[frozenset\(\)\]: map key"),
+    ({"k": {"x": np.int64(3)}}, r"meta\['k'\]\['x'\]: cannot encode"),
+    ([2 ** 64], r"meta\[0\]: int .* outside"),
+    ({2.0 ** (61 * k): k for k in range(9)}, r"meta: more than 8 keys share one hash"),
+])
+def test_meta_that_would_not_load_is_refused_at_save(tmp_path, meta, where):
+    with pytest.raises(agck.EncodeError, match=where):
+        agck.save(tmp_path / "m.agck", {}, meta=meta)
+    assert not (tmp_path / "m.agck").exists()
+
+
+def test_meta_subclasses_load_as_the_base_type():
+    from collections import OrderedDict
+    meta = {"v": torch.__version__, "od": OrderedDict(a=1), "b": bytearray(b"x"), "f": np.float64(0.5)}
+    got = agck.loads(agck.dumps({}, meta=meta)).meta
+    assert got == {"v": str(torch.__version__), "od": {"a": 1}, "b": b"x", "f": 0.5}
+    assert type(got["v"]) is str and type(got["f"]) is float
+
+
+# --- steps ----------------------------------------------------------------------
+
+def test_numpy_integer_steps_are_accepted():
+    ck = agck.loads(agck.dumps({}, step=np.int64(3), parent=np.uint32(2)))
+    assert (ck.step, ck.parent) == (3, 2) and type(ck.step) is int and type(ck.parent) is int
+
+
+@pytest.mark.parametrize("bad", [-1, 2 ** 63, 1.0, True, "3", np.float32(1)])
+def test_bad_steps_are_usage_errors(bad):
+    for kw in ({"step": bad}, {"parent": bad}):
+        with pytest.raises(agck.UsageError):
+            agck.dumps({}, **kw)
+
+
+# --- map_location -----------------------------------------------------------------
+
+def _unusable_devices():
+    n = torch.cuda.device_count()
+    out = ["banana", "cuda:-1", f"cuda:{n}", "cuda:7" if n < 8 else "banana", torch.device("cuda", n),
+           {"cpu": "banana"}, {"cpu": f"cuda:{n}"}, {5: "cpu"}, lambda saved: "banana",
+           lambda saved: f"cuda:{n}", lambda saved: 3, lambda saved: 1 / 0, 5, ["cpu"]]
+    if not torch.cuda.is_available():
+        out += ["cuda", {"cpu": "cuda"}, lambda saved: torch.device("cuda")]
+    return out
+
+
+@pytest.mark.parametrize("loc", _unusable_devices(), ids=repr)
+def test_map_location_this_machine_cannot_honour_is_a_usage_error(tmp_path, loc):
+    state = {"t": torch.arange(4.0), "p": torch.nn.Parameter(torch.ones(2))}
+    data = agck.dumps(state)
+    agck.save(tmp_path / "c.agck", state)
+    for load in (lambda: agck.loads(data, map_location=loc), lambda: agck.load(tmp_path / "c.agck", map_location=loc)):
+        with pytest.raises(agck.UsageError) as ei:
+            load()
+        assert not isinstance(ei.value, agck.CorruptCheckpointError)
+    if not callable(loc):  # checked before anything is read
+        with pytest.raises(agck.UsageError):
+            agck.loads(b"not a checkpoint", map_location=loc)
+
+
+@pytest.mark.parametrize("loc", ["cpu", torch.device("cpu"), {"cuda:0": "cpu"}, {"cpu": None},
+                                 lambda saved: None, lambda saved: "cpu", "meta"], ids=repr)
+def test_usable_map_locations(loc):
+    got = agck.loads(agck.dumps({"t": torch.arange(4.0)}), map_location=loc).state["t"]
+    assert got.device.type == ("meta" if loc == "meta" else "cpu")
+
+
+def test_a_broken_torch_is_a_dependency_error_not_corruption():
+    import subprocess
+    data = agck.dumps({"t": torch.arange(3)})
+    script = """
+import sys, types
+sys.modules["torch"] = types.ModuleType("torch")   # importable, but not torch
+import agck
+try:
+    agck.loads(sys.stdin.buffer.read())
+except agck.DependencyError:
+    pass
+"""
+    subprocess.run([sys.executable, "-c", script], input=data, check=True, timeout=120)
+
+
+def test_missing_dtypes_are_dependency_errors(monkeypatch):
+    data = agck.dumps({"t": torch.zeros(2, dtype=torch.float8_e8m0fnu), "d": torch.int4})
+    monkeypatch.delitem(codec.TORCH_DTYPES, "float8_e8m0fnu")
+    with pytest.raises(agck.DependencyError, match="float8_e8m0fnu"):
+        agck.loads(data)
+    monkeypatch.undo()
+    monkeypatch.delitem(codec._TORCH_VALUES, "int4")
+    with pytest.raises(agck.DependencyError, match="int4"):
+        agck.loads(data)
+    if hasattr(np, "float128"):
+        data = agck.dumps([np.zeros(2, np.float128)])
+        monkeypatch.setattr(codec, "_NP_NAMES", [n for n in codec._NP_NAMES if n != "float128"])
+        with pytest.raises(agck.DependencyError, match="float128"):
+            agck.loads(data)
+
+
+def test_out_of_memory_is_not_corruption(monkeypatch):
+    data = agck.dumps({"a": np.arange(4)})
+
+    def no_memory(*a, **kw):
+        raise MemoryError
+
+    monkeypatch.setattr(codec._Decoder, "base", no_memory)
+    with pytest.raises(MemoryError):
+        agck.loads(data)
+
+
+# --- copy=False over read-only memory ---------------------------------------------
+
+def test_torch_views_of_read_only_bytes_never_write_through():
+    t = torch.arange(8, dtype=torch.int64)
+    data = agck.dumps({"t": t, "v": t[2:6], "a": np.arange(4.0)})
+    before = bytes(data)
+    got = agck.loads(data, copy=False).state
+    got["t"].add_(100)
+    got["v"].mul_(3)
+    assert data == before
+    assert got["v"][0] == 306 and got["v"].untyped_storage().data_ptr() == got["t"].untyped_storage().data_ptr()
+    assert not got["a"].flags.writeable and np.shares_memory(got["a"], np.frombuffer(data, np.uint8))
+    assert torch.equal(agck.loads(data).state["t"], t)
+    ba = bytearray(data)   # writable memory: still zero-copy
+    agck.loads(ba, copy=False).state["t"].add_(1)
+    assert ba != data
+
+
+# --- names come from fixed tables ------------------------------------------------
+
+def test_every_listed_torch_dtype_round_trips():
+    values = [codec._TORCH_VALUES[n] for n in codec._TORCH_VALUE_NAMES if n in codec._TORCH_VALUES]
+    assert len(values) >= len(codec._TORCH_NAMES) + 10
+    assert agck.loads(agck.dumps(values)).state == values
+
+
+@pytest.mark.parametrize("value", [torch.device("cuda", 128), torch.device("cuda", 200)], ids=str)
+def test_devices_the_reader_would_refuse_are_refused_at_save(value):
+    if codec._device_syntax(str(value)):
+        assert agck.loads(agck.dumps(value)).state == value
+    else:
+        with pytest.raises(agck.EncodeError, match="device"):
+            agck.dumps(value)
+
+
+def test_decoding_looks_no_name_up_in_torch():
+    # A name torch would resolve to a submodule must not import it; aliases are not names either.
+    import subprocess
+    script = """
+import sys, msgpack, torch, agck
+from agck import format
+assert "torch._dynamo" not in sys.modules and "torch.onnx" not in sys.modules
+for name in ["_dynamo", "onnx", "nn", "Tensor", "float", "half", "__class__"]:
+    tree = msgpack.packb(msgpack.ExtType(8, msgpack.packb(name)))
+    data = b"".join(bytes(p) for p in format.ContainerWriter({"tensors": [], "state": tree}, []).parts())
+    try:
+        agck.loads(data)
+    except agck.MalformedCheckpointError:
+        pass
+    else:
+        raise SystemExit(f"{name!r} decoded")
+assert "torch._dynamo" not in sys.modules and "torch.onnx" not in sys.modules, "decoding imported a submodule"
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+
+
+def test_map_location_device_when_torch_arrived_after_agck():
+    import subprocess
+    script = """
+import sys, agck
+data = agck.dumps({"a": 1})
+assert "torch" not in sys.modules
+import torch
+assert agck.loads(data, map_location=torch.device("cpu")).state == {"a": 1}
+try:
+    agck.loads(data, map_location=torch.device("cuda", torch.cuda.device_count()))
+except agck.UsageError:
+    pass
+else:
+    raise SystemExit("no UsageError")
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+
+
+def test_a_deep_caller_stack_is_not_corruption():
+    # Decoding nests a bounded number of frames; running out of stack is the caller's.
+    x = ()
+    for _ in range(codec.MAX_DEPTH - 1):
+        x = (x,)
+    data = agck.dumps(x)
+
+    def deep(n):
+        return deep(n - 1) if n else agck.loads(data)
+
+    with pytest.raises(RecursionError):
+        deep(sys.getrecursionlimit() - 200)
