@@ -34,7 +34,7 @@ def recover(store, run: str | None = None, *, map_location=None, strict: bool = 
     ``rec.rejected`` lists every newer one refused, with ref and reason."""
     from .recovery import recover_run
     own = not isinstance(store, Store)
-    s = open_store(store) if own else store
+    s = open_store(store, create=False) if own else store
     try:
         if run is not None:
             return recover_run(s, run, map_location=map_location, strict=strict)

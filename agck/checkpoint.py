@@ -16,7 +16,9 @@ from typing import Any, Iterator
 import numpy as np
 
 from . import codec, durable, format, memory
-from .errors import CorruptCheckpointError, FormatError, MalformedCheckpointError
+from .errors import (CorruptCheckpointError, FormatError, MalformedCheckpointError, StoreConnectionError,
+                     UsageError)
+from .names import MAX_STEP, check_step
 
 # Metadata keys the format reserves (FORMAT.md, "Metadata").
 _RESERVED = ("blobs", "tensors", "state", "run", "step", "parent", "meta")
@@ -41,12 +43,14 @@ class Checkpoint:
 
 def encode(state: Any, *, run: str | None = None, step: int | None = None, parent: int | None = None,
            meta: Any = None, created_at_ns: int | None = None) -> format.ContainerWriter:
-    """Lay out a container for ``state``; iterate ``.parts()`` to get its bytes."""
+    """Lay out a container for ``state``; iterate ``.parts()`` to get its bytes.
+
+    ``step`` and ``parent`` are integers in [0, 2**63) (numpy integers too; a bad
+    one raises :class:`UsageError`); ``meta`` is plain data (:func:`codec.encode_plain`)."""
     if run is not None and not isinstance(run, str):
         raise codec.EncodeError(f"run must be a str, not {type(run).__name__}")
-    for name, v in (("step", step), ("parent", parent)):
-        if v is not None and (type(v) is not int or v < 0):
-            raise codec.EncodeError(f"{name} must be a non-negative int, not {v!r}")
+    step = None if step is None else check_step(step)
+    parent = None if parent is None else check_step(parent, "parent")
     codec.encode_plain(meta, "meta")
     enc = codec.encode_state(state)
     m = {"run": run, "step": step, "parent": parent, "meta": meta, "tensors": enc.tensors, "state": enc.tree}
@@ -118,21 +122,32 @@ def loads(data, *, verify: bool = True, copy: bool = True, map_location=None, re
     """Decode a container from a bytes-like object.
 
     ``verify`` checks every tensor's checksum (header, metadata and footer are
-    always checked). ``copy=False`` returns arrays/tensors that are views of
-    ``data`` (read-only when ``data`` is); the default returns owned, writable ones."""
+    always checked). The default returns owned, writable arrays and tensors.
+    ``copy=False`` returns views of ``data``: numpy arrays read-only when ``data``
+    is (``bytes``), torch tensors only when ``data`` is writable; over read-only
+    ``data`` torch tensors are copies, as torch has no read-only tensors and a
+    write must never change ``data``. ``map_location`` (a device, a dict from
+    saved device to device, or a callable) is checked before anything is read:
+    a device this machine cannot use raises :class:`UsageError`."""
+    map_location = codec.check_map_location(map_location)
     c = format.open_container(data, verify=verify, ref=ref)
     return _decode(c, copy=copy, map_location=map_location)
 
 
 def _decode(c: format.Container, *, copy: bool, map_location) -> Checkpoint:
+    if format.is_chunked(c.header):
+        format.open_chunked(c)   # a damaged listing is corruption; a sound one needs its store
+        raise UsageError("a chunked checkpoint: its content is kept in the store it was written to",
+                         ref=c.ref, hint="read it through its store (agck.open_store(...).get(run, step)), "
+                         "or `agck export STORE --run R --step S --to out.agck` for a standalone file")
     m = c.meta
     bad = lambda msg: MalformedCheckpointError(msg, ref=c.ref, section="metadata")  # noqa: E731
     run, step, parent, tree = m.get("run"), m.get("step"), m.get("parent"), m.get("state")
     if run is not None and type(run) is not str:
         raise bad("run is not a string")
     for name, v in (("step", step), ("parent", parent)):
-        if v is not None and (type(v) is not int or v < 0):
-            raise bad(f"{name} is not a non-negative integer")
+        if v is not None and (type(v) is not int or not 0 <= v <= MAX_STEP):
+            raise bad(f"{name} is not an integer in [0, 2**63)")
     if type(tree) is not bytes:
         raise bad("state is missing or not bytes")
     state = codec.decode_state(tree, m.get("tensors"), c.blob, len(c.blobs), copy=copy,
@@ -175,7 +190,9 @@ def save(path: str | os.PathLike, state: Any, *, run: str | None = None, step: i
 
 def load(path: str | os.PathLike, *, verify: bool = True, mmap: bool = True, map_location=None) -> Checkpoint:
     """Load a checkpoint file. With ``mmap`` (default) tensors are zero-copy views
-    of a private copy-on-write mapping: writable, and writes never reach the file."""
+    of a private copy-on-write mapping: writable, and writes never reach the file.
+    ``map_location`` is checked before the file is read, as for :func:`loads`."""
+    map_location = codec.check_map_location(map_location)
     path = os.fspath(path)
     buf = read_file(path, mmap=mmap)
     c = format.open_container(buf, verify=verify, ref=path)
@@ -199,8 +216,8 @@ def read_file(path: str, *, mmap: bool = True):
     except IsADirectoryError:
         raise FormatError("is a directory, not a checkpoint file", ref=path,
                           hint="to read a store, use agck.open_store(path)") from None
-    except PermissionError:
-        raise FormatError("permission denied", ref=path, hint="check the file's permissions") from None
+    except PermissionError:  # this process's rights, not the file's bytes: never a verdict on it
+        raise StoreConnectionError("permission denied", ref=path, hint="check the file's permissions") from None
 
 
 def inspect(path_or_bytes, *, verify: bool = False) -> dict:
@@ -246,3 +263,8 @@ def read_head(path: str) -> tuple[format.Header, dict]:
     if format.digest(meta_bytes) != h.meta_digest:
         raise CorruptCheckpointError("metadata checksum mismatch", ref=path, section="metadata")
     return h, format.decode_metadata(meta_bytes, ref=path)
+
+
+def decode(c: format.Container, *, copy: bool = False, map_location=None) -> Checkpoint:
+    """Decode a parsed (and, as the caller chose, verified) 1.0 container."""
+    return _decode(c, copy=copy, map_location=map_location)

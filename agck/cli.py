@@ -306,6 +306,18 @@ def cmd_prune(args) -> int:
     return EXIT_OK
 
 
+def cmd_gc(args) -> int:
+    with _open(args.store) as store:
+        got = store.collect_garbage()
+    if got is None:
+        _emit(args, {"collected": None}, lambda: f"{store.url}: this store shares no content; nothing to collect")
+        return EXIT_OK
+    _emit(args, got.as_dict(), lambda: f"deleted {got.deleted_chunks} chunks ({_size(got.deleted_bytes)}); "
+          f"{got.live_chunks} chunks kept for {got.listings} checkpoints"
+          + "".join(f"\n  damaged listing (keeps nothing): {p}" for p in got.damaged))
+    return EXIT_OK
+
+
 def cmd_export(args) -> int:
     from .export import export
     if _file_or_store(args, args.source, "export"):
@@ -416,7 +428,12 @@ def build_parser() -> argparse.ArgumentParser:
     common(sp)
     sp.set_defaults(func=cmd_prune)
 
-    sp = sub.add_parser("export", help="export a checkpoint to .safetensors, .pt or .npz")
+    sp = sub.add_parser("gc", help="delete stored chunks no checkpoint refers to any more")
+    sp.add_argument("store")
+    common(sp)
+    sp.set_defaults(func=cmd_gc)
+
+    sp = sub.add_parser("export", help="export a checkpoint to .safetensors, .pt, .npz or a standalone .agck")
     sp.add_argument("source", metavar="STORE_OR_FILE")
     sp.add_argument("--to", required=True, metavar="OUT")
     sp.add_argument("--run")

@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover
 
 EXPANSION_LIMIT = 2     # the default max_bytes, as a multiple of the checkpoint's stored size
 
-_FORMATS = {".safetensors": "safetensors", ".pt": "pt", ".npz": "npz"}
+_FORMATS = {".safetensors": "safetensors", ".pt": "pt", ".npz": "npz", ".agck": "agck"}
 _SAFETENSORS_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
                        "bool", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "complex64",
                        "uint64", "uint32", "uint16")
@@ -102,14 +102,20 @@ def _torch_dtype(a: np.ndarray):
 
 
 def export(ck: Checkpoint, out: str | os.PathLike, *, max_bytes: int | None = None) -> dict:
-    """Write ``ck``'s tensors to ``out`` (.safetensors, .pt or .npz); returns a summary.
-    ``max_bytes`` bounds the tensor bytes written (default: EXPANSION_LIMIT times
-    the checkpoint's stored size); more is a UsageError and nothing is written."""
+    """Write ``ck``'s tensors to ``out`` (.safetensors, .pt or .npz), or the whole
+    checkpoint as a standalone 1.0 container (.agck: what a chunked checkpoint
+    of a store materializes to); returns a summary. ``max_bytes`` bounds the
+    tensor bytes written (default: EXPANSION_LIMIT times the checkpoint's stored
+    size); more is a UsageError and nothing is written."""
     out = os.fspath(out)
     ext = os.path.splitext(out)[1].lower()
     fmt = _FORMATS.get(ext)
     if fmt is None:
-        raise UsageError(f"unknown export format {ext or out!r}", hint="use .safetensors, .pt or .npz")
+        raise UsageError(f"unknown export format {ext or out!r}", hint="use .safetensors, .pt, .npz or .agck")
+    if fmt == "agck":   # the codec stores shared memory once, as the checkpoint did: no expansion
+        from . import checkpoint
+        size = checkpoint.save(out, ck.state, run=ck.run, step=ck.step, parent=ck.parent, meta=ck.meta)
+        return {"format": "agck", "tensors": len(ck.tensors), "skipped": [], "path": out, "bytes": size}
     if fmt != "npz" and torch is None:
         raise DependencyError(f"exporting to {ext} needs torch", hint="pip install torch")
     if fmt == "safetensors":

@@ -16,9 +16,11 @@ from __future__ import annotations
 import struct
 import time
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from itertools import chain
+from typing import Callable, Iterator, Sequence
 
 import msgpack
+import numpy as np
 import xxhash
 
 from . import memory
@@ -37,10 +39,15 @@ MAX_META_LEN = 1 << 30
 MAX_BLOBS = 1 << 24
 MAX_TOTAL_LEN = 1 << 56
 
+# The tree rules (FORMAT.md section 8), for the metadata and the state alike.
+MAX_DEPTH = 256      # containers nest at most this deep; the outermost one is at depth 1
+MAX_SAME_HASH = 8    # keys of one map (items of one set) that may share one Python hash
+
 # Flag bits 0-15 are "required": a reader that does not know a set bit must refuse.
 # Bits 16-31 are "optional": unknown ones are ignored. v1.0 defines none.
 REQUIRED_FLAGS_MASK = 0x0000FFFF
-KNOWN_REQUIRED_FLAGS = 0
+FLAG_CHUNKED = 0x00000001   # version 1.1: the container lists chunks kept in its store (section 12)
+KNOWN_REQUIRED_FLAGS = FLAG_CHUNKED
 
 _HEADER = struct.Struct("<4sHHIIQQQqQ")  # everything but the trailing header digest: 56 bytes
 _TAIL = struct.Struct("<QQQ8s")
@@ -106,7 +113,8 @@ class ContainerWriter:
     known up front and the writer never seeks back.
     """
 
-    def __init__(self, meta: dict, blobs: Sequence[memoryview], *, created_at_ns: int | None = None):
+    def __init__(self, meta: dict, blobs: Sequence[memoryview], *, created_at_ns: int | None = None,
+                 minor: int = MINOR, flags: int = 0):
         self.blobs = [b if isinstance(b, memoryview) and b.format == "B" and b.ndim == 1
                       else memoryview(b).cast("B") for b in blobs]
         if len(self.blobs) > MAX_BLOBS:
@@ -123,7 +131,7 @@ class ContainerWriter:
         if len(self.meta_bytes) > MAX_META_LEN:
             raise ValueError(f"metadata is {len(self.meta_bytes)} bytes, over the {MAX_META_LEN} limit")
         payload_offset = align(HEADER_SIZE + len(self.meta_bytes))
-        head = _HEADER.pack(MAGIC, MAJOR, MINOR, 0, len(self.blobs), len(self.meta_bytes),
+        head = _HEADER.pack(MAGIC, MAJOR, minor, flags, len(self.blobs), len(self.meta_bytes),
                             payload_offset, pos,
                             time.time_ns() if created_at_ns is None else created_at_ns,
                             _DIGEST(self.meta_bytes))
@@ -203,7 +211,7 @@ def parse_header(buf, *, ref: str | None = None) -> Header:
 
     Does not look at the container's actual length; :func:`open_container` does."""
     if len(buf) < HEADER_SIZE:
-        if len(buf) >= 4 and bytes(buf[:4]) != MAGIC:
+        if not MAGIC.startswith(bytes(buf[:4])):
             raise FormatError("not an AGCK container (bad magic)", ref=ref)
         raise CorruptCheckpointError(f"truncated: {len(buf)} bytes, shorter than the {HEADER_SIZE}-byte header",
                                      ref=ref, section="header")
@@ -335,25 +343,116 @@ def parse_footer(h: Header, footer, *, ref: str | None = None) -> list[int]:
 
 
 def decode_metadata(meta_bytes, *, ref: str | None = None) -> dict:
-    """Unpack the metadata map. Extension types are refused here: the state tree
-    travels as an opaque ``bin`` under the key ``state`` and is the codec's business."""
+    """Unpack the metadata map. Extension types are refused here (``max_ext_len=0``
+    also stops msgpack's own Timestamp, ext -1, before it becomes a value): the
+    state tree travels as an opaque ``bin`` under the key ``state`` and is the codec's business."""
+
+    def bad(msg):
+        return MalformedCheckpointError(msg, ref=ref, section="metadata")
 
     def no_ext(code, data):
-        raise MalformedCheckpointError(f"unexpected msgpack extension type {code} in metadata",
-                                       ref=ref, section="metadata")
+        raise bad(f"unexpected msgpack extension type {code} in metadata")
 
+    tree = TreeBuilder(bad)
     try:
-        meta = msgpack.unpackb(meta_bytes, raw=False, strict_map_key=False, ext_hook=no_ext,
-                               unicode_errors="surrogatepass")
-    except MalformedCheckpointError:
+        meta = msgpack.unpackb(meta_bytes, raw=False, strict_map_key=False, ext_hook=no_ext, max_ext_len=0,
+                               list_hook=tree.array, object_pairs_hook=tree.map, unicode_errors="surrogatepass")
+    except (MalformedCheckpointError, MemoryError, RecursionError):
         raise
     except Exception as e:  # msgpack raises several types for bad input
-        raise MalformedCheckpointError(f"metadata is not valid msgpack ({type(e).__name__}: {e})",
-                                       ref=ref, section="metadata") from None
+        raise bad(f"metadata is not valid msgpack without extension types ({type(e).__name__}: {e})") from None
     if not isinstance(meta, dict):
-        raise MalformedCheckpointError(f"metadata is a {type(meta).__name__}, expected a map",
-                                       ref=ref, section="metadata")
+        raise bad(f"metadata is a {type(meta).__name__}, expected a map")
     return meta
+
+
+# --- trees --------------------------------------------------------------------------
+
+_NESTED = frozenset({list, dict, tuple, set, frozenset})
+_SCANNED = _NESTED | {msgpack.Timestamp}
+
+
+def crowded(keys, n: int) -> bool:
+    """Whether more than MAX_SAME_HASH of the ``n`` ``keys`` share one hash.
+
+    Python compares keys of equal hash pairwise when it builds a dict or set,
+    so m such keys cost m**2 comparisons: ints that differ by multiples of
+    2**61 - 1 (and floats, tuples, frozensets built from them) share a hash.
+    Sorting the hashes finds such a group in n log n time, whatever the keys."""
+    if n <= MAX_SAME_HASH:
+        return False
+    h = np.fromiter(map(hash, keys), np.int64, n)
+    h.sort()
+    return bool((h[MAX_SAME_HASH:] == h[:-MAX_SAME_HASH]).any())
+
+
+class TreeBuilder:
+    """msgpack hooks that build arrays and maps under the tree rules: containers
+    nest at most MAX_DEPTH deep, a map's keys are distinct (as Python values) and
+    at most MAX_SAME_HASH of them share a hash.
+
+    Hooks run bottom-up, so depth is checked as height: a container's height is
+    1 + the greatest height among its items, kept by ``id`` (only when over 1)
+    until its parent takes it. The codec extends this for tuples and sets."""
+
+    def __init__(self, bad: Callable[[str], Exception]):
+        self.bad = bad
+        self.heights: dict[int, int] = {}
+
+    def height(self, items) -> int:
+        """1 + the greatest height among ``items``, taking their entries."""
+        top, pop = 0, self.heights.pop
+        for x in items:
+            t = type(x)
+            if t in _NESTED:
+                h = pop(id(x), 1)
+                if h > top:
+                    top = h
+            elif t is msgpack.Timestamp:
+                raise self.bad("msgpack timestamp (extension type -1) in the tree")
+        return top + 1
+
+    def place(self, obj, h: int):
+        if h > 1:
+            if h > MAX_DEPTH:
+                raise self.bad(f"containers nest deeper than {MAX_DEPTH}")
+            self.heights[id(obj)] = h
+        return obj
+
+    # array and map run once per container of a tree: builtins are bound as defaults,
+    # and a container holding no container (the common case) costs one scan in C.
+    def array(self, items: list, _plain=_SCANNED.isdisjoint, _map=map, _type=type) -> list:
+        if _plain(_map(_type, items)):
+            return items
+        return self.place(items, self.height(items))
+
+    def map(self, pairs: list, _plain=_SCANNED.isdisjoint, _map=map, _type=type, _dict=dict, _len=len,
+            _flat=chain.from_iterable) -> dict:
+        n = _len(pairs)
+        try:
+            if n > MAX_SAME_HASH and crowded([k for k, _ in pairs], n):
+                raise self.bad(f"more than {MAX_SAME_HASH} keys of one map share a hash")
+            d = _dict(pairs)
+        except TypeError:
+            raise self.bad("unhashable map key") from None
+        if _len(d) != n:
+            raise self.bad("duplicate map key")
+        if _plain(_map(_type, _flat(pairs))):
+            return d
+        return self.place(d, self.height(_flat(pairs)))
+
+    def members(self, items: list, kind: type):
+        """A set or frozenset of ``items``, under the same rules as map keys."""
+        n = len(items)
+        try:
+            if crowded(items, n):
+                raise self.bad(f"more than {MAX_SAME_HASH} items of one set share a hash")
+            s = kind(items)
+        except TypeError:
+            raise self.bad("unhashable set item") from None
+        if len(s) != n:
+            raise self.bad("duplicate set item")
+        return s
 
 
 def check_blob_table(h: Header, table, *, ref: str | None = None) -> list[tuple[int, int]]:
@@ -382,3 +481,68 @@ def check_blob_table(h: Header, table, *, ref: str | None = None) -> list[tuple[
     if pos != h.payload_len:
         raise bad(f"blobs end at {pos} but the payload is {h.payload_len} bytes")
     return out
+
+
+# --- chunked containers (version 1.1, FORMAT.md section 12) -------------------------
+
+CHUNKED_MINOR = 1
+ADDRESS_SIZE = 32            # BLAKE3-256
+MAX_CHUNKS = 1 << 24
+MAX_CHUNK_SIZE = (1 << 32) - 1
+_CHUNKED_KEYS = {"run", "step", "parent", "meta", "blobs", "chunks", "sizes", "length"}
+
+
+def is_chunked(h: Header) -> bool:
+    return bool(h.flags & FLAG_CHUNKED)
+
+
+@dataclass
+class ChunkedContainer:
+    """A checkpoint kept as chunks: the concatenation of the chunks at
+    ``addresses`` (with ``sizes``) is its standalone 1.0 container."""
+
+    run: object
+    step: object
+    parent: object
+    meta: object
+    addresses: list       # [bytes], 32 each, in order
+    sizes: list           # [int]
+    length: int           # sum(sizes): the standalone container's total_len
+    header: Header
+    ref: str | None = None
+
+
+def dumps_chunked(*, run, step, parent, meta, addresses: Sequence[bytes], sizes: Sequence[int],
+                  created_at_ns: int | None = None) -> bytes:
+    """A chunked container listing ``addresses`` (BLAKE3-256 of each chunk) and ``sizes``."""
+    if len(addresses) != len(sizes) or not addresses:
+        raise ValueError(f"{len(addresses)} addresses for {len(sizes)} sizes")
+    m = {"run": run, "step": step, "parent": parent, "meta": meta, "chunks": b"".join(addresses),
+         "sizes": list(sizes), "length": sum(sizes)}
+    w = ContainerWriter(m, [], created_at_ns=created_at_ns, minor=CHUNKED_MINOR, flags=FLAG_CHUNKED)
+    return b"".join(bytes(p) for p in w.parts())
+
+
+def open_chunked(c: Container) -> ChunkedContainer:
+    """Check a parsed chunked container's listing (section 12, rules 1-2)."""
+    h, m = c.header, c.meta
+
+    def bad(msg):
+        return MalformedCheckpointError(f"chunk listing: {msg}", ref=c.ref, section="metadata")
+
+    if not is_chunked(h) or h.blob_count or h.payload_len:
+        raise bad("not a chunked container (flag 0 unset, or it has a payload)")
+    if set(m) != _CHUNKED_KEYS:
+        raise bad(f"keys {sorted(map(str, m))}, expected {sorted(_CHUNKED_KEYS)}")
+    chunks, sizes, length = m["chunks"], m["sizes"], m["length"]
+    if type(chunks) is not bytes or len(chunks) % ADDRESS_SIZE:
+        raise bad(f"chunks is not a multiple of {ADDRESS_SIZE} bytes")
+    n = len(chunks) // ADDRESS_SIZE
+    if not 1 <= n <= MAX_CHUNKS or type(sizes) is not list or len(sizes) != n:
+        raise bad(f"{n} chunk addresses and {len(sizes) if type(sizes) is list else '?'} sizes")
+    if not all(type(x) is int and 1 <= x <= MAX_CHUNK_SIZE for x in sizes):
+        raise bad(f"a chunk size is not an integer in [1, {MAX_CHUNK_SIZE}]")
+    if type(length) is not int or length != sum(sizes) or length > MAX_TOTAL_LEN:
+        raise bad(f"length {length!r} is not the sum of the chunk sizes")
+    addresses = [chunks[i:i + ADDRESS_SIZE] for i in range(0, len(chunks), ADDRESS_SIZE)]
+    return ChunkedContainer(m["run"], m["step"], m["parent"], m["meta"], addresses, sizes, length, h, c.ref)

@@ -227,10 +227,15 @@ def test_header_digest_is_checked_before_the_version():
         agck.loads(bytes(data))
 
 
-@pytest.mark.parametrize("bit", range(16))
+@pytest.mark.parametrize("bit", range(1, 16))   # bit 0 is CHUNKED (version 1.1)
 def test_unknown_required_flag_is_refused(bit):
     with pytest.raises(UnsupportedVersionError, match="required flag"):
         agck.loads(assemble(STATE_NONE, flags=1 << bit))
+
+
+def test_chunked_flag_on_a_plain_container_is_malformed():
+    with pytest.raises(MalformedCheckpointError, match="chunk listing"):
+        agck.loads(assemble(STATE_NONE, flags=1))
 
 
 @pytest.mark.parametrize("bit", range(16, 32))
@@ -484,3 +489,327 @@ def test_golden_file_decodes_to_the_golden_state():
 def test_golden_file_loads_from_disk_lazily():
     ck = agck.load(make_golden.GOLDEN, verify=False)
     make_golden.assert_same(make_golden.golden_state(), ck.state)
+
+
+# --- rules FORMAT.md makes exact ---------------------------------------------------
+
+def raw_map(*pairs) -> bytes:
+    """A msgpack map of already-packed (key, value) byte pairs: duplicates allowed."""
+    assert len(pairs) < 16
+    return bytes([0x80 | len(pairs)]) + b"".join(k + v for k, v in pairs)
+
+
+def bigint(n: int):
+    return ext(4, n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True))
+
+
+P61 = 2 ** 61 - 1   # hash(int) is the int modulo this
+
+
+def colliding(n):
+    """n distinct big ints with one Python hash."""
+    return [k * P61 + 12345 for k in range(1, n + 1)]
+
+
+FLOOD = {
+    "bigint_keys": lambda n: pk({bigint(k): 0 for k in colliding(n)}),
+    "set_items": lambda n: pk(ext(2, pk([bigint(k) for k in colliding(n)]))),
+    "frozenset_items": lambda n: pk(ext(3, pk([bigint(k) for k in colliding(n)]))),
+    "tuple_keys": lambda n: pk({ext(1, pk([1, bigint(k)])): 0 for k in colliding(n)}),
+    "frozenset_keys": lambda n: pk({ext(3, pk([bigint(k)])): 0 for k in colliding(n)}),
+    "complex_keys": lambda n: pk({ext(7, pk([float(5 - 1000003 * i), float(i)])): 0 for i in range(1, n + 1)}),
+    "float_keys": lambda n: pk({2.0 ** (61 * k): 0 for k in range(-16, -16 + n)}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FLOOD))
+def test_keys_sharing_a_hash_are_refused_quickly(case):
+    n = 33 if case == "float_keys" else 20000   # 33 floats is every float with hash 1
+    m, blobs = with_state(FLOOD[case](n))
+    data = assemble(m, blobs)
+    e = bounded(lambda: agck.loads(data), seconds=1.0)
+    assert isinstance(e, MalformedCheckpointError) and "share a hash" in str(e), repr(e)
+
+
+@pytest.mark.parametrize("case", sorted(FLOOD))
+def test_eight_keys_may_share_a_hash_nine_may_not(case):
+    for n, ok in ((format.MAX_SAME_HASH, True), (format.MAX_SAME_HASH + 1, False)):
+        data = assemble(*with_state(FLOOD[case](n)))
+        if ok:
+            got = agck.loads(data).state
+            assert len(got) == n
+            assert agck.loads(agck.dumps(got)).state == got   # and the writer takes it
+        else:
+            with pytest.raises(MalformedCheckpointError, match="share a hash"):
+                agck.loads(data)
+
+
+def test_writer_refuses_what_the_reader_refuses_for_sharing_a_hash():
+    for state in ({k: 0 for k in colliding(9)}, set(colliding(9)), [frozenset(colliding(9))],
+                  {(1, k): 0 for k in colliding(9)}, {"x": {2.0 ** (61 * k) for k in range(9)}}):
+        with pytest.raises(agck.EncodeError, match="share one hash"):
+            agck.dumps(state)
+
+
+def test_metadata_keys_sharing_a_hash_are_refused():
+    m, blobs = base_meta()
+    m["added_later"] = {2.0 ** (61 * k): k for k in range(-16, 17)}
+    e = bounded(lambda: agck.loads(assemble(m, blobs)))
+    assert isinstance(e, MalformedCheckpointError) and "share a hash" in str(e)
+
+
+def test_many_distinct_ints_load():
+    state = {"keys": {k * 7919: k for k in range(100000)}, "set": set(range(-50000, 50000)),
+             "tuples": {(k, -k): k for k in range(20000)}, "big": {2 ** 64 + k: k for k in range(20000)}}
+    assert agck.loads(agck.dumps(state)).state == state
+
+
+@pytest.mark.parametrize("tree", [
+    raw_map((pk(1), pk(0)), (pk(1), pk(1))),                    # the same key twice
+    raw_map((pk(1), pk(0)), (pk(1.0), pk(1))),                  # 1 and 1.0 are one key
+    raw_map((pk(True), pk(0)), (pk(1), pk(1))),                 # and true
+    raw_map((pk("a"), pk(0)), (pk(ext(1, pk([1]))), pk(0)), (pk(ext(1, pk([1.0]))), pk(1))),
+    pk(ext(2, pk([1, 2, 1]))),
+    pk(ext(3, pk([0, 0.0]))),
+    b"\x92" + pk(1) + raw_map((pk(b"k"), pk(0)), (pk(b"k"), pk(0))),
+], ids=["same", "int_float", "bool_int", "tuples", "set", "frozenset", "nested"])
+def test_duplicate_keys_in_the_state_are_refused(tree):
+    with pytest.raises(MalformedCheckpointError, match="duplicate"):
+        agck.loads(assemble(*with_state(tree)))
+
+
+def packed_map_plus(m: dict, *extra: tuple) -> bytes:
+    """``m`` packed, followed by more (key, value) entries, which may repeat its keys."""
+    raw = pk(m)
+    assert raw[0] == 0x80 | len(m) and len(m) + len(extra) < 16
+    return bytes([0x80 | (len(m) + len(extra))]) + raw[1:] + b"".join(pk(k) + pk(v) for k, v in extra)
+
+
+def test_duplicate_keys_in_the_metadata_are_refused():
+    m, blobs = base_meta()
+    m["blobs"] = [list(b) for b in format.open_container(DATA).blobs]
+    for extra in ([("step", 4)], [("blobs", m["blobs"])], [("later", 1), ("later", 2)]):
+        e = bounded(lambda: agck.loads(assemble({}, blobs, raw_meta=packed_map_plus(m, *extra))))
+        assert isinstance(e, MalformedCheckpointError) and "duplicate" in str(e), repr(e)
+    # in a tensor descriptor
+    d0 = packed_map_plus(m["tensors"][0], ("offset", 0))
+    tensors = bytes([0x90 | len(m["tensors"])]) + d0 + b"".join(pk(d) for d in m["tensors"][1:])
+    rest = {k: v for k, v in m.items() if k != "tensors"}
+    raw = bytes([pk(rest)[0] + 1]) + pk(rest)[1:] + pk("tensors") + tensors
+    with pytest.raises(MalformedCheckpointError, match="duplicate"):
+        agck.loads(assemble({}, blobs, raw_meta=raw))
+
+
+@pytest.mark.parametrize("where", ["meta", "unknown_key", "nested_meta"])
+def test_msgpack_timestamps_in_the_metadata_are_refused(where):
+    m, blobs = base_meta()
+    ts = msgpack.Timestamp(1, 2)
+    if where == "meta":
+        m["meta"] = ts
+    elif where == "unknown_key":
+        m["later"] = [1, ts]
+    else:
+        m["meta"] = {"k": [ts]}
+    e = bounded(lambda: agck.loads(assemble(m, blobs)))
+    assert isinstance(e, MalformedCheckpointError), repr(e)
+
+
+@pytest.mark.parametrize("tree", [
+    pk(msgpack.Timestamp(1, 0)), pk([msgpack.Timestamp(1, 0)]), pk({"k": msgpack.Timestamp(0, 5)}),
+    pk({msgpack.Timestamp(3, 0): 1}), pk(ext(1, pk([msgpack.Timestamp(2 ** 40, 0)]))),
+    pk(ext(2, pk([msgpack.Timestamp(1, 0)]))), b"\xd4\xff\x00",
+], ids=["root", "list", "value", "key", "tuple", "set", "bad_length"])
+def test_msgpack_timestamps_in_the_state_are_refused(tree):
+    with pytest.raises(MalformedCheckpointError):
+        agck.loads(assemble(*with_state(tree)))
+
+
+@pytest.mark.parametrize("name", ["step", "parent"])
+@pytest.mark.parametrize("value, ok", [(-1, False), (-(2 ** 63), False), (2 ** 63, False), (2 ** 64 - 1, False),
+                                       (2 ** 63 - 1, True), (0, True), (None, True), (1.0, False), (True, False)])
+def test_step_and_parent_are_nil_or_in_range(name, value, ok):
+    m, blobs = base_meta()
+    m[name] = value
+    data = assemble(m, blobs)
+    if ok:
+        assert getattr(agck.loads(data), name) == value
+    else:
+        with pytest.raises(MalformedCheckpointError, match=name):
+            agck.loads(data)
+
+
+@pytest.mark.parametrize("data, error", [
+    (b"", CorruptCheckpointError), (b"A", CorruptCheckpointError), (b"AGC", CorruptCheckpointError),
+    (b"AGCK" + bytes(59), CorruptCheckpointError), (DATA[:63], CorruptCheckpointError),
+    (b"X", FormatError), (b"AGX", FormatError), (b"AGCX", FormatError), (b"XGCK" + bytes(59), FormatError),
+    (b"\x80\x03}q\x00.", FormatError),
+])
+def test_short_buffers(data, error):
+    with pytest.raises(error) as ei:
+        agck.loads(data)
+    assert type(ei.value) is error
+
+
+def test_only_tensors_state_and_blobs_are_required():
+    ck = agck.loads(assemble({"tensors": [], "state": pk([1])}))
+    assert (ck.run, ck.step, ck.parent, ck.meta, ck.state) == (None, None, None, None, [1])
+    for key in ("tensors", "state"):
+        m = {"tensors": [], "state": pk(1)}
+        del m[key]
+        with pytest.raises(MalformedCheckpointError):
+            agck.loads(assemble(m))
+    with pytest.raises(MalformedCheckpointError, match="blob table"):
+        agck.loads(assemble({}, raw_meta=pk({"tensors": [], "state": pk(1)})))
+
+
+@pytest.mark.parametrize("i, changes, ok", [
+    (NP_T, dict(shape=[1, 5], strides=[2 ** 63 - 1, 4]), True),     # a size-1 dimension: any stride in range
+    (NP_T, dict(shape=[1, 5], strides=[-2 ** 63, 4]), True),
+    (NP_T, dict(shape=[1, 5], strides=[2 ** 63, 4]), False),
+    (NP_T, dict(shape=[0, 5], strides=[2 ** 63 - 1, -2 ** 63]), True),   # size 0: checked, moves nothing
+    (NP_T, dict(shape=[0, 5], strides=[2 ** 64 - 1, 4]), False),
+    (PT_T, dict(shape=[1, 7], strides=[2 ** 63 - 2, 2]), True),
+    (PT_T, dict(shape=[1, 7], strides=[-2, 2]), False),              # never negative for torch
+    (PT_T, dict(shape=[0, 7], strides=[3, 2]), False),               # nor off the itemsize
+    (NP_T, dict(shape=[2 ** 61, 0]), False),                         # non-zero entries x itemsize >= 2**63
+    (PT_T, dict(shape=[2 ** 61, 4, 0]), False),
+    (PT_T, dict(shape=[2 ** 60, 3, 0]), True),
+    (NP_T, dict(shape=[2 ** 61, 0], dtype="uint8"), True),
+])
+def test_stride_and_shape_ranges(i, changes, ok):
+    data = assemble(*desc(i, **changes))
+    if ok:
+        agck.loads(data)
+    else:
+        with pytest.raises(MalformedCheckpointError):
+            agck.loads(data)
+
+
+def test_writer_refuses_shapes_the_reader_refuses():
+    with pytest.raises(agck.EncodeError, match="2\\*\\*63"):
+        agck.dumps(torch.empty((2 ** 61, 0)))
+    assert agck.loads(agck.dumps(torch.empty((2 ** 61, 0), dtype=torch.bool))).state.shape == (2 ** 61, 0)
+
+
+@pytest.mark.parametrize("i, changes, ok", [
+    (NP_T, dict(grad=True), False), (NP_T, dict(param=False), False), (NP_T, dict(device="cpu"), False),
+    (PT_T, dict(grad=1), False), (PT_T, dict(param="yes"), False), (PT_T, dict(device=5), False),
+    (PT_T, dict(device="cuda:01"), False), (PT_T, dict(device="cuda:128"), False), (PT_T, dict(device="CUDA"), False),
+    (PT_T, dict(grad=True), False),                     # int16 cannot require grad
+    (PT_T, dict(param=True, grad=False), True), (PT_T, dict(device="cuda:3"), True),
+    (PT_T, dict(device="someaccel:127"), True),       # informational: any well-formed device string
+    (PT_T, dict(grad=True, dtype="float16", shape=[3]), True),
+])
+def test_descriptor_fields(i, changes, ok):
+    data = assemble(*desc(i, **changes))
+    if not ok:
+        with pytest.raises(MalformedCheckpointError):
+            agck.loads(data)
+        return
+    t = agck.loads(data).state["b"]
+    assert t.device.type == "cpu" and t.requires_grad == bool(changes.get("grad"))
+    assert type(t) is (torch.nn.Parameter if changes.get("param") else torch.Tensor)
+
+
+def test_float32_reads_as_the_same_double():
+    tree = msgpack.packb([1.1, ext(7, msgpack.packb([0.1, -2.5], use_single_float=True))], use_single_float=True)
+    got = agck.loads(assemble(*with_state(tree))).state
+    f32 = float(np.float32(1.1))
+    assert got == [f32, complex(float(np.float32(0.1)), -2.5)]
+    m, blobs = base_meta()
+    raw = msgpack.packb({**m, "meta": [0.5, 1.1], "blobs": [list(b) for b in format.open_container(DATA).blobs]},
+                        use_bin_type=True, use_single_float=True)
+    assert agck.loads(assemble({}, blobs, raw_meta=raw)).meta == [0.5, f32]
+
+
+def test_byte_order_is_not_stored():
+    state = [np.dtype(">i4"), np.arange(3, dtype=">f8"), np.array(5, ">u2")[()]]
+    dt, arr, scalar = agck.loads(agck.dumps(state)).state
+    assert dt == np.dtype("int32") and dt.isnative
+    assert arr.dtype == np.dtype("float64") and arr.dtype.isnative and arr.tolist() == [0.0, 1.0, 2.0]
+    assert scalar.dtype.isnative and scalar == 5
+
+
+def test_bool_bytes_are_checked_in_scalars_not_in_arrays():
+    m, blobs = desc(NP_T, dtype="bool", shape=[5])
+    blobs[NP_T] = b"\x00\x01\x02\xff\x01" + blobs[NP_T][5:]
+    got = agck.loads(assemble(m, blobs)).state["a"]     # loaded as stored, unchecked
+    assert got.view(np.uint8).tolist() == [0, 1, 2, 255, 1]
+    with pytest.raises(MalformedCheckpointError, match="bool"):
+        agck.loads(assemble(*with_state(pk(ext(6, pk(["bool", b"\x02"]))))))
+    assert agck.loads(assemble(*with_state(pk(ext(6, pk(["bool", b"\x01"])))))).state is np.True_
+
+
+def nested(n, leaf=b"\xc0", level=b"\x91"):
+    return level * n + leaf
+
+
+def nested_tuples(n, leaf):
+    x = leaf
+    for _ in range(n):
+        x = pk(ext(1, b"\x91" + x))
+    return x
+
+
+@pytest.mark.parametrize("tree, ok", [
+    (nested(256), True), (nested(257), False),
+    (nested(256, level=b"\x81\xc0"), True), (nested(257, level=b"\x81\xc0"), False),
+    (nested_tuples(256, pk(2 ** 64 - 1)), True), (nested_tuples(257, pk(1)), False),
+    (nested_tuples(256, pk(bigint(2 ** 70))), True),    # a leaf extension value below depth 256
+    (nested_tuples(256, pk(ext(7, pk([1.0, 2.0])))), True),
+    (nested_tuples(255, pk([bigint(5)])), True), (nested_tuples(255, pk([[1]])), False),
+    (nested(128, nested_tuples(128, pk(1))), True), (nested(128, nested_tuples(129, pk(1))), False),
+    (nested(200, pk({ext(1, pk(list(range(3)))): 1})), True),     # a tuple key is a container too
+    (nested(255, pk({ext(1, pk([ext(1, pk([]))])): 1})), False),
+], ids=["lists_256", "lists_257", "maps_256", "maps_257", "tuples_256", "tuples_257", "bigint_at_257",
+        "complex_at_257", "list_at_256", "list_at_257", "mixed_256", "mixed_257", "tuple_key", "tuple_key_257"])
+def test_depth_counts_containers_from_one(tree, ok):
+    data = assemble(*with_state(tree))
+    if ok:
+        agck.loads(data)
+    else:
+        e = bounded(lambda: agck.loads(data))
+        assert isinstance(e, MalformedCheckpointError) and "deeper" in str(e), repr(e)
+
+
+def test_writer_and_reader_agree_on_depth():
+    def lists(n, leaf):
+        x = leaf
+        for _ in range(n):
+            x = [x]
+        return x
+
+    def tuples(n, leaf):
+        x = leaf
+        for _ in range(n):
+            x = (x,)
+        return x
+
+    for ok in (lists(256, 1), tuples(256, 2 ** 100), tuples(256, np.float32(1)), lists(255, (torch.ones(1),)),
+               tuples(128, lists(127, {1: "x"}))):
+        agck.loads(agck.dumps(ok))
+    for bad in (lists(257, 1), tuples(257, 1), lists(256, {}), tuples(128, lists(129, None))):
+        with pytest.raises(agck.EncodeError, match="nesting"):
+            agck.dumps(bad)
+    meta_ok, meta_bad = lists(255, 1), lists(256, 1)   # the metadata map is depth 1
+    assert agck.loads(agck.dumps(None, meta=meta_ok)).meta == meta_ok
+    with pytest.raises(agck.EncodeError, match="nesting"):
+        agck.dumps(None, meta=meta_bad)
+    m, blobs = base_meta()
+    m["later"] = lists(256, 1)
+    with pytest.raises(MalformedCheckpointError, match="deeper"):
+        agck.loads(assemble(m, blobs))
+
+
+def test_unreadable_file_is_not_a_verdict(monkeypatch, tmp_path):
+    from agck import recovery
+    path = tmp_path / "c.agck"
+    agck.save(path, {})
+
+    def denied(*a, **kw):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(checkpoint, "open", denied, raising=False)
+    with pytest.raises(AgckError) as ei:
+        agck.load(path)
+    assert not recovery.is_verdict(ei.value)

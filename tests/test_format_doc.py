@@ -58,3 +58,75 @@ def test_example_header_fields_match_the_doc():
     assert payload_offset == (64 + meta_len + 63) & ~63
     assert data[-8:] == b"AGCK_END"
     assert struct.unpack_from("<Q", data, len(data) - 24)[0] == len(data)
+
+
+def _section(title: str) -> str:
+    text = DOC.read_text(encoding="utf-8")
+    start = text.index(title)
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def _names(text: str) -> set[str]:
+    return set(re.findall(r"`([a-z][a-z0-9_]*)`", text))
+
+
+def _row(section: str, first_cell: str) -> str:
+    (line,) = [ln for ln in section.splitlines() if ln.startswith(f"| {first_cell} |")]
+    return line
+
+
+def _first_column(table: str) -> set[str]:
+    """Names in the first column of the markdown table that starts ``table``."""
+    rows = table.strip().split("\n\n", 1)[0].splitlines()[2:]
+    return set().union(*(_names(r.split("|")[1]) for r in rows))
+
+
+def test_name_lists_match_the_reader():
+    # The closed lists an independent reader implements are the ones agck's reader uses.
+    from agck import codec, format
+    types = _section("## 7. Element types")
+    numpy_part, torch_part = types.split("Numpy names", 1)[1].split("Torch names", 1)
+    assert _first_column(numpy_part.split("\n\n", 1)[1]) == set(codec._NP_NAMES) | set(codec._NP_LONG_DOUBLE)
+    assert _first_column(torch_part.split("\n\n", 1)[1]) == set(codec._TORCH_NAMES)
+    tree = _section("## 8. The value tree")
+    ext8 = _row(tree, "8").split("|")[3]
+    assert _names(ext8.split("one of the dtypes", 1)[1].split("No other", 1)[0]) == \
+        set(codec._TORCH_VALUE_NAMES) - set(codec._TORCH_NAMES)
+    ext10 = _row(tree, "10").split("|")[3]
+    assert _names(ext10.split("one of", 1)[1].split(";", 1)[0]) == set(codec._DEVICE_TYPES)
+    limits = _section("## 11. Limits")
+    assert f"| `MAX_DEPTH` | {format.MAX_DEPTH} |" in limits
+    assert f"| `MAX_SAME_HASH` | {format.MAX_SAME_HASH} |" in limits
+
+
+def chunked_example_bytes() -> bytes:
+    blocks = re.findall(r"^```hex chunked\n(.*?)^```", DOC.read_text(encoding="utf-8"), re.M | re.S)
+    assert len(blocks) == 1, "FORMAT.md must hold exactly one ```hex chunked block"
+    out = bytearray()
+    for line in blocks[0].splitlines():
+        m = re.match(r"^([0-9a-f]{8}): (.*)$", line)
+        assert m and int(m.group(1), 16) == len(out), f"bad xxd line: {line!r}"
+        out += bytes.fromhex(m.group(2).split("  ", 1)[0].replace(" ", ""))
+    return bytes(out)
+
+
+def test_chunked_example_is_what_the_writer_writes_and_rebuilds_the_inner_container():
+    import blake3
+
+    from agck import format
+    from agck.stores import content
+    inner = example_bytes()
+    chunks = [inner[:128], inner[128:]]
+    data = chunked_example_bytes()
+    assert len(data) == 288
+    assert data == format.dumps_chunked(run="demo", step=1, parent=None, meta=None,
+                                        addresses=[blake3.blake3(c).digest() for c in chunks],
+                                        sizes=[128, 120], created_at_ns=CREATED_AT_NS)
+    c = format.open_container(data)
+    assert (c.header.major, c.header.minor, c.header.flags) == (1, 1, format.FLAG_CHUNKED)
+    listed = format.open_chunked(c)
+    assert listed.sizes == [128, 120] and listed.length == 248
+    by_address = {blake3.blake3(ch).digest(): ch for ch in chunks}
+    ck = content.decode(data, lambda a, n: by_address.get(a), verify=True, map_location=None, ref=None)
+    assert ck.run == "demo" and ck.step == 1 and ck.version == "1.0"
+    assert ck.state["x"].tobytes() == np.arange(4, dtype=np.float32).tobytes()

@@ -107,7 +107,16 @@ class Store(ABC):
         and all steps >= ``before`` (when given, only steps below it are
         candidates). Never deletes the newest checkpoint that verifies, and
         deletes nothing when it cannot find one (see :func:`agck.recovery.prune`)."""
-        return recovery.prune(self, run, keep_last=keep_last, keep_every=keep_every, before=before)
+        deleted = recovery.prune(self, run, keep_last=keep_last, keep_every=keep_every, before=before)
+        if deleted:
+            self.collect_garbage()
+        return deleted
+
+    def collect_garbage(self):
+        """Delete stored content that no checkpoint refers to any more (chunks of
+        deleted checkpoints, leftovers of interrupted writes). Stores that share no
+        content between checkpoints have none; returns what was collected, or None."""
+        return None
 
     def close(self) -> None:
         pass

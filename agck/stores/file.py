@@ -1,11 +1,18 @@
 """The embedded default store: a directory of AGCK files.
 
-    <root>/<run>/<step:012d>.agck
+    <root>/<run>/<step:012d>.agck     one container per checkpoint
+    <root>/.objects/                  chunks shared by the checkpoints (objectdir.py)
 
-One container per checkpoint, written by :mod:`agck.durable` (temp file,
-fsync, rename, fsync of the directory); a new run directory is made durable
-by fsync'ing the root after mkdir. Loads are mmap'd (private, copy-on-write)
-and zero-copy. Temp files left by a crash are listed by :meth:`orphans`.
+By default (``incremental=True``) a checkpoint's file is a chunked container
+(FORMAT.md, version 1.1) listing the chunks of its content, and only chunks
+the store does not hold yet are written (:mod:`agck.stores.content`): a
+checkpoint costs what changed since the earlier ones. With
+``incremental=False`` each file is a standalone 1.0 container, loaded mmap'd
+and zero-copy. Either way a file is written by :mod:`agck.durable` (temp
+file, fsync, rename, fsync of the directory), after every chunk it lists is
+durable; a new run directory is made durable by fsync'ing the root after
+mkdir. Temp files left by a crash are listed by :meth:`orphans`; chunks no
+checkpoint lists any more are deleted by :meth:`collect_garbage`.
 Other files (another spelling of a step's name, notes, other tools' files) are ignored.
 """
 
@@ -16,11 +23,14 @@ import re
 import shlex
 from typing import Any
 
-from .. import checkpoint, durable
+from .. import checkpoint, durable, format
 from ..checkpoint import Checkpoint
-from ..errors import AgckError, CheckpointNotFoundError, DurabilityError, InvalidRunNameError, StoreConnectionError
+from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, DurabilityError,
+                      FormatError, InvalidRunNameError, StoreConnectionError, StoreError, UnsupportedVersionError)
 from ..names import MAX_STEP
+from . import content
 from .base import CheckpointInfo, Store, check_identity, check_run, check_step
+from .objectdir import ObjectDir
 
 SUFFIX = ".agck"
 _STEP_DIGITS = 12
@@ -41,11 +51,14 @@ def parse_step_filename(name: str) -> int | None:
 
 
 class FileStore(Store):
-    def __init__(self, root: str | os.PathLike, *, create: bool = True, fs: durable.FileSystem | None = None):
+    def __init__(self, root: str | os.PathLike, *, create: bool = True, fs: durable.FileSystem | None = None,
+                 incremental: bool = True):
         super().__init__()
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
         self.fs = fs or durable.REAL
+        self.incremental = bool(incremental)
+        self.objects = ObjectDir(self.root, self.fs)
         if not os.path.isdir(self.root):
             if not create or os.path.exists(self.root):
                 raise StoreConnectionError("not a checkpoint directory", ref=self.root,
@@ -74,7 +87,18 @@ class FileStore(Store):
         path = self.path(run, step)
         w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta)
         self._ensure_run_dir(os.path.dirname(path))
-        durable.write_atomic(path, checkpoint.stream(w), overwrite=overwrite, size=w.total_len, fs=self.fs)
+        if not self.incremental:
+            durable.write_atomic(path, checkpoint.stream(w), overwrite=overwrite, size=w.total_len, fs=self.fs)
+            return path
+        if not overwrite and os.path.exists(path):   # before writing chunks; link(2) below still decides
+            raise CheckpointExistsError("a checkpoint already exists here", ref=path)
+        with self.objects.locked():   # no chunk we rely on can be collected until the listing is durable
+            batch = self.objects.batch()
+            chunks = content.store_chunks(w, batch.has, batch.add)
+            batch.sync()
+            listing = content.listing(w, chunks, run=run, step=step, parent=parent, meta=meta)
+            durable.write_atomic(path, [listing], overwrite=overwrite, size=len(listing), fs=self.fs)
+        self.last_put = chunks
         return path
 
     def _ensure_run_dir(self, d: str) -> None:
@@ -124,6 +148,8 @@ class FileStore(Store):
                 try:
                     info.size = os.path.getsize(path)
                     h, m = checkpoint.read_head(path)
+                    if format.is_chunked(h) and type(m.get("length")) is int:
+                        info.size = m["length"]   # the checkpoint's size, not its listing's
                     info.created_at = h.created_at_ns / 1e9
                     info.parent = m.get("parent")
                     info.meta = m.get("meta")
@@ -138,9 +164,35 @@ class FileStore(Store):
         if not os.path.exists(path):
             raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=path,
                                           hint=f"`agck ls {shlex.quote(self.root)} --run {run}` lists the steps")
-        ck = checkpoint.load(path, verify=verify, mmap=True, map_location=map_location)
+        buf = checkpoint.read_file(path, mmap=True)
+        ck = content.decode(buf, self.objects.get, verify=verify, map_location=map_location, ref=path)
         check_identity(ck, run, step, path)
         return ck
+
+    # -- shared content --------------------------------------------------------
+    def collect_garbage(self) -> content.Collected:
+        """Delete the chunks no readable checkpoint lists (and writers' leftovers).
+        Holds the chunk lock exclusively, so it waits for writers in progress and
+        they wait for it. A listing that is damaged keeps no chunk alive (nothing
+        could ever rebuild its content); one that cannot be read here (an I/O
+        error, a newer format) stops the collection before anything is deleted."""
+        with self.objects.locked(exclusive=True):
+            live: set[bytes] = set()
+            listings, damaged = 0, []
+            for r in self.runs():
+                for s in self.steps(r):
+                    path = self.path(r, s)
+                    try:
+                        listed = _read_listing(path)
+                    except CorruptCheckpointError:
+                        damaged.append(path)
+                        continue
+                    if listed is not None:
+                        live.update(listed.addresses)
+                        listings += 1
+            files, nbytes = self.objects.collect(live)
+        return content.Collected(listings=listings, live_chunks=len(live), deleted_chunks=files,
+                                 deleted_bytes=nbytes, damaged=damaged)
 
     # -- housekeeping ----------------------------------------------------------
     def orphans(self, run: str | None = None) -> list[str]:
@@ -174,3 +226,28 @@ def _is_run_name(name: str) -> bool:
         return True
     except InvalidRunNameError:
         return False
+
+
+def _read_listing(path: str):
+    """The chunk listing of a checkpoint file; None for a standalone container or a
+    file deleted meanwhile. Raises CorruptCheckpointError if the listing is
+    damaged, StoreError if it cannot be read or judged here."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(format.HEADER_SIZE)
+            try:
+                h = format.parse_header(head, ref=path)
+            except UnsupportedVersionError as e:
+                raise StoreError(f"a checkpoint of a newer format: {e.reason}", ref=path,
+                                 hint="collect garbage with the agck version that wrote it") from None
+            except FormatError as e:   # not a container: lists nothing
+                raise CorruptCheckpointError(e.reason, ref=path) from None
+            if not format.is_chunked(h):
+                return None
+            data = head + f.read(h.total_len - len(head) + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise StoreError(f"cannot read a checkpoint, so no chunk is collected: {e.strerror}", ref=path,
+                         hint="fix the file's access and collect again") from None
+    return format.open_chunked(format.open_container(data, verify=True, ref=path))

@@ -1,0 +1,154 @@
+"""Content shared between the checkpoints of a store: chunked checkpoints.
+
+A store keeps a checkpoint as a *chunked container* (FORMAT.md, version 1.1):
+a small AGCK container listing, by BLAKE3-256 address, the chunks that the
+checkpoint's standalone v1.0 container splits into (:mod:`agck.chunking`).
+Chunks are kept once per store, in the store's object table, and shared by
+every checkpoint that holds the same bytes: an unchanged tensor, the prefix of
+a list that only grew, a frozen model.
+
+The rules every backend keeps, whatever its storage:
+
+1. A chunked container commits only after every chunk it lists is durable.
+2. A chunk is deleted only when no committed chunked container lists it, and
+   never while a writer that may be about to list it is between checking that
+   it exists and committing (file store: a shared lock held by writers, an
+   exclusive one by the collector; SQL stores: a foreign key from the listing
+   to the chunk, checked by the database at commit).
+3. Deleting a checkpoint removes its chunked container first; its chunks are
+   collected later (:meth:`Store.collect_garbage`), so a crash between the two
+   leaves only unreferenced chunks, collected by the next run.
+
+This module is the part that does not depend on the backend: splitting a
+container into chunks for a writer, and rebuilding and verifying a container
+from chunks for a reader.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import msgpack
+
+from .. import checkpoint, chunking, format, memory
+from ..checkpoint import Checkpoint
+from ..errors import CorruptCheckpointError
+
+
+@dataclass
+class Chunks:
+    """What a writer learned splitting one container: every chunk's address and
+    size in order, and the chunks the store did not hold yet."""
+
+    addresses: list[bytes]
+    sizes: list[int]
+    new_bytes: int = 0
+    new_chunks: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+
+@dataclass
+class Collected:
+    """What a garbage collection found and removed."""
+
+    listings: int          # chunked checkpoints whose chunks were kept
+    live_chunks: int       # distinct chunks they list
+    deleted_chunks: int
+    deleted_bytes: int
+    damaged: list = field(default_factory=list)   # refs of damaged listings, which keep nothing alive
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def store_chunks(w: format.ContainerWriter, has: Callable[[bytes], bool],
+                 add: Callable[[bytes, memoryview], None]) -> Chunks:
+    """Split the container ``w`` into chunks, and ``add`` each one ``has`` says is
+    missing (once, even if it occurs twice). The caller makes the added chunks
+    durable before committing the listing."""
+    out = Chunks([], [])
+    seen: set[bytes] = set()
+    for chunk in chunking.split(_container_parts(w)):
+        a = chunking.address(chunk)
+        out.addresses.append(a)
+        out.sizes.append(chunk.nbytes)
+        if a in seen:
+            continue
+        seen.add(a)
+        if not has(a):
+            add(a, chunk)
+            out.new_bytes += chunk.nbytes
+            out.new_chunks += 1
+    return out
+
+
+def _container_parts(w: format.ContainerWriter) -> Iterable:
+    """The container's bytes in order: header, metadata and blobs in place, then
+    the footer (each blob's XXH3-64 computed on the way)."""
+    digests = []
+    for _, buf, is_blob in w.layout():
+        if is_blob:
+            digests.append(format.digest(buf))
+        yield buf
+    yield w.finish(digests)
+
+
+def listing(w: format.ContainerWriter, chunks: Chunks, *, run, step, parent, meta) -> bytes:
+    """The chunked container (v1.1) that lists ``chunks`` as the bytes of ``w``."""
+    return format.dumps_chunked(run=run, step=step, parent=parent, meta=meta,
+                                addresses=chunks.addresses, sizes=chunks.sizes,
+                                created_at_ns=w.header.created_at_ns)
+
+
+def assemble(listed: format.ChunkedContainer, fetch: Callable[[bytes, int], object], *,
+             verify: bool = True, ref: str | None) -> memoryview:
+    """The listed container's bytes, rebuilt from its chunks. ``fetch(address,
+    size)`` returns a chunk's bytes (or None if the store lacks it). With
+    ``verify`` every chunk is checked against its address (its size always);
+    the result is a v1.0 container for :func:`agck.checkpoint.loads` to verify
+    and decode."""
+    buf = memory.new_buffer(listed.length)   # a uint8 array, not zero-filled
+    view = memoryview(buf)
+    pos = 0
+    for i, (a, n) in enumerate(zip(listed.addresses, listed.sizes)):
+        data = fetch(a, n)
+        if data is None:
+            raise CorruptCheckpointError(f"chunk {i} ({a.hex()[:16]}) is missing from the store", ref=ref,
+                                         section="chunk")
+        data = memoryview(data).cast("B")
+        if data.nbytes != n or (verify and chunking.address(data) != a):
+            raise CorruptCheckpointError(f"chunk {i} ({a.hex()[:16]}) does not match its address", ref=ref,
+                                         section="chunk")
+        view[pos:pos + n] = data
+        pos += n
+    if pos != listed.length:
+        raise CorruptCheckpointError(f"chunks add up to {pos} bytes, the listing says {listed.length}", ref=ref,
+                                     section="chunk")
+    return buf
+
+
+def decode(buf, fetch: Callable[[bytes, int], object], *, verify: bool, map_location, ref: str | None) -> Checkpoint:
+    """Decode a stored container: a 1.0 container as it is, a chunked one by
+    rebuilding its content from the store (``fetch``) first. The listing and the
+    content must agree on run, step, parent and meta (FORMAT.md, chunked rule 4)."""
+    c = format.open_container(buf, verify=verify, ref=ref)
+    if not format.is_chunked(c.header):
+        return checkpoint.decode(c, copy=False, map_location=map_location)
+    listed = format.open_chunked(c)
+    inner = assemble(listed, fetch, verify=verify, ref=ref)
+    ck = checkpoint.loads(inner, verify=verify, copy=False, map_location=map_location, ref=ref)
+    for name in ("run", "step", "parent"):
+        if getattr(ck, name) != getattr(listed, name):
+            raise CorruptCheckpointError(f"the listing says {name} {getattr(listed, name)!r}, its content "
+                                         f"{getattr(ck, name)!r}", ref=ref, section="chunk")
+    if _packed(ck.meta) != _packed(listed.meta):
+        raise CorruptCheckpointError("the listing's meta differs from its content's", ref=ref, section="chunk")
+    return ck
+
+
+def _packed(value) -> bytes:
+    return msgpack.packb(value, use_bin_type=True, unicode_errors="surrogatepass")

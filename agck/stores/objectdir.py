@@ -1,0 +1,184 @@
+"""A file store's chunks: one immutable file per chunk, named by its address.
+
+    <root>/.objects/<first 2 hex digits>/<remaining 62 hex digits>
+    <root>/.objects/lock
+
+Writing a chunk: temp file in its directory, write, fsync, rename, and once per
+batch fsync of every directory that gained a name (:meth:`ObjectDir.sync`).
+Chunks are never rewritten: the same name always holds the same bytes.
+
+Locking (:mod:`agck.stores.content`, rule 2): a writer holds a shared
+``flock`` on ``lock`` from its first "do you have this chunk?" until its
+listing is committed; the collector holds it exclusively while it lists the
+live chunks and deletes the rest. The kernel drops a killed process's lock, so
+a crash never leaves the store locked.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from contextlib import contextmanager
+from typing import Iterable
+
+from .. import durable, failpoints
+from ..errors import DurabilityError, StoreError
+
+DIRNAME = ".objects"
+
+
+class ObjectDir:
+    def __init__(self, root: str, fs: durable.FileSystem):
+        self.root = root
+        self.dir = os.path.join(root, DIRNAME)
+        self.fs = fs
+
+    def path(self, address: bytes) -> str:
+        h = address.hex()
+        return os.path.join(self.dir, h[:2], h[2:])
+
+    # -- locking ---------------------------------------------------------------
+    @contextmanager
+    def locked(self, exclusive: bool = False):
+        self._ensure_dir(self.dir, self.root)
+        try:
+            fd = os.open(os.path.join(self.dir, "lock"), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as e:
+            raise DurabilityError(f"cannot open the chunk lock: {e.strerror}", ref=self.dir) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)   # releases the lock
+
+    # -- writing ---------------------------------------------------------------
+    def batch(self) -> "Batch":
+        """The chunks of one checkpoint: check, add, then :meth:`Batch.sync`."""
+        return Batch(self)
+
+    def _add(self, address: bytes, chunk: memoryview) -> str:
+        path = self.path(address)
+        d = os.path.dirname(path)
+        self._ensure_dir(d, self.dir)
+        tmp = durable.temp_name_for(path)
+        fd = None
+        try:
+            fd = self.fs.open_new(tmp)
+            durable.write_all(self.fs, fd, chunk)
+            failpoints.hit("objects.before_fsync")
+            self.fs.fsync(fd)
+            self.fs.close(fd)
+            fd = None
+            self.fs.rename(tmp, path)
+            tmp = None
+            return d
+        except OSError as e:
+            what = "disk full" if e.errno == errno.ENOSPC else e.strerror or str(e)
+            raise DurabilityError(f"writing a chunk failed: {what}", ref=path) from e
+        finally:
+            if fd is not None:
+                try:
+                    self.fs.close(fd)
+                except OSError:
+                    pass
+            if tmp is not None:
+                try:
+                    self.fs.unlink(tmp)
+                except OSError:
+                    pass
+
+    def _ensure_dir(self, d: str, parent: str) -> None:
+        if os.path.isdir(d):
+            return
+        try:
+            self.fs.mkdir(d)
+        except FileExistsError:
+            return
+        except OSError as e:
+            raise DurabilityError(f"cannot create a chunk directory: {e.strerror}", ref=d) from None
+        try:
+            self.fs.fsync_dir(parent)
+        except OSError as e:
+            raise DurabilityError(f"fsync failed: {e.strerror}", ref=parent) from None
+
+    # -- reading ---------------------------------------------------------------
+    def get(self, address: bytes, size: int):
+        """The chunk's bytes, or None if there is no such chunk."""
+        try:
+            with open(self.path(address), "rb") as f:
+                return f.read(size + 1)   # one byte more: a longer file is caught by the caller
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StoreError(f"cannot read a chunk: {e.strerror}", ref=self.path(address)) from None
+
+    # -- collecting ------------------------------------------------------------
+    def entries(self) -> Iterable[tuple[str, str]]:
+        """(path, name) of every file under the object directory but the lock."""
+        try:
+            subdirs = sorted(os.listdir(self.dir))
+        except FileNotFoundError:
+            return
+        for sub in subdirs:
+            d = os.path.join(self.dir, sub)
+            if not os.path.isdir(d):
+                continue
+            for name in sorted(os.listdir(d)):
+                yield os.path.join(d, name), sub + name
+
+    def collect(self, live: set[bytes]) -> tuple[int, int]:
+        """Delete every chunk not in ``live``, and leftover temp files. The caller
+        holds the exclusive lock and computed ``live`` under it. Returns (files, bytes)."""
+        files = nbytes = 0
+        touched = set()
+        for path, name in self.entries():
+            base = os.path.basename(path)
+            if not durable.is_temp_name(base):
+                try:
+                    if bytes.fromhex(name) in live:
+                        continue
+                except ValueError:
+                    continue   # not a chunk name: not ours to delete
+            try:
+                size = os.path.getsize(path)
+                self.fs.unlink(path)
+            except FileNotFoundError:
+                continue
+            files += 1
+            nbytes += size
+            touched.add(os.path.dirname(path))
+        for d in touched:
+            self.fs.fsync_dir(d)
+        return files, nbytes
+
+
+class Batch:
+    """One writer's chunks. A chunk found already present counts as well as one
+    written: another writer may have renamed it in and not yet fsync'd its
+    directory, so :meth:`sync` fsyncs the directory of every chunk the listing
+    will rely on, not only of those this writer wrote."""
+
+    def __init__(self, objects: ObjectDir):
+        self.objects = objects
+        self.dirs: set[str] = set()
+
+    def has(self, address: bytes) -> bool:
+        path = self.objects.path(address)
+        if os.path.exists(path):
+            self.dirs.add(os.path.dirname(path))
+            return True
+        return False
+
+    def add(self, address: bytes, chunk: memoryview) -> None:
+        """Write one chunk file (data fsync'd, then renamed into place)."""
+        self.dirs.add(self.objects._add(address, chunk))
+
+    def sync(self) -> None:
+        """Make every chunk checked or added durable under its name."""
+        failpoints.hit("objects.before_dir_fsync")
+        for d in sorted(self.dirs):
+            try:
+                self.objects.fs.fsync_dir(d)
+            except OSError as e:
+                raise DurabilityError(f"fsync of a chunk directory failed: {e.strerror}", ref=d) from None

@@ -1,0 +1,280 @@
+"""Incremental (chunked) checkpoints on every backend: exact round trips, content
+shared between checkpoints, garbage collection that never removes a live chunk,
+and damage that is detected and walked past."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import agck
+from agck import chunking, errors, format
+from agck.recovery import recover_run
+from agck.stores import open_store
+
+torch = pytest.importorskip("torch")
+
+
+def growing(step: int, width: int = 16384) -> dict:
+    """The state after ``step`` steps of a pipeline that appends one result per step."""
+    rng = np.random.default_rng(0)
+    out = [rng.random(width, dtype=np.float32) for _ in range(step)]
+    return {"out": out, "records": [{"doc": f"doc-{i}", "score": i / 7} for i in range(step * 20)],
+            "step": step, "model": torch.arange(4096, dtype=torch.float32)}
+
+
+def assert_growing(ck, step: int) -> None:
+    want = growing(step)
+    assert ck.state["step"] == step
+    assert len(ck.state["out"]) == step
+    for a, b in zip(ck.state["out"], want["out"]):
+        np.testing.assert_array_equal(a, b)
+    assert ck.state["records"] == want["records"]
+    assert torch.equal(ck.state["model"], want["model"])
+
+
+def test_round_trip_of_many_checkpoints(store):
+    for s in range(0, 60, 10):
+        store.put("r", s, growing(s), meta={"s": s}, parent=s - 10 if s else None)
+    for s in range(0, 60, 10):
+        ck = store.get("r", s)
+        assert_growing(ck, s)
+        assert ck.meta == {"s": s} and ck.parent == (s - 10 if s else None)
+    assert [i.step for i in store.list("r")] == list(range(0, 60, 10))
+    assert all(i.size and i.size > 4096 * 4 for i in store.list("r"))  # the checkpoint's size, not its listing's
+
+
+def test_delete_and_collect_keep_every_other_checkpoint(store):
+    for s in range(1, 9):
+        store.put("r", s, growing(s * 3))
+    for s in (2, 3, 5, 8):
+        store.delete("r", s)
+    store.collect_garbage()
+    for s in (1, 4, 6, 7):
+        assert_growing(store.get("r", s), s * 3)
+    store.put("r", 9, growing(27))          # a new checkpoint may reuse what survived
+    assert_growing(store.get("r", 9), 27)
+
+
+def test_prune_collects_and_the_newest_still_reads(store):
+    for s in range(1, 11):
+        store.put("r", s, growing(s))
+    assert store.prune("r", keep_last=2) == list(range(1, 9))
+    for s in (9, 10):
+        assert_growing(store.get("r", s), s)
+
+
+def test_overwrite_with_other_content(store):
+    store.put("r", 1, growing(5))
+    store.put("r", 1, growing(7), overwrite=True)
+    store.collect_garbage()
+    ck = store.get("r", 1)
+    assert len(ck.state["out"]) == 7
+
+
+def test_standalone_and_chunked_checkpoints_live_side_by_side(store_spec, store):
+    kind, url, opts = store_spec
+    plain = open_store(url, **{**opts, "incremental": False, "init": False} if kind == "postgres"
+                       else {**opts, "incremental": False})
+    try:
+        plain.put("r", 1, growing(3))
+        store.put("r", 2, growing(4))
+        store.collect_garbage()
+        assert_growing(store.get("r", 1), 3)
+        assert_growing(plain.get("r", 2), 4)
+    finally:
+        plain.close()
+
+
+# --- the file store: what is written, and what a reader of another version sees ---------
+
+def _objects_bytes(root: str) -> int:
+    total = 0
+    for d, _, files in os.walk(os.path.join(root, ".objects")):
+        total += sum(os.path.getsize(os.path.join(d, f)) for f in files if f != "lock")
+    return total
+
+
+def test_file_store_writes_what_changed(tmp_path):
+    """200 steps appending 64 KiB each, every 10: the store holds about what the
+    pipeline produced (12.5 MiB), not the sum of every checkpoint (130 MiB)."""
+    store = open_store(str(tmp_path / "s"))
+    out, produced, written = [], 0, []
+    rng = np.random.default_rng(3)
+    for step in range(1, 201):
+        out.append(rng.random(16384, dtype=np.float32))
+        produced += 65536
+        if step % 10 == 0:
+            store.put("r", step, {"out": out, "step": step})
+            written.append(store.last_put.new_bytes)
+    held = _objects_bytes(store.root)
+    assert held < 1.25 * produced, (held, produced)
+    assert max(written[1:]) < 10 * 65536 + 4 * chunking.SMALL[2]   # each checkpoint: its 10 new arrays and a little
+    assert len(store.get("r", 200).state["out"]) == 200
+
+
+def test_frozen_model_is_stored_once(tmp_path):
+    store = open_store(str(tmp_path / "s"))
+    model = torch.randn(4 << 20)          # 16 MiB, never changes
+    for s in range(5):
+        store.put("r", s, {"model": model, "adapter": torch.full((256,), float(s))})
+    assert _objects_bytes(store.root) < 1.1 * model.numel() * 4
+    assert torch.equal(store.get("r", 4).state["model"], model)
+
+
+def test_a_reader_without_chunked_support_refuses_cleanly(tmp_path, monkeypatch):
+    store = open_store(str(tmp_path / "s"))
+    store.put("r", 1, growing(2))
+    raw = open(store.ref("r", 1), "rb").read()
+    h = format.parse_header(raw)
+    assert (h.major, h.minor, h.flags) == (1, 1, format.FLAG_CHUNKED)
+    monkeypatch.setattr(format, "KNOWN_REQUIRED_FLAGS", 0)    # a 1.0 reader
+    with pytest.raises(errors.UnsupportedVersionError):
+        agck.loads(raw)
+
+
+def test_save_and_dumps_stay_standalone(tmp_path):
+    agck.save(tmp_path / "x.agck", growing(3))
+    h = format.parse_header(open(tmp_path / "x.agck", "rb").read(64))
+    assert (h.minor, h.flags) == (0, 0)
+    assert format.parse_header(agck.dumps(growing(2))).flags == 0
+
+
+def test_loading_a_listing_alone_says_where_its_content_is(tmp_path):
+    store = open_store(str(tmp_path / "s"))
+    store.put("r", 1, growing(2))
+    with pytest.raises(errors.UsageError, match="store"):
+        agck.load(store.ref("r", 1))
+
+
+def _chunk_files(root):
+    d = os.path.join(root, ".objects")
+    return sorted(os.path.join(a, f) for a, _, fs in os.walk(d) for f in fs if f != "lock")
+
+
+def test_a_damaged_or_missing_chunk_is_corruption_and_recovery_walks_back(tmp_path):
+    store = open_store(str(tmp_path / "s"))
+    store.put("r", 1, {"x": np.zeros(10)})
+    before = set(_chunk_files(store.root))
+    store.put("r", 2, {"x": np.ones(300_000)})
+    mine = sorted(set(_chunk_files(store.root)) - before)
+    assert mine
+    with open(mine[0], "r+b") as f:
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(errors.CorruptCheckpointError) as e:
+        store.read("r", 2)
+    assert e.value.section == "chunk"
+    rec = recover_run(store, "r")
+    assert rec.step == 1 and rec.rejected[0].section == "chunk"
+    os.unlink(mine[0])
+    with pytest.raises(errors.CorruptCheckpointError, match="missing"):
+        store.read("r", 2)
+
+
+def test_collect_garbage_removes_only_unlisted_chunks_and_leftovers(tmp_path):
+    store = open_store(str(tmp_path / "s"))
+    store.put("r", 1, {"x": np.arange(500_000)})
+    store.put("r", 2, {"x": np.arange(500_000) * 2})
+    kept = set(_chunk_files(store.root))
+    leftover = os.path.join(store.root, ".objects", "ab", ".cd.tmp.1.dead")
+    os.makedirs(os.path.dirname(leftover), exist_ok=True)
+    open(leftover, "wb").write(b"x")
+    store.delete("r", 1)
+    got = store.collect_garbage()
+    assert got.deleted_chunks >= 2 and not os.path.exists(leftover)
+    assert set(_chunk_files(store.root)) < kept
+    np.testing.assert_array_equal(store.get("r", 2).state["x"], np.arange(500_000) * 2)
+
+
+def test_a_damaged_listing_keeps_nothing_alive_and_a_newer_one_stops_collection(tmp_path):
+    import struct
+    store = open_store(str(tmp_path / "s"))
+    store.put("r", 1, {"x": np.arange(400_000)})
+    store.put("r", 2, {"y": np.arange(400_000) + 1})
+    p1 = store.ref("r", 1)
+    data = bytearray(open(p1, "rb").read())
+    data[80] ^= 0xFF                                   # inside the listing's metadata
+    open(p1, "wb").write(data)
+    got = store.collect_garbage()
+    assert got.damaged == [p1] and got.deleted_chunks > 0
+    np.testing.assert_array_equal(store.get("r", 2).state["y"], np.arange(400_000) + 1)
+    p2 = store.ref("r", 2)
+    data = bytearray(open(p2, "rb").read())
+    struct.pack_into("<I", data, 8, format.FLAG_CHUNKED | (1 << 14))   # a required flag of a newer agck
+    struct.pack_into("<Q", data, 56, format.digest(bytes(data[:56])))
+    open(p2, "wb").write(data)
+    n = len(_chunk_files(store.root))
+    with pytest.raises(errors.StoreError, match="newer"):
+        store.collect_garbage()
+    assert len(_chunk_files(store.root)) == n
+
+
+# --- two processes: a writer and a collector ---------------------------------------------
+
+_WRITER = """
+import sys, numpy as np
+from agck.stores import open_store
+kind, url, opts, n = sys.argv[1], sys.argv[2], eval(sys.argv[3]), int(sys.argv[4])
+s = open_store(url, **opts)
+base = np.arange(200_000, dtype=np.int64)
+for i in range(n):
+    s.put("w", i, {"base": base, "i": np.full(1000, i)})   # base's chunks are shared by every step
+    s.delete("w", i - 1) if i else None
+print("ok")
+"""
+
+
+def test_collector_beside_a_writer_never_removes_a_chunk_a_checkpoint_needs(store_spec, store):
+    kind, url, opts = store_spec
+    opts = {**opts, "init": False} if kind == "postgres" else opts
+    p = subprocess.Popen([sys.executable, "-c", _WRITER, kind, url, repr(opts), "40"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stop = threading.Event()
+    errs = []
+
+    def collect():
+        while not stop.is_set():
+            try:
+                store.collect_garbage()
+            except Exception as e:  # noqa: BLE001 - reported below
+                errs.append(e)
+
+    t = threading.Thread(target=collect)
+    t.start()
+    out, err = p.communicate(timeout=300)
+    stop.set()
+    t.join()
+    assert p.returncode == 0 and "ok" in out, err
+    assert not errs, errs
+    store.collect_garbage()
+    ck = store.get("w", 39)
+    np.testing.assert_array_equal(ck.state["base"], np.arange(200_000, dtype=np.int64))
+    assert int(ck.state["i"][0]) == 39
+
+
+def test_sigkill_mid_put_leaves_the_previous_checkpoint_and_collectable_leftovers(tmp_path):
+    root = str(tmp_path / "s")
+    store = open_store(root)
+    store.put("r", 1, {"x": np.arange(100)})
+    code = f"""
+import numpy as np
+from agck.stores import open_store
+open_store({root!r}).put("r", 2, {{"x": np.arange(2_000_000)}})
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "AGCK_FAILPOINTS": "objects.before_dir_fsync=kill"})
+    assert p.returncode == -9, p.stderr
+    assert store.steps("r") == [1]
+    assert recover_run(store, "r").step == 1
+    n = len(_chunk_files(root))
+    got = store.collect_garbage()
+    assert got.deleted_chunks > 0 and len(_chunk_files(root)) < n
+    np.testing.assert_array_equal(store.get("r", 1).state["x"], np.arange(100))
+
