@@ -105,7 +105,7 @@ class FileSystem:
 REAL = FileSystem()
 
 
-def _write_all(fs: FileSystem, fd: int, data) -> int:
+def write_all(fs: FileSystem, fd: int, data) -> int:
     view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else memoryview(data)
     total = view.nbytes
     while view.nbytes:
@@ -131,7 +131,7 @@ def write_atomic(path: str, parts: Iterable, *, overwrite: bool = True, size: in
         first = True
         written = started = 0
         for part in parts:
-            written += _write_all(fs, fd, part)
+            written += write_all(fs, fd, part)
             if first:
                 failpoints.hit("file.mid_write")
                 first = False
