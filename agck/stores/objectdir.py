@@ -26,6 +26,7 @@ from .. import durable, failpoints
 from ..errors import DurabilityError, StoreError
 
 DIRNAME = ".objects"
+_MAX_KNOWN = 1 << 22
 
 
 class ObjectDir:
@@ -33,6 +34,9 @@ class ObjectDir:
         self.root = root
         self.dir = os.path.join(root, DIRNAME)
         self.fs = fs
+        # Chunks known durable under their name: address -> (inode, ctime). Such a
+        # chunk, found again as the same file, needs no fsync of its directory (Batch).
+        self._durable: dict[bytes, tuple] = {}
 
     def path(self, address: bytes) -> str:
         h = address.hex()
@@ -57,7 +61,15 @@ class ObjectDir:
         """The chunks of one checkpoint: check, add, then :meth:`Batch.sync`."""
         return Batch(self)
 
-    def _add(self, address: bytes, chunk: memoryview) -> str:
+    def _known_durable(self, address: bytes, inode: tuple) -> bool:
+        return self._durable.get(address) == inode
+
+    def _mark_durable(self, found: dict[bytes, tuple]) -> None:
+        if len(self._durable) + len(found) > _MAX_KNOWN:
+            self._durable.clear()          # a bound on memory; costs a directory fsync or two later
+        self._durable.update(found)
+
+    def _add(self, address: bytes, chunk: memoryview) -> tuple[str, tuple]:
         path = self.path(address)
         d = os.path.dirname(path)
         self._ensure_dir(d, self.dir)
@@ -72,7 +84,7 @@ class ObjectDir:
             fd = None
             self.fs.rename(tmp, path)
             tmp = None
-            return d
+            return d, _identity(path)
         except OSError as e:
             what = "disk full" if e.errno == errno.ENOSPC else e.strerror or str(e)
             raise DurabilityError(f"writing a chunk failed: {what}", ref=path) from e
@@ -143,6 +155,8 @@ class ObjectDir:
             try:
                 size = os.path.getsize(path)
                 self.fs.unlink(path)
+                if not durable.is_temp_name(base):
+                    self._durable.pop(bytes.fromhex(name), None)
             except FileNotFoundError:
                 continue
             files += 1
@@ -153,26 +167,41 @@ class ObjectDir:
         return files, nbytes
 
 
+def _identity(path: str) -> tuple:
+    """Which file a name holds: a file deleted and made again differs in ctime even
+    if its inode number is reused."""
+    st = os.stat(path)
+    return st.st_ino, st.st_ctime_ns
+
+
 class Batch:
     """One writer's chunks. A chunk found already present counts as well as one
     written: another writer may have renamed it in and not yet fsync'd its
     directory, so :meth:`sync` fsyncs the directory of every chunk the listing
-    will rely on, not only of those this writer wrote."""
+    will rely on, unless this process already made that very file (same inode)
+    durable under its name."""
 
     def __init__(self, objects: ObjectDir):
         self.objects = objects
         self.dirs: set[str] = set()
+        self.found: dict[bytes, tuple] = {}
 
     def has(self, address: bytes) -> bool:
         path = self.objects.path(address)
-        if os.path.exists(path):
+        try:
+            inode = _identity(path)
+        except FileNotFoundError:
+            return False
+        if not self.objects._known_durable(address, inode):
             self.dirs.add(os.path.dirname(path))
-            return True
-        return False
+            self.found[address] = inode
+        return True
 
     def add(self, address: bytes, chunk: memoryview) -> None:
         """Write one chunk file (data fsync'd, then renamed into place)."""
-        self.dirs.add(self.objects._add(address, chunk))
+        d, inode = self.objects._add(address, chunk)
+        self.dirs.add(d)
+        self.found[address] = inode
 
     def sync(self) -> None:
         """Make every chunk checked or added durable under its name."""
@@ -182,3 +211,4 @@ class Batch:
                 self.objects.fs.fsync_dir(d)
             except OSError as e:
                 raise DurabilityError(f"fsync of a chunk directory failed: {e.strerror}", ref=d) from None
+        self.objects._mark_durable(self.found)
