@@ -269,7 +269,7 @@ from agck.stores import open_store
 open_store({root!r}).put("r", 2, {{"x": np.arange(2_000_000)}})
 """
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "AGCK_FAILPOINTS": "objects.before_dir_fsync=kill"})
+                       env={**os.environ, "AGCK_FAILPOINTS": "file.chunks_before_dir_fsync=kill"})
     assert p.returncode == -9, p.stderr
     assert store.steps("r") == [1]
     assert recover_run(store, "r").step == 1

@@ -78,7 +78,7 @@ class ObjectDir:
         try:
             fd = self.fs.open_new(tmp)
             durable.write_all(self.fs, fd, chunk)
-            failpoints.hit("objects.before_fsync")
+            failpoints.hit("file.chunk_before_fsync")
             self.fs.fsync(fd)
             self.fs.close(fd)
             fd = None
@@ -205,7 +205,7 @@ class Batch:
 
     def sync(self) -> None:
         """Make every chunk checked or added durable under its name."""
-        failpoints.hit("objects.before_dir_fsync")
+        failpoints.hit("file.chunks_before_dir_fsync")
         for d in sorted(self.dirs):
             try:
                 self.objects.fs.fsync_dir(d)
