@@ -21,7 +21,7 @@ import re
 import sys
 from datetime import datetime, timezone
 
-from . import checkpoint
+from . import checkpoint, format
 from .errors import (AgckError, CorruptCheckpointError, DependencyError, FormatError, InvalidRunNameError,
                      NoValidCheckpointError, StoreError, UsageError)
 from .names import check_run
@@ -155,6 +155,38 @@ def _file_or_store(args, target: str, command: str) -> bool:
     return True
 
 
+def _listing_in_store(path: str):
+    """(store root, run, step) when ``path`` is a chunked checkpoint of a file store,
+    whose content is read through that store; else None."""
+    from .stores.file import parse_step_filename
+    try:
+        with open(path, "rb") as f:
+            h = format.parse_header(f.read(format.HEADER_SIZE), ref=path)
+    except (OSError, AgckError):
+        return None
+    run_dir = os.path.dirname(os.path.abspath(path))
+    root, step = os.path.dirname(run_dir), parse_step_filename(os.path.basename(path))
+    if not format.is_chunked(h) or step is None or not os.path.isdir(os.path.join(root, ".objects")):
+        return None
+    return root, os.path.basename(run_dir), step
+
+
+def _load_file(path: str, *, verify: bool = True):
+    """A checkpoint file: a standalone container, or a store's chunked one read through its store."""
+    where = _listing_in_store(path)
+    if where is None:
+        return checkpoint.load(path, verify=verify)
+    from .stores import open_store
+    root, run, step = where
+    with open_store(root, create=False) as store:
+        return store.read(run, step, verify=verify)
+
+
+def _stored_info(ck, verified: bool) -> dict:
+    return {"path": ck.ref, "header": ck.header.as_dict(), "run": ck.run, "step": ck.step,
+            "parent": ck.parent, "meta": ck.meta, "tensors": ck.tensors, "verified": verified}
+
+
 def _stored_checkpoint(args, url: str, command: str):
     """``--run``/``--step`` of a store (step None: the newest that verifies)."""
     store = _open(url)
@@ -168,11 +200,12 @@ def _stored_checkpoint(args, url: str, command: str):
 
 def cmd_show(args) -> int:
     if _file_or_store(args, args.target, "show"):
-        info = checkpoint.inspect(args.target, verify=args.verify)
+        if _listing_in_store(args.target):
+            info = _stored_info(_load_file(args.target, verify=args.verify), args.verify)
+        else:
+            info = checkpoint.inspect(args.target, verify=args.verify)
     else:
-        ck = _stored_checkpoint(args, args.target, "show")
-        info = {"path": ck.ref, "header": ck.header.as_dict(), "run": ck.run, "step": ck.step,
-                "parent": ck.parent, "meta": ck.meta, "tensors": ck.tensors, "verified": True}
+        info = _stored_info(_stored_checkpoint(args, args.target, "show"), True)
     info["meta"] = _meta(info["meta"])
     _emit(args, info, lambda: _format_show(info))
     return EXIT_OK
@@ -231,7 +264,7 @@ def cmd_verify(args) -> int:
     from .recovery import verify_store
     if _file_or_store(args, args.target, "verify"):
         try:
-            checkpoint.load(args.target, verify=True)
+            _load_file(args.target, verify=True)
         except CorruptCheckpointError as e:
             _emit(args, {"ok": 0, "corrupt": 1, "rejected": [{"ref": args.target, "reason": e.reason,
                                                               "section": e.section}]},
@@ -321,7 +354,7 @@ def cmd_gc(args) -> int:
 def cmd_export(args) -> int:
     from .export import export
     if _file_or_store(args, args.source, "export"):
-        ck = checkpoint.load(args.source)
+        ck = _load_file(args.source)
     else:
         ck = _stored_checkpoint(args, args.source, "export")
     summary = export(ck, args.to, max_bytes=args.max_bytes)
