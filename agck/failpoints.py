@@ -21,8 +21,8 @@ POINTS = (
     "file.before_write", "file.mid_write", "file.before_fsync", "file.after_fsync",
     "file.before_rename", "file.after_rename", "file.after_dir_fsync",
     "file.chunk_before_fsync", "file.chunks_before_dir_fsync",
-    "sqlite.before_insert", "sqlite.before_commit", "sqlite.after_commit",
-    "pg.before_copy", "pg.mid_copy", "pg.before_manifest", "pg.before_commit", "pg.after_commit",
+    "sqlite.before_insert", "sqlite.after_objects", "sqlite.before_commit", "sqlite.after_commit",
+    "pg.before_copy", "pg.mid_copy", "pg.after_objects", "pg.before_manifest", "pg.before_commit", "pg.after_commit",
     "snapshot.after_stage", "snapshot.before_ack",
 )
 

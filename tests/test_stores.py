@@ -8,6 +8,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -247,13 +248,15 @@ class Tamper:
         self.kind = spec[0]
         self.store = store
         if self.kind == "sqlite":
-            self.conn = sqlite3.connect(store.path, isolation_level=None)
+            self.conn = sqlite3.connect(store.path, isolation_level=None)     # foreign keys off, as by default
             self.chunks, self.manifest, self.p = f"{store.prefix}_chunks", f"{store.prefix}_manifest", "?"
+            self.objects, self.refs = f"{store.prefix}_objects", f"{store.prefix}_refs"
         else:
             import psycopg2
             self.conn = psycopg2.connect(spec[1])
             self.conn.autocommit = True
             self.chunks, self.manifest, self.p = store.names.chunks, store.names.manifest, "%s"
+            self.objects, self.refs = store.names.objects, store.names.refs
 
     def sql(self, q, args=()):
         cur = self.conn.cursor()
@@ -289,6 +292,23 @@ class Tamper:
         value = data if self.kind == "sqlite" else __import__("psycopg2").Binary(data)
         self.sql(f"UPDATE {self.chunks} SET data = ? WHERE run = ? AND step = ? AND idx = ?", (value, run, step, idx))
 
+    def blob(self, data: bytes):
+        return data if self.kind == "sqlite" else __import__("psycopg2").Binary(data)
+
+    def objects_bytes(self) -> int:
+        length = "length" if self.kind == "sqlite" else "octet_length"
+        return int(self.sql(f"SELECT coalesce(sum({length}(data)), 0) FROM {self.objects}")[0][0])
+
+    def object_addresses(self) -> set[bytes]:
+        return {bytes(a) for (a,) in self.sql(f"SELECT address FROM {self.objects}")}
+
+    def listed(self, run, step) -> list[bytes]:
+        """The addresses a checkpoint's listing names, read from its chunk rows."""
+        from agck import format
+        rows = self.sql(f"SELECT data FROM {self.chunks} WHERE run = ? AND step = ? ORDER BY idx", (run, step))
+        c = format.open_container(b"".join(bytes(d) for (d,) in rows))
+        return format.open_chunked(c).addresses
+
     def close(self):
         self.conn.close()
 
@@ -303,8 +323,10 @@ def db_spec(request, tmp_path):
 
 @pytest.fixture
 def db(db_spec):
+    """A standalone container cut into many chunk rows (incremental checkpoints keep
+    only their small listing there; their own tests are further down)."""
     _, url, opts = db_spec
-    s = open_store(url, chunk_size=1024, **opts)
+    s = open_store(url, chunk_size=1024, incremental=False, **opts)
     t = Tamper(db_spec, s)
     s.put("r", 120, state_for(120, n=1000))          # 4 KiB of floats: several 1 KiB chunks
     yield s, t
@@ -410,7 +432,414 @@ def test_db_orphans(db):
     assert s.orphans() == [] and s.steps("r") == [120]
 
 
-@pytest.mark.parametrize("point", ["before_insert", "before_commit"])
+# --- incremental checkpoints in the SQL stores: what the tables hold ----------------------------
+
+@pytest.fixture
+def inc(db_spec):
+    """An incremental SQL store and raw access to its tables."""
+    _, url, opts = db_spec
+    s = open_store(url, **opts)
+    t = Tamper(db_spec, s)
+    yield s, t
+    t.close()
+    s.close()
+
+
+def _growing(k: int, per: int = 8) -> dict:
+    """After k checkpoints of a pipeline that appends ``per`` 64 KiB results each time."""
+    rng = np.random.default_rng(11)
+    return {"out": [rng.random(16384, dtype=np.float32) for _ in range(k * per)], "k": k,
+            "log": [f"item {i}" for i in range(k * per)]}
+
+
+def test_sql_growing_state_stores_about_the_final_state(inc):
+    s, t = inc
+    news = []
+    for k in range(1, 11):
+        s.put("r", k, _growing(k))
+        news.append(s.last_put.new_bytes)
+        assert t.nchunks("r", k) == 1                        # the listing is small: one chunk row
+    final = s.list("r")[-1].size
+    held = t.objects_bytes()
+    assert final == s.read("r", 10).nbytes                   # list() gives the checkpoint's size, not its listing's
+    assert sum(i.size for i in s.list("r")) > 5 * final      # what standalone containers would hold
+    assert held < 1.2 * final, (held, final)
+    assert max(news[1:]) < 8 * 65536 + 4 * (256 << 10), news  # each put: its new results and a few small chunks
+    for k in (1, 5, 10):
+        ck = s.read("r", k)
+        want = _growing(k)
+        assert ck.state["k"] == k and ck.state["log"] == want["log"]
+        for a, b in zip(ck.state["out"], want["out"]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_sql_frozen_tensor_is_stored_once(inc):
+    s, t = inc
+    model = torch.randn(2 << 20)                              # 8 MiB, never changes
+    for k in range(5):
+        s.put("r", k, {"model": model, "adapter": torch.full((256,), float(k))})
+        if k:
+            assert s.last_put.new_bytes < 1 << 20
+    assert t.objects_bytes() < 1.1 * model.numel() * 4
+    shared = set(t.listed("r", 0)) & set(t.listed("r", 4))
+    assert sum(int(t.sql(f"SELECT size FROM {t.objects} WHERE address = ?", (t.blob(a),))[0][0])
+               for a in shared) >= model.numel() * 4
+    for k in (0, 4):
+        ck = s.read("r", k)
+        assert torch.equal(ck.state["model"], model) and float(ck.state["adapter"][0]) == k
+
+
+def test_sql_collect_garbage_removes_exactly_the_unreferenced_objects(inc):
+    s, t = inc
+    rng = np.random.default_rng(5)
+    base = rng.random(300_000)                                # shared by every checkpoint
+    states = {k: {"base": base, "own": rng.random(100_000 + k)} for k in range(1, 7)}
+    for k, st in states.items():
+        s.put("r", k, st)
+    assert s.collect_garbage().deleted_chunks == 0           # nothing unreferenced yet
+    before = t.object_addresses()
+    for k in (2, 3, 5):
+        s.delete("r", k)
+    assert t.object_addresses() == before                    # delete leaves the objects to the collector
+    live = set().union(*(t.listed("r", k) for k in (1, 4, 6)))
+    dead = before - live
+    dead_bytes = sum(int(t.sql(f"SELECT size FROM {t.objects} WHERE address = ?", (t.blob(a),))[0][0])
+                     for a in dead)
+    got = s.collect_garbage()
+    assert t.object_addresses() == live
+    assert (got.deleted_chunks, got.deleted_bytes, got.live_chunks, got.listings) == (len(dead), dead_bytes,
+                                                                                       len(live), 3)
+    assert s.collect_garbage().deleted_chunks == 0
+    for k in (1, 4, 6):
+        ck = s.read("r", k)
+        np.testing.assert_array_equal(ck.state["base"], base)
+        np.testing.assert_array_equal(ck.state["own"], states[k]["own"])
+
+
+def test_sql_standalone_checkpoints_keep_no_objects(db_spec):
+    _, url, opts = db_spec
+    s = open_store(url, incremental=False, **opts)
+    t = Tamper(db_spec, s)
+    try:
+        s.put("r", 1, state_for(1, n=100_000))
+        assert t.objects_bytes() == 0 and t.sql(f"SELECT count(*) FROM {t.refs}")[0][0] == 0
+        assert s.list("r")[0].size == s.read("r", 1).nbytes
+        assert s.collect_garbage().deleted_chunks == 0
+        assert_state(s.read("r", 1), 1, n=100_000)
+    finally:
+        t.close()
+        s.close()
+
+
+def _churn(url: str, opts: dict, worker: int, n: int, errors: list) -> None:
+    """Puts whose content was just left unreferenced by a delete: what a collector races."""
+    s = open_store(url, **opts)
+    rng = np.random.default_rng(worker)
+    pool = [{"x": rng.random(40_000), "tag": j} for j in range(3)]
+    try:
+        for i in range(n):
+            s.put(f"w{worker}", i, pool[i % 3], meta={"i": i})
+            if i:
+                s.delete(f"w{worker}", i - 1)
+            ck = s.read(f"w{worker}", i)
+            np.testing.assert_array_equal(ck.state["x"], pool[i % 3]["x"])
+    except BaseException as e:  # noqa: BLE001 - reported by the test
+        errors.append(e)
+    finally:
+        s.close()
+
+
+def test_sql_collector_beside_writers_never_leaves_a_missing_chunk(db_spec):
+    kind, url, opts = db_spec
+    opts = {**opts, "init": False} if kind == "postgres" else opts
+    first = open_store(url, **{**opts, "init": True} if kind == "postgres" else opts)
+    errors: list = []
+    writers = [threading.Thread(target=_churn, args=(url, opts, w, 150, errors)) for w in range(2)]
+    stop = threading.Event()
+    collected = []
+
+    def collect():
+        g = open_store(url, **opts)            # its own connection
+        try:
+            while not stop.is_set():
+                collected.append(g.collect_garbage().deleted_chunks)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        finally:
+            g.close()
+
+    c = threading.Thread(target=collect)
+    c.start()
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(300)
+    stop.set()
+    c.join(60)
+    assert not errors, errors
+    assert sum(collected) > 0 and len(collected) > 10
+    t = Tamper(db_spec, first)
+    try:
+        for w in range(2):
+            assert first.steps(f"w{w}") == [149]
+            for a in t.listed(f"w{w}", 149):
+                assert t.sql(f"SELECT count(*) FROM {t.objects} WHERE address = ?", (t.blob(a),))[0][0] == 1
+            assert first.read(f"w{w}", 149).state["tag"] == 149 % 3
+    finally:
+        t.close()
+        first.close()
+
+
+def test_sql_collector_skips_what_a_writer_in_flight_relies_on(inc):
+    s, t = inc
+    x = np.arange(300_000, dtype=np.int64)
+    s.put("r", 1, {"x": x})
+    s.delete("r", 1)                               # its objects are unreferenced now
+    errors = []
+
+    def writer():
+        try:
+            s2 = open_store(s.url if t.kind == "sqlite" else t.conn.dsn,
+                            **({} if t.kind == "sqlite" else {"prefix": s.prefix, "schema": s.schema}))
+            s2.put("r", 2, {"x": x})               # the same content: it finds the objects and relies on them
+            s2.close()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    failpoints.configure("sqlite.after_objects=sleep:1.5,pg.after_objects=sleep:1.5")
+    try:
+        th = threading.Thread(target=writer)
+        th.start()
+        time.sleep(0.5)
+        s.collect_garbage()          # SQLite: waits for the writer; Postgres: skips the objects it locked
+        th.join(30)
+    finally:
+        failpoints.configure("")
+    assert not errors, errors
+    np.testing.assert_array_equal(s.read("r", 2).state["x"], x)
+    s.collect_garbage()
+    np.testing.assert_array_equal(s.read("r", 2).state["x"], x)
+
+
+_SQL_KILL_SCRIPT = """
+import sys, numpy as np
+from agck.stores import open_store
+url, opts = sys.argv[1], eval(sys.argv[2])
+open_store(url, **opts).put("r", 2, {"x": np.arange(2_000_000)})
+print("survived")
+"""
+
+
+def test_sql_writer_killed_after_its_objects_leaves_the_previous_checkpoint(inc, db_spec):
+    s, t = inc
+    kind, url, opts = db_spec
+    s.put("r", 1, {"x": np.arange(100)})
+    held = t.object_addresses()
+    point = "sqlite.after_objects" if kind == "sqlite" else "pg.after_objects"
+    p = subprocess.run([sys.executable, "-c", _SQL_KILL_SCRIPT, url, repr({**opts, "init": False}
+                                                                            if kind == "postgres" else opts)],
+                       env=dict(os.environ, AGCK_FAILPOINTS=f"{point}=kill"), capture_output=True, text=True,
+                       timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert p.returncode == -9, p.stderr
+    assert "survived" not in p.stdout
+    assert s.steps("r") == [1] and s.orphans() == []
+    np.testing.assert_array_equal(s.read("r", 1).state["x"], np.arange(100))
+    # the killed transaction took its objects with it: nothing is left for the collector
+    assert t.object_addresses() == held
+    assert s.collect_garbage().deleted_chunks == 0
+    s.put("r", 2, {"x": np.arange(2_000_000)})
+    np.testing.assert_array_equal(s.read("r", 2).state["x"], np.arange(2_000_000))
+
+
+def test_sql_damaged_or_missing_object_is_corruption(inc):
+    from agck.recovery import recover_run
+    s, t = inc
+    s.put("r", 1, {"x": np.zeros(10)})
+    before = t.object_addresses()
+    s.put("r", 2, {"x": np.arange(600_000, dtype=np.float64)})
+    mine = [a for a in t.listed("r", 2) if a not in before]
+    big = max(mine, key=lambda a: t.sql(f"SELECT size FROM {t.objects} WHERE address = ?", (t.blob(a),))[0][0])
+    data = bytearray(bytes(t.sql(f"SELECT data FROM {t.objects} WHERE address = ?", (t.blob(big),))[0][0]))
+    data[len(data) // 2] ^= 0xFF
+    t.sql(f"UPDATE {t.objects} SET data = ? WHERE address = ?", (t.blob(bytes(data)), t.blob(big)))
+    with pytest.raises(CorruptCheckpointError) as e:
+        s.read("r", 2)
+    assert e.value.section == "chunk" and "does not match" in str(e.value)
+    assert e.value.ref == s.ref("r", 2)
+    rec = recover_run(s, "r")
+    assert rec.step == 1 and rec.rejected[0].section == "chunk"
+    # a lost row: the tables' own rules are bypassed, as a bad restore or a manual fix would
+    t.sql(f"DELETE FROM {t.refs} WHERE address = ?", (t.blob(big),))
+    t.sql(f"DELETE FROM {t.objects} WHERE address = ?", (t.blob(big),))
+    for verify in (True, False):
+        with pytest.raises(CorruptCheckpointError, match="missing") as e:
+            s.read("r", 2, verify=verify)
+        assert e.value.section == "chunk"
+    np.testing.assert_array_equal(s.read("r", 1).state["x"], np.zeros(10))
+
+
+def test_sql_overwrite_and_not_overwrite_keep_refs_straight(inc):
+    s, t = inc
+    s.put("r", 1, {"x": np.arange(200_000)})
+    s.put("r", 1, {"x": np.arange(200_000) * 3})
+    with pytest.raises(CheckpointExistsError):
+        s.put("r", 1, {"x": np.ones(5)}, overwrite=False)
+    assert {bytes(a) for (a,) in t.sql(f"SELECT address FROM {t.refs} WHERE run = ? AND step = ?", ("r", 1))} \
+        == set(t.listed("r", 1))
+    s.collect_garbage()
+    np.testing.assert_array_equal(s.read("r", 1).state["x"], np.arange(200_000) * 3)
+    s.delete("r", 1)
+    assert t.sql(f"SELECT count(*) FROM {t.refs}")[0][0] == 0
+    assert s.collect_garbage().live_chunks == 0 and t.objects_bytes() == 0
+
+
+# The tables as schema version 1 made them, and a checkpoint as it wrote one.
+_V1_SQLITE = ["CREATE TABLE {p}_schema_version (version INTEGER NOT NULL)",
+              """CREATE TABLE {p}_manifest (
+                  run TEXT NOT NULL, step INTEGER NOT NULL, parent INTEGER, size INTEGER NOT NULL,
+                  checksum TEXT NOT NULL, nchunks INTEGER NOT NULL, created_at REAL NOT NULL, meta TEXT,
+                  PRIMARY KEY (run, step))""",
+              """CREATE TABLE {p}_chunks (
+                  run TEXT NOT NULL, step INTEGER NOT NULL, idx INTEGER NOT NULL, data BLOB NOT NULL,
+                  PRIMARY KEY (run, step, idx))""",
+              "INSERT INTO {p}_schema_version (version) VALUES (1)"]
+_V1_PG = ["CREATE TABLE {p}_schema_version (version int NOT NULL)",
+          """CREATE TABLE {p}_manifest (
+              run text COLLATE "C" NOT NULL, step bigint NOT NULL CHECK (step >= 0), parent bigint,
+              size bigint NOT NULL, checksum text NOT NULL, nchunks int NOT NULL,
+              created_at timestamptz NOT NULL DEFAULT now(), meta jsonb, PRIMARY KEY (run, step))""",
+          "CREATE INDEX {p}_manifest_meta ON {p}_manifest USING gin (meta)",
+          """CREATE TABLE {p}_chunks (
+              run text COLLATE "C" NOT NULL, step bigint NOT NULL, idx int NOT NULL, data bytea NOT NULL,
+              PRIMARY KEY (run, step, idx))""",
+          "ALTER TABLE {p}_chunks ALTER COLUMN data SET STORAGE EXTERNAL",
+          "INSERT INTO {p}_schema_version (version) VALUES (1)"]
+
+
+def _write_v1(exec_sql, blob, p: str, run: str, step: int, state) -> bytes:
+    import agck
+    from agck import format
+    from agck.stores.sqlrows import manifest_checksum
+    data = agck.dumps(state, run=run, step=step, meta={"v": 1})
+    h = format.parse_header(data)
+    pieces = [data[i:i + 4096] for i in range(0, len(data), 4096)]
+    for idx, piece in enumerate(pieces):
+        exec_sql(f"INSERT INTO {p}_chunks (run, step, idx, data) VALUES (?, ?, ?, ?)", (run, step, idx, blob(piece)))
+    exec_sql(f"INSERT INTO {p}_manifest (run, step, parent, size, checksum, nchunks, created_at, meta) "
+             f"VALUES (?, ?, NULL, ?, ?, ?, {'1700000000' if p.startswith('agck') else 'now()'}, '{{\"v\": 1}}')",
+             (run, step, len(data), manifest_checksum(data[len(data) - h.footer_len:]), len(pieces)))
+    return data
+
+
+def _check_migrated(s, t, old: bytes) -> None:
+    from agck import format
+    ck = s.read("r", 1)
+    assert_state(ck, 1, n=50_000) and ck.version == "1.0" and ck.meta == {"v": 1}
+    assert s.list("r")[0].size == len(old)
+    s.put("r", 2, state_for(2, n=50_000))
+    s.put("r", 3, state_for(2, n=50_000) | {"step": 3})
+    assert format.is_chunked(format.parse_header(b"".join(
+        bytes(d) for (d,) in t.sql(f"SELECT data FROM {t.chunks} WHERE run = 'r' AND step = 2 ORDER BY idx"))))
+    assert s.last_put.new_bytes < 100_000 < t.objects_bytes()          # step 3 shares step 2's content
+    assert [i.step for i in s.list("r")] == [1, 2, 3]
+    assert s.collect_garbage().deleted_chunks == 0
+    assert_state(s.read("r", 2), 2, n=50_000)
+    s.delete("r", 1)
+    assert_state(s.read("r", 2), 2, n=50_000)
+
+
+def test_sqlite_migrates_a_version_1_database(tmp_path):
+    from agck.stores.sqlite import SCHEMA_VERSION
+    path = tmp_path / "v1.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    for q in _V1_SQLITE:
+        conn.execute(q.format(p="agck"))
+    old = _write_v1(conn.execute, lambda b: b, "agck", "r", 1, state_for(1, n=50_000))
+    conn.close()
+    s = open_store(f"sqlite:///{path}", create=False)
+    t = Tamper(("sqlite",), s)
+    try:
+        assert t.sql("SELECT version FROM agck_schema_version") == [(SCHEMA_VERSION,)] and SCHEMA_VERSION == 2
+        _check_migrated(s, t, old)
+    finally:
+        t.close()
+        s.close()
+    open_store(f"sqlite:///{path}").close()                  # opens again as it is
+
+
+def test_pg_migrates_a_version_1_schema(pg_dsn, pg_schema):
+    import psycopg2
+    from agck.stores.postgres import PostgresStore
+    prefix = pg_prefix()
+    conn = psycopg2.connect(pg_dsn)
+    conn.autocommit = True
+    cur = conn.cursor()
+    cur.execute(f"SET search_path = {pg_schema}")
+    for q in _V1_PG:
+        cur.execute(q.format(p=prefix))
+    old = _write_v1(lambda q, a: cur.execute(q.replace("?", "%s"), a), psycopg2.Binary, prefix, "r", 1,
+                    state_for(1, n=50_000))
+    conn.close()
+    with pytest.raises(SchemaMismatchError, match="agck db migrate"):
+        PostgresStore(pg_dsn, prefix=prefix, schema=pg_schema)
+    with pytest.raises(SchemaMismatchError, match="agck db migrate"):
+        PostgresStore(pg_dsn, prefix=prefix, schema=pg_schema, init=True)    # init never migrates
+    raw = PostgresStore(pg_dsn, prefix=prefix, schema=pg_schema, check_schema=False)
+    assert raw.schema_status()["state"] == "outdated"
+    assert raw.migrate() == [2] and raw.migrate() == []
+    raw.close()
+    s = PostgresStore(pg_dsn, prefix=prefix, schema=pg_schema)
+    t = Tamper(("postgres", pg_dsn), s)
+    try:
+        assert s.schema_status()["state"] == "current"
+        _check_migrated(s, t, old)
+    finally:
+        t.close()
+        s.close()
+
+
+def test_pg_writers_sending_the_same_new_objects_both_commit(pg, pg_dsn):
+    """A writer whose objects another transaction is inserting waits for it, and on
+    its commit carries on without them."""
+    import psycopg2
+    from agck import checkpoint
+    from agck.stores import content
+    state = {"x": np.arange(300_000, dtype=np.int64)}
+    plan = content.plan_chunks(checkpoint.encode(state, run="r", step=1))
+    a, view = max(plan.distinct.items(), key=lambda kv: kv[1].nbytes)    # tensor bytes: the same in the put
+    other = psycopg2.connect(pg_dsn)
+    cur = other.cursor()
+    cur.execute(f"INSERT INTO {pg.names.objects} (address, size, data) VALUES (%s, %s, %s)",
+                (psycopg2.Binary(a), view.nbytes, psycopg2.Binary(bytes(view))))   # not committed yet
+    errors = []
+
+    def put():
+        try:
+            pg.put("r", 1, state)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    th = threading.Thread(target=put)
+    th.start()
+    watch = psycopg2.connect(pg_dsn)
+    watch.autocommit = True
+    deadline, waited = time.monotonic() + 20, False
+    while not waited and time.monotonic() < deadline:     # until the put waits on the uncommitted row
+        wc = watch.cursor()
+        wc.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'agck' "
+                   "AND wait_event_type = 'Lock'")
+        waited = wc.fetchone()[0] > 0
+        time.sleep(0.02)
+    other.commit()
+    th.join(30)
+    other.close()
+    watch.close()
+    assert waited and not errors, errors
+    np.testing.assert_array_equal(pg.read("r", 1).state["x"], state["x"])
+    assert pg.collect_garbage().deleted_chunks == 0           # the other transaction's object is the one listed
+
+
+@pytest.mark.parametrize("point", ["before_insert", "after_objects", "before_commit"])
 def test_sqlite_fail_points(tmp_path, point):
     s = open_store(f"sqlite:///{tmp_path}/f.db")
     s.put("r", 1, state_for(1))
@@ -471,7 +900,8 @@ print("survived")
 """
 
 
-@pytest.mark.parametrize("point", ["pg.before_copy", "pg.mid_copy", "pg.before_manifest", "pg.before_commit"])
+@pytest.mark.parametrize("point", ["pg.before_copy", "pg.after_objects", "pg.mid_copy", "pg.before_manifest",
+                                   "pg.before_commit"])
 def test_pg_client_killed_leaves_nothing(pg, pg_dsn, point):
     pg.put("r", 0, state_for(0))
     env = dict(os.environ, AGCK_FAILPOINTS=f"{point}=kill")
@@ -488,7 +918,8 @@ def test_pg_client_killed_leaves_nothing(pg, pg_dsn, point):
     assert_state(pg.read("r", 1), 1)
 
 
-@pytest.mark.parametrize("point", ["pg.before_copy", "pg.mid_copy", "pg.before_manifest", "pg.before_commit"])
+@pytest.mark.parametrize("point", ["pg.before_copy", "pg.after_objects", "pg.mid_copy", "pg.before_manifest",
+                                   "pg.before_commit"])
 def test_pg_fail_points_roll_back(pg, point):
     pg.put("r", 1, state_for(1, n=5000))
     failpoints.configure(f"{point}=raise")
@@ -543,14 +974,14 @@ def test_pg_large_multichunk_round_trip(pg_dsn, pg_schema):
 
 
 def test_pg_schema_missing(pg_dsn, pg_schema):
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres import SCHEMA_VERSION, PostgresStore
     prefix = pg_prefix()
     with pytest.raises(SchemaUninitializedError) as e:
         PostgresStore(pg_dsn, prefix=prefix, schema=pg_schema)
     assert "agck db init" in str(e.value)
     s = PostgresStore(pg_dsn, prefix=prefix, schema=pg_schema, init=True)
     assert s.schema_status()["state"] == "current"
-    assert s.init_schema()["version"] == 1          # idempotent
+    assert s.init_schema()["version"] == SCHEMA_VERSION          # idempotent
     assert s.migrate() == []
     PostgresStore(pg_dsn, prefix=prefix, schema=pg_schema).close()
     s.close()
@@ -640,9 +1071,10 @@ def test_pg_meta_jsonb(pg):
 
 
 def test_pg_storage_external(pg):
-    (storage,) = pg._query("SELECT attstorage FROM pg_attribute WHERE attrelid = %s::regclass "
-                           "AND attname = 'data'", (pg.names.chunks,))[0]
-    assert storage == "e"
+    for table in (pg.names.chunks, pg.names.objects):     # tensor bytes: compressing them is wasted work
+        (storage,) = pg._query("SELECT attstorage FROM pg_attribute WHERE attrelid = %s::regclass "
+                               "AND attname = 'data'", (table,))[0]
+        assert storage == "e"
 
 
 # --- names, URLs and opening without creating -----------------------------------------------------

@@ -31,7 +31,7 @@ from typing import Callable, Iterable
 
 import msgpack
 
-from .. import checkpoint, chunking, format, memory
+from .. import checkpoint, chunking, codec, format, memory
 from ..checkpoint import Checkpoint
 from ..errors import CorruptCheckpointError
 
@@ -72,8 +72,7 @@ def store_chunks(w: format.ContainerWriter, has: Callable[[bytes], bool],
     durable before committing the listing."""
     out = Chunks([], [])
     seen: set[bytes] = set()
-    for chunk in chunking.split(_container_parts(w)):
-        a = chunking.address(chunk)
+    for a, chunk in _addressed(w):
         out.addresses.append(a)
         out.sizes.append(chunk.nbytes)
         if a in seen:
@@ -84,6 +83,40 @@ def store_chunks(w: format.ContainerWriter, has: Callable[[bytes], bool],
             out.new_bytes += chunk.nbytes
             out.new_chunks += 1
     return out
+
+
+@dataclass
+class Plan:
+    """A container split into chunks before asking the store anything, for stores
+    that answer "which of these do you hold?" for many chunks at once (one query)
+    rather than one at a time. ``distinct`` holds each chunk once, in order of first
+    occurrence; its views stay valid while the plan is held."""
+
+    chunks: Chunks
+    distinct: dict[bytes, memoryview]
+
+    def missing(self, present) -> list[tuple[bytes, memoryview]]:
+        """The chunks not in ``present`` (a set of addresses), in order; also counted
+        in ``chunks.new_chunks`` and ``chunks.new_bytes``."""
+        out = [(a, v) for a, v in self.distinct.items() if a not in present]
+        self.chunks.new_chunks = len(out)
+        self.chunks.new_bytes = sum(v.nbytes for _, v in out)
+        return out
+
+
+def plan_chunks(w: format.ContainerWriter) -> Plan:
+    """Split the container ``w`` into chunks; the store then sends only :meth:`Plan.missing`."""
+    out = Plan(Chunks([], []), {})
+    for a, chunk in _addressed(w):
+        out.chunks.addresses.append(a)
+        out.chunks.sizes.append(chunk.nbytes)
+        out.distinct.setdefault(a, chunk)
+    return out
+
+
+def _addressed(w: format.ContainerWriter) -> Iterable[tuple[bytes, memoryview]]:
+    for chunk in chunking.split(_container_parts(w)):
+        yield chunking.address(chunk), chunk
 
 
 def _container_parts(w: format.ContainerWriter) -> Iterable:
@@ -131,10 +164,37 @@ def assemble(listed: format.ChunkedContainer, fetch: Callable[[bytes, int], obje
     return buf
 
 
+def fetcher(found: dict, addresses: list[bytes]) -> Callable[[bytes, int], object]:
+    """A ``fetch`` for :func:`decode` over chunks already read (``found``: address ->
+    bytes), that drops each chunk after its last use in ``addresses``."""
+    uses: dict[bytes, int] = {}
+    for a in addresses:
+        uses[a] = uses.get(a, 0) + 1
+
+    def fetch(address: bytes, size: int):
+        left = uses.get(address, 0) - 1
+        if left > 0:
+            uses[address] = left
+            return found.get(address)
+        uses.pop(address, None)
+        return found.pop(address, None)
+
+    return fetch
+
+
+def listed_addresses(buf, *, verify: bool, ref: str | None) -> list[bytes] | None:
+    """The addresses a stored container lists, in order; None for a standalone one."""
+    h = format.parse_header(buf, ref=ref)
+    if not format.is_chunked(h):
+        return None
+    return format.open_chunked(format.open_container(buf, verify=verify, ref=ref)).addresses
+
+
 def decode(buf, fetch: Callable[[bytes, int], object], *, verify: bool, map_location, ref: str | None) -> Checkpoint:
     """Decode a stored container: a 1.0 container as it is, a chunked one by
     rebuilding its content from the store (``fetch``) first. The listing and the
     content must agree on run, step, parent and meta (FORMAT.md, chunked rule 4)."""
+    map_location = codec.check_map_location(map_location)   # before anything is read
     c = format.open_container(buf, verify=verify, ref=ref)
     if not format.is_chunked(c.header):
         return checkpoint.decode(c, copy=False, map_location=map_location)

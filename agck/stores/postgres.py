@@ -6,19 +6,40 @@
 Tables (``prefix`` defaults to ``agck``, optionally inside Postgres ``schema``)::
 
     {prefix}_schema_version(version int)
-    {prefix}_manifest(run, step, parent, size, checksum, nchunks, created_at, meta jsonb)  PRIMARY KEY(run, step)
-    {prefix}_chunks(run, step, idx, data bytea STORAGE EXTERNAL)                           PRIMARY KEY(run, step, idx)
+    {prefix}_manifest(run, step, parent, size, checksum, nchunks, created_at, meta jsonb, length)
+                                                                   PRIMARY KEY(run, step)
+    {prefix}_chunks(run, step, idx, data bytea STORAGE EXTERNAL)   PRIMARY KEY(run, step, idx)
+    {prefix}_objects(address bytea, size, data bytea STORAGE EXTERNAL)       PRIMARY KEY(address)
+    {prefix}_refs(run, step, address)   PRIMARY KEY(run, step, address),
+        FOREIGN KEY (run, step) -> manifest ON DELETE CASCADE, FOREIGN KEY (address) -> objects
+
+Each checkpoint is one container kept as chunk rows: ``size`` is the
+container's bytes, ``checksum`` the xxh3-64 of its footer, ``length`` the
+checkpoint's own size (what :meth:`list` reports). By default
+(``incremental=True``) that container is a small chunk listing (FORMAT.md,
+version 1.1) and the content is kept in ``objects``, one row per distinct
+BLAKE3-256 address, shared by every checkpoint holding those bytes; only the
+objects the store lacks are sent. ``refs`` records which checkpoint lists
+which object: its foreign keys make the database refuse a listing
+whose object is gone and the deletion of an object a committed listing needs
+(:mod:`agck.stores.content`, rule 2), whatever writers and collectors run
+side by side. ``incremental=False`` stores standalone 1.0 containers.
 
 A put is one transaction: ``synchronous_commit = on``, a transaction advisory
-lock on (run, step), the old rows deleted, the container streamed as chunk rows
-through ``COPY ... FROM STDIN (FORMAT binary)`` (the COPY stream is generated
-from the container's own buffers while psycopg2 reads it: the container is
-never assembled, never hex-encoded), then the manifest row with the xxh3-64 of
-the whole container, then COMMIT. A client killed mid-way leaves an aborted
-transaction: nothing visible. A read is one snapshot: the manifest and the
-chunk lengths are checked first, then ``COPY (SELECT data ...) TO STDOUT (FORMAT
-binary)`` is parsed straight into one preallocated buffer that the checkpoint's
-tensors are views of.
+lock on (run, step), the old rows deleted; then, incremental, the objects the
+store already holds are found with one query and locked (``FOR KEY SHARE``: a
+collector cannot delete them until this transaction ends) and the missing ones
+are streamed over ``COPY ... FROM STDIN (FORMAT binary)``; then the container
+streamed as chunk rows the same way (the COPY stream is generated from the
+container's own buffers while psycopg2 reads it: the container is never
+assembled, never hex-encoded), then the manifest row with the xxh3-64 of the
+container and the refs, then COMMIT. A client killed mid-way leaves an aborted
+transaction: nothing visible, no objects either. A read is one snapshot: the
+manifest and the chunk lengths are checked first, then ``COPY (SELECT data
+...) TO STDOUT (FORMAT binary)`` is parsed straight into one preallocated
+buffer that the checkpoint's tensors are views of (a listing's objects are
+fetched by one more COPY). Objects no checkpoint refers to are deleted by
+:meth:`PostgresStore.collect_garbage`.
 
 The schema is versioned: :meth:`PostgresStore.init_schema` creates it
 (``agck db init DSN``), :meth:`PostgresStore.migrate` moves it forward
@@ -32,6 +53,7 @@ import os
 import shlex
 import struct
 import threading
+import time
 from typing import Any, Callable
 
 import psycopg2
@@ -39,22 +61,27 @@ import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
 
-from .. import checkpoint, failpoints
+from .. import checkpoint, codec, failpoints
 from ..checkpoint import Checkpoint
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                       DurabilityError, SchemaMismatchError, SchemaUninitializedError, StoreConnectionError,
                       StoreError)
 from ..memory import new_buffer
+from . import content
 from .base import CheckpointInfo, Store, check_identity, check_run, check_step
 from .sqlrows import (DEFAULT_CHUNK_SIZE, check_chunk_size, check_checksum, check_identifier, chunk_plan,
-                      dsn_secrets, dsn_without_password, manifest_checksum, meta_json_text, nchunks_for,
-                      redact_dsn, split_chunks, sql_row)
+                      container_checksum, dsn_secrets, dsn_without_password, manifest_checksum, meta_json_text,
+                      nchunks_for, redact_dsn, split_chunks, sql_row)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
-# Steps from version N to N+1, each run inside the migrate() transaction: {N: fn(cursor, names)}.
-# Version 1 is the first schema, so there are none yet.
-_MIGRATIONS: dict[int, Callable[[Any, "_Names"], None]] = {}
+# How often a put starts over when the database refused its objects (a collector
+# deleted one it relies on, or a deadlock with a collector); then DurabilityError.
+PUT_RETRIES = 1
+# How often collect_garbage starts over when writers got in its way.
+GC_RETRIES = 5
+# How often a put sends its missing objects again after another writer sent one of them first.
+_OBJECT_ROUNDS = 8
 
 # How much COPY data one read() hands to libpq, and one write() gets back at most:
 # large enough that per-call Python overhead vanishes, small enough to stay in cache.
@@ -92,38 +119,18 @@ def _scrub(text: str, secrets: list[str]) -> str:
 
 # --- the binary COPY streams -------------------------------------------------------------
 
-class _CopyIn:
-    """A file-like whose read(n) generates ``COPY {chunks} (run, step, idx, data) FROM STDIN
-    (FORMAT binary)`` from the container's buffers: row headers are a few bytes built
-    here, row data are views of the tensors' own memory, copied once, into the
-    bytes object psycopg2 requires."""
+class _CopyStream:
+    """A file-like whose read(n) hands psycopg2 a binary COPY stream generated by
+    ``_stream()``: row headers are a few bytes built here, row data are views of
+    the caller's buffers, copied once, into the bytes object psycopg2 requires."""
 
-    def __init__(self, run: str, step: int, parts, total: int, chunk_size: int):
-        self.run_b = run.encode("utf-8")
-        self.step = step
-        self.pieces = split_chunks(parts, total, chunk_size)
-        self.nchunks = 0
+    def __init__(self):
         self.error: BaseException | None = None   # psycopg2 reports read() errors as a cancelled COPY
         self._it = self._stream()
         self._pending = None
 
     def _stream(self):
-        yield _COPY_HEADER
-        head = _ROW_HEAD + _I32.pack(len(self.run_b)) + self.run_b
-        fired = False
-        cur = -1
-        for idx, clen, piece in self.pieces:
-            if idx != cur:
-                if idx == 1:
-                    failpoints.hit("pg.mid_copy")
-                    fired = True
-                cur = idx
-                self.nchunks = idx + 1
-                yield head + _ROW_TAIL.pack(8, self.step, 4, idx, clen)
-            yield piece
-        if not fired:
-            failpoints.hit("pg.mid_copy")
-        yield _COPY_TRAILER
+        raise NotImplementedError
 
     def read(self, n: int = COPY_IO_SIZE) -> bytes:
         try:
@@ -150,6 +157,121 @@ class _CopyIn:
         except BaseException as e:
             self.error = e
             raise
+
+
+class _CopyIn(_CopyStream):
+    """``COPY {chunks} (run, step, idx, data) FROM STDIN (FORMAT binary)`` from the
+    container's buffers."""
+
+    def __init__(self, run: str, step: int, parts, total: int, chunk_size: int):
+        self.run_b = run.encode("utf-8")
+        self.step = step
+        self.pieces = split_chunks(parts, total, chunk_size)
+        self.nchunks = 0
+        super().__init__()
+
+    def _stream(self):
+        yield _COPY_HEADER
+        head = _ROW_HEAD + _I32.pack(len(self.run_b)) + self.run_b
+        fired = False
+        cur = -1
+        for idx, clen, piece in self.pieces:
+            if idx != cur:
+                if idx == 1:
+                    failpoints.hit("pg.mid_copy")
+                    fired = True
+                cur = idx
+                self.nchunks = idx + 1
+                yield head + _ROW_TAIL.pack(8, self.step, 4, idx, clen)
+            yield piece
+        if not fired:
+            failpoints.hit("pg.mid_copy")
+        yield _COPY_TRAILER
+
+
+_OBJECT_HEAD = struct.Struct("!hi32siq")   # 3 fields; address (len, 32 bytes); size (len, int8)
+
+
+class _ObjectsIn(_CopyStream):
+    """``COPY {objects} (address, size, data) FROM STDIN (FORMAT binary)`` from chunks."""
+
+    def __init__(self, chunks: list[tuple[bytes, memoryview]]):
+        self.chunks = chunks
+        super().__init__()
+
+    def _stream(self):
+        yield _COPY_HEADER
+        for address, view in self.chunks:
+            n = view.nbytes
+            yield _OBJECT_HEAD.pack(3, 32, address, 8, n) + _I32.pack(n)
+            for i in range(0, n, COPY_IO_SIZE):
+                yield view[i:i + COPY_IO_SIZE]
+        yield _COPY_TRAILER
+
+
+class _ObjectsOut:
+    """A file-like whose write() parses ``COPY (SELECT address, data ...) TO STDOUT
+    (FORMAT binary)`` into ``found`` (address -> bytes). Like :class:`_CopyOut` it
+    never raises: the first problem is kept in ``error``."""
+
+    def __init__(self):
+        self.found: dict[bytes, bytes] = {}
+        self.error: BaseException | None = None
+        self.done = False
+        self._buf = bytearray()
+        self._header = False
+
+    def write(self, data) -> int:
+        if self.error is None:
+            try:
+                self._buf += data
+                self._parse()
+            except BaseException as e:
+                self.error = e
+        return len(data)
+
+    def _parse(self) -> None:
+        b = self._buf
+        pos = 0
+        if not self._header:
+            if len(b) < 19:
+                return
+            if bytes(b[:11]) != _COPY_SIGNATURE:
+                raise StoreError("the server sent an unknown COPY format")
+            pos = 19 + _I32.unpack_from(b, 15)[0]
+            if len(b) < pos:
+                return
+            self._header = True
+        with memoryview(b) as mv:
+            while not self.done and len(b) - pos >= 2:
+                (count,) = struct.unpack_from("!h", b, pos)
+                if count == -1:
+                    self.done = True
+                    pos += 2
+                    break
+                if count != 2:
+                    raise StoreError(f"unexpected COPY row of {count} fields")
+                if len(b) - pos < 6:
+                    break
+                alen = _I32.unpack_from(b, pos + 2)[0]
+                dpos = pos + 6 + max(alen, 0)
+                if len(b) - dpos < 4:
+                    break
+                dlen = _I32.unpack_from(b, dpos)[0]
+                end = dpos + 4 + max(dlen, 0)
+                if len(b) < end:
+                    break
+                if alen >= 0 and dlen >= 0:
+                    self.found[bytes(mv[pos + 6:dpos])] = bytes(mv[dpos + 4:end])
+                pos = end
+        del b[:pos]
+
+    def finish(self) -> dict:
+        if self.error is not None:
+            raise self.error
+        if not self.done:
+            raise StoreError("the COPY stream of objects ended early")
+        return self.found
 
 
 class _Background:
@@ -275,7 +397,43 @@ class _CopyOut:
             self._fail(f"the COPY stream ended after {self.row} of {len(self.expected)} chunks")
 
 
+# --- the schema's steps -----------------------------------------------------------------
+
+def _create_shared_tables(cur, n: "_Names") -> None:
+    """The content shared between checkpoints (schema version 2)."""
+    cur.execute(f"""
+        CREATE TABLE IF NOT EXISTS {n.objects} (
+            address bytea NOT NULL CHECK (octet_length(address) = 32),
+            size bigint NOT NULL,
+            data bytea NOT NULL,
+            PRIMARY KEY (address));
+        ALTER TABLE {n.objects} ALTER COLUMN data SET STORAGE EXTERNAL;
+        CREATE TABLE IF NOT EXISTS {n.refs} (
+            run text COLLATE "C" NOT NULL,
+            step bigint NOT NULL,
+            address bytea NOT NULL,
+            PRIMARY KEY (run, step, address),
+            FOREIGN KEY (run, step) REFERENCES {n.manifest} (run, step) ON DELETE CASCADE,
+            FOREIGN KEY (address) REFERENCES {n.objects} (address));
+        CREATE INDEX IF NOT EXISTS {n.refs_index} ON {n.refs} (address);""")
+
+
+def _migrate_1_to_2(cur, n: "_Names") -> None:
+    """Shared content (objects, refs) and the checkpoint's own size (manifest.length).
+    Version 1 checkpoints are standalone containers and stay readable as they are."""
+    cur.execute(f"ALTER TABLE {n.manifest} ADD COLUMN IF NOT EXISTS length bigint")
+    _create_shared_tables(cur, n)
+
+
+# Steps from version N to N+1, each run inside the migrate() transaction: {N: fn(cursor, names)}.
+_MIGRATIONS: dict[int, Callable[[Any, "_Names"], None]] = {1: _migrate_1_to_2}
+
+
 # --- the store ------------------------------------------------------------------------
+
+class _Refused(Exception):
+    """The database refused a put's objects in a way a new attempt gets past."""
+
 
 class _Names:
     """Table names: SQL text for statements, plain text for refs and messages."""
@@ -289,12 +447,19 @@ class _Names:
         self.version = ident(f"{prefix}_schema_version")
         self.manifest = ident(f"{prefix}_manifest")
         self.chunks = ident(f"{prefix}_chunks")
+        self.objects = ident(f"{prefix}_objects")
+        self.refs = ident(f"{prefix}_refs")
         self.meta_index = sql.Identifier(f"{prefix}_manifest_meta").as_string(conn)
+        self.refs_index = sql.Identifier(f"{prefix}_refs_address").as_string(conn)
         self.schema_sql = sql.Identifier(schema).as_string(conn) if schema else None
         dot = f"{schema}." if schema else ""
         self.version_ref = f"{dot}{prefix}_schema_version"
         self.manifest_ref = f"{dot}{prefix}_manifest"
         self.chunks_ref = f"{dot}{prefix}_chunks"
+        self.objects_ref = f"{dot}{prefix}_objects"
+        self.refs_ref = f"{dot}{prefix}_refs"
+        self.tables = (self.version, self.manifest, self.chunks, self.objects, self.refs)
+        self.table_refs = (self.version_ref, self.manifest_ref, self.chunks_ref, self.objects_ref, self.refs_ref)
 
 
 class PostgresStore(Store):
@@ -303,11 +468,12 @@ class PostgresStore(Store):
     ``prefix`` names the tables, ``schema`` the Postgres schema holding them (the
     search path when None), ``chunk_size`` the bytes per chunk row (bytea holds at
     most 1 GiB), ``init=True`` creates a missing schema instead of refusing,
-    ``check_schema=False`` opens without looking at the schema (``agck db``)."""
+    ``check_schema=False`` opens without looking at the schema (``agck db``),
+    ``incremental=False`` writes standalone containers instead of chunk listings."""
 
     def __init__(self, url: str, *, prefix: str = "agck", schema: str | None = None,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, init: bool = False, check_schema: bool = True,
-                 connect_timeout: int = 10):
+                 connect_timeout: int = 10, incremental: bool = True):
         super().__init__()
         if not isinstance(url, str) or not url:
             raise StoreConnectionError(f"not a Postgres URL: {type(url).__name__}",
@@ -318,6 +484,8 @@ class PostgresStore(Store):
         self.prefix = check_identifier(prefix, "table prefix")
         self.schema = check_identifier(schema, "schema name") if schema is not None else None
         self.chunk_size = check_chunk_size(chunk_size)
+        self.incremental = bool(incremental)
+        self.last_put: content.Chunks | None = None
         self._connect_timeout = connect_timeout
         self._conn = None
         self._closed = False
@@ -399,10 +567,9 @@ class PostgresStore(Store):
     def _read_version(self, cur) -> tuple[int | None, list[str]]:
         """(version, missing tables). version None: no version table or no row."""
         n = self.names
-        cur.execute("SELECT to_regclass(%s) IS NULL, to_regclass(%s) IS NULL, to_regclass(%s) IS NULL",
-                    (n.version, n.manifest, n.chunks))
+        cur.execute("SELECT " + ", ".join(["to_regclass(%s) IS NULL"] * len(n.tables)), n.tables)
         flags = cur.fetchone()
-        missing = [t for t, gone in zip((n.version_ref, n.manifest_ref, n.chunks_ref), flags) if gone]
+        missing = [t for t, gone in zip(n.table_refs, flags) if gone]
         if flags[0]:
             return None, missing
         cur.execute(f"SELECT max(version) FROM {n.version}")
@@ -418,7 +585,7 @@ class PostgresStore(Store):
             except psycopg2.Error as e:
                 raise self._db_error(e, "cannot read the schema version", self.names.label) from None
         if version is None:
-            state = "incomplete" if len(missing) < 3 else "uninitialized"
+            state = "incomplete" if len(missing) < len(self.names.tables) else "uninitialized"
         elif version > SCHEMA_VERSION:
             state = "newer"
         elif version < SCHEMA_VERSION:
@@ -459,6 +626,11 @@ class PostgresStore(Store):
                 if version == SCHEMA_VERSION and not missing:
                     cur.execute("COMMIT")
                     return self.schema_status()   # the store's lock is reentrant
+                if version is not None and version != SCHEMA_VERSION:
+                    raise SchemaMismatchError(
+                        f"schema version {version} exists, this agck uses {SCHEMA_VERSION}", ref=n.label,
+                        hint=self._db_hint("migrate") if version < SCHEMA_VERSION
+                        else "upgrade agck to the version that created this schema")
                 if n.schema_sql:
                     cur.execute(f"CREATE SCHEMA IF NOT EXISTS {n.schema_sql}")
                 cur.execute(f"""
@@ -472,6 +644,7 @@ class PostgresStore(Store):
                         nchunks int NOT NULL,
                         created_at timestamptz NOT NULL DEFAULT now(),
                         meta jsonb,
+                        length bigint,
                         PRIMARY KEY (run, step));
                     CREATE INDEX IF NOT EXISTS {n.meta_index} ON {n.manifest} USING gin (meta);
                     CREATE TABLE IF NOT EXISTS {n.chunks} (
@@ -480,16 +653,11 @@ class PostgresStore(Store):
                         idx int NOT NULL,
                         data bytea NOT NULL,
                         PRIMARY KEY (run, step, idx));
-                    ALTER TABLE {n.chunks} ALTER COLUMN data SET STORAGE EXTERNAL;
-                    SELECT max(version) FROM {n.version}""")
-                version = cur.fetchone()[0]
-                if version is None:
+                    ALTER TABLE {n.chunks} ALTER COLUMN data SET STORAGE EXTERNAL;""")
+                _create_shared_tables(cur, n)
+                cur.execute(f"SELECT max(version) FROM {n.version}")
+                if cur.fetchone()[0] is None:
                     cur.execute(f"INSERT INTO {n.version} (version) VALUES (%s)", (SCHEMA_VERSION,))
-                elif version != SCHEMA_VERSION:
-                    raise SchemaMismatchError(
-                        f"schema version {version} exists, this agck uses {SCHEMA_VERSION}", ref=n.label,
-                        hint=self._db_hint("migrate") if version < SCHEMA_VERSION
-                        else "upgrade agck to the version that created this schema")
                 cur.execute("COMMIT")
             except BaseException as e:
                 self._abort(cur)
@@ -557,54 +725,132 @@ class PostgresStore(Store):
             parent = check_step(parent, "parent")
         w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta)
         meta_text = meta_json_text(meta)
-        total = w.total_len
         ref = self.ref(run, step)
-        n = self.names
-        stream = None
+        if not self.incremental:
+            with self._lock:
+                self._put_once(run, step, parent, meta_text, w, None, None, ref, overwrite)
+                self.last_put = None
+            failpoints.hit("pg.after_commit")
+            return ref
+        plan = content.plan_chunks(w)     # splitting and hashing: before the transaction
+        listing = content.listing(w, plan.chunks, run=run, step=step, parent=parent, meta=meta)
         with self._lock:
-            cur = self._cursor()
-            try:
-                if self._begin_and_delete(cur, run, step) and not overwrite:
-                    raise CheckpointExistsError("a checkpoint already exists here", ref=ref)
-                failpoints.hit("pg.before_copy")
-                stream = _CopyIn(run, step, checkpoint.stream(w), total, self.chunk_size)
-                cur.copy_expert(f"COPY {n.chunks} (run, step, idx, data) FROM STDIN (FORMAT binary)", stream,
-                                size=COPY_IO_SIZE)
-                if stream.error is not None:
-                    raise stream.error
-                nchunks = stream.nchunks
-                if nchunks != nchunks_for(total, self.chunk_size):
-                    raise DurabilityError(f"streamed {nchunks} chunks, expected {nchunks_for(total, self.chunk_size)}",
-                                          ref=ref)
-                failpoints.hit("pg.before_manifest")
-                cur.execute(f"INSERT INTO {n.manifest} (run, step, parent, size, checksum, nchunks, created_at, meta)"
-                            f" VALUES (%s, %s, %s, %s, %s, %s, to_timestamp(%s), %s::jsonb)",
-                            (run, step, parent, total, manifest_checksum(w.footer), nchunks,
-                             w.header.created_at_ns / 1e9, meta_text))
-                failpoints.hit("pg.before_commit")
+            for attempt in range(PUT_RETRIES + 1):
                 try:
-                    cur.execute("COMMIT")
-                except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
-                    raise DurabilityError(
-                        f"the connection failed during COMMIT: the checkpoint may or may not have been written "
-                        f"({_scrub(str(e), self._secrets)})", ref=ref,
-                        hint="check store.steps(run) once the server is reachable, and put it again if absent"
-                    ) from None
-            except BaseException as e:
-                if stream is not None and stream.error is not None and isinstance(e, psycopg2.Error):
-                    e = stream.error   # the real cause behind psycopg2's "COPY cancelled"
-                self._abort(cur)
-                if isinstance(e, AgckError):
-                    raise e.at(ref)
-                if isinstance(e, psycopg2.errors.UniqueViolation) and not overwrite:
-                    raise CheckpointExistsError("a checkpoint already exists here", ref=ref) from None
-                if isinstance(e, psycopg2.Error):
-                    raise self._db_error(e, "write failed", ref, DurabilityError) from None
-                if isinstance(e, OSError):
-                    raise DurabilityError(f"write failed: {e.strerror or e}", ref=ref) from e
-                raise
+                    self._put_once(run, step, parent, meta_text, w, plan, listing, ref, overwrite)
+                    break
+                except _Refused as e:
+                    if attempt == PUT_RETRIES:
+                        raise DurabilityError(f"the database refused the checkpoint's objects {attempt + 1} "
+                                              f"times ({e.args[0]})", ref=ref,
+                                              hint="a garbage collection ran alongside; put it again") from None
+            self.last_put = plan.chunks
         failpoints.hit("pg.after_commit")
         return ref
+
+    def _put_once(self, run: str, step: int, parent, meta_text: str, w, plan: "content.Plan | None",
+                  listing: bytes | None, ref: str, overwrite: bool) -> None:
+        """One write transaction: a standalone container (``plan`` None), or the objects
+        ``plan`` lacks and ``listing``. Raises _Refused when the database refused it
+        for a reason another attempt can get past."""
+        n = self.names
+        stream = None
+        cur = self._cursor()
+        try:
+            if self._begin_and_delete(cur, run, step) and not overwrite:
+                raise CheckpointExistsError("a checkpoint already exists here", ref=ref)
+            failpoints.hit("pg.before_copy")
+            if plan is None:
+                total = w.total_len
+                stream = _CopyIn(run, step, checkpoint.stream(w), total, self.chunk_size)
+            else:
+                self._put_objects(cur, plan)
+                failpoints.hit("pg.after_objects")
+                total = len(listing)
+                stream = _CopyIn(run, step, [listing], total, self.chunk_size)
+            cur.copy_expert(f"COPY {n.chunks} (run, step, idx, data) FROM STDIN (FORMAT binary)", stream,
+                            size=COPY_IO_SIZE)
+            if stream.error is not None:
+                raise stream.error
+            nchunks = stream.nchunks
+            if nchunks != nchunks_for(total, self.chunk_size):
+                raise DurabilityError(f"streamed {nchunks} chunks, expected {nchunks_for(total, self.chunk_size)}",
+                                      ref=ref)
+            if plan is None:
+                checksum, length = manifest_checksum(w.footer), total
+            else:
+                checksum, length = container_checksum(listing), plan.chunks.total
+            failpoints.hit("pg.before_manifest")
+            cur.execute(f"INSERT INTO {n.manifest} (run, step, parent, size, checksum, nchunks, created_at, meta, "
+                        f"length) VALUES (%s, %s, %s, %s, %s, %s, to_timestamp(%s), %s::jsonb, %s)",
+                        (run, step, parent, total, checksum, nchunks, w.header.created_at_ns / 1e9, meta_text,
+                         length))
+            if plan is not None:
+                cur.execute(f"INSERT INTO {n.refs} (run, step, address) SELECT %s, %s, unnest(%s::bytea[])",
+                            (run, step, list(plan.distinct)))
+            failpoints.hit("pg.before_commit")
+            try:
+                cur.execute("COMMIT")
+            except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
+                raise DurabilityError(
+                    f"the connection failed during COMMIT: the checkpoint may or may not have been written "
+                    f"({_scrub(str(e), self._secrets)})", ref=ref,
+                    hint="check store.steps(run) once the server is reachable, and put it again if absent"
+                ) from None
+        except BaseException as e:
+            if stream is not None and stream.error is not None and isinstance(e, psycopg2.Error):
+                e = stream.error   # the real cause behind psycopg2's "COPY cancelled"
+            self._abort(cur)
+            if isinstance(e, AgckError):
+                raise e.at(ref)
+            if isinstance(e, psycopg2.errors.UniqueViolation) and not overwrite:
+                raise CheckpointExistsError("a checkpoint already exists here", ref=ref) from None
+            if isinstance(e, (psycopg2.errors.ForeignKeyViolation, psycopg2.errors.DeadlockDetected)):
+                raise _Refused(_scrub(str(e).strip(), self._secrets)) from None
+            if isinstance(e, psycopg2.Error):
+                raise self._db_error(e, "write failed", ref, DurabilityError) from None
+            if isinstance(e, OSError):
+                raise DurabilityError(f"write failed: {e.strerror or e}", ref=ref) from e
+            raise
+
+    def _put_objects(self, cur, plan: "content.Plan") -> None:
+        """Lock the objects the store holds (``FOR KEY SHARE``: no collector deletes them
+        before this transaction ends; one it deleted meanwhile is simply absent) and
+        send the rest. Another writer may send one of them first: the COPY then
+        fails on its key, and is done again, in a savepoint, without the ones that
+        have arrived."""
+        n = self.names
+        present = self._lock_objects(cur, list(plan.distinct))
+        for _ in range(_OBJECT_ROUNDS):
+            missing = plan.missing(present)
+            if not missing:
+                return
+            missing.sort()      # writers sending the same new objects meet them in one order: no deadlock
+            stream = _ObjectsIn(missing)
+            cur.execute("SAVEPOINT agck_objects")
+            try:
+                cur.copy_expert(f"COPY {n.objects} (address, size, data) FROM STDIN (FORMAT binary)", stream,
+                                size=COPY_IO_SIZE)
+            except psycopg2.errors.UniqueViolation:
+                if stream.error is not None:
+                    raise
+                cur.execute("ROLLBACK TO SAVEPOINT agck_objects")
+                present |= self._lock_objects(cur, [a for a, _ in missing])
+                continue
+            except psycopg2.Error:
+                if stream.error is not None:
+                    raise stream.error from None
+                raise
+            if stream.error is not None:
+                raise stream.error
+            cur.execute("RELEASE SAVEPOINT agck_objects")
+            return
+        raise _Refused("other writers kept sending the same objects")
+
+    def _lock_objects(self, cur, addresses: list[bytes]) -> set[bytes]:
+        cur.execute(f"SELECT address FROM {self.names.objects} WHERE address = ANY(%s::bytea[]) "
+                    f"ORDER BY address FOR KEY SHARE", (addresses,))
+        return {bytes(a) for (a,) in cur.fetchall()}
 
     def _begin_and_delete(self, cur, run: str, step: int) -> bool:
         """Open a durable write transaction holding (run, step)'s lock and delete its
@@ -653,7 +899,7 @@ class PostgresStore(Store):
 
     def list(self, run: str | None = None) -> list[CheckpointInfo]:
         n = self.names
-        q = (f"SELECT run, step, size, extract(epoch FROM created_at)::float8, parent, meta, checksum "
+        q = (f"SELECT run, step, coalesce(length, size), extract(epoch FROM created_at)::float8, parent, meta, checksum "
              f"FROM {n.manifest}")
         rows = (self._query(q + " ORDER BY run, step") if run is None
                 else self._query(q + " WHERE run = %s ORDER BY step", (check_run(run),)))
@@ -664,12 +910,13 @@ class PostgresStore(Store):
     def read(self, run: str, step: int, *, verify: bool = True, map_location=None) -> Checkpoint:
         step = check_step(step)
         ref = self.ref(run, step)
+        map_location = codec.check_map_location(map_location)
         n = self.names
         chunk_ref = lambda i: self._chunk_ref(run, step, i)  # noqa: E731
         with self._lock:
             cur = self._cursor()
             try:
-                # One snapshot for the manifest, the chunk layout and the data.
+                # One snapshot for the manifest, the chunk layout, the data and the objects.
                 cur.execute(
                     "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; "
                     f"SELECT m.size, m.checksum, m.nchunks, c.idxs, c.lens FROM {n.manifest} m "
@@ -689,18 +936,68 @@ class PostgresStore(Store):
                 query = cur.mogrify(f"COPY (SELECT data FROM {n.chunks} WHERE run = %s AND step = %s ORDER BY idx) "
                                     f"TO STDOUT (FORMAT binary)", (run, step)).decode("utf-8")
                 cur.copy_expert(query, sink, size=COPY_IO_SIZE)
-                cur.execute("COMMIT")
                 sink.finish()
                 buf = pending.result()
+                check_checksum(buf, checksum, ref)
+                addresses = content.listed_addresses(buf, verify=verify, ref=ref)
+                found = self._read_objects(cur, addresses) if addresses is not None else {}
+                cur.execute("COMMIT")
             except BaseException as e:
                 self._abort(cur)
                 if isinstance(e, psycopg2.Error):
                     raise self._db_error(e, "read failed", ref) from None
                 raise
-        check_checksum(buf, checksum, ref)
-        ck = checkpoint.loads(buf, verify=verify, copy=False, map_location=map_location, ref=ref)
+        ck = content.decode(buf, content.fetcher(found, addresses or []), verify=verify,
+                            map_location=map_location, ref=ref)
         check_identity(ck, run, step, ref)
         return ck
+
+    def _read_objects(self, cur, addresses: list[bytes]) -> dict:
+        """The listed objects the store holds (address -> bytes), in one COPY."""
+        sink = _ObjectsOut()
+        query = cur.mogrify(f"COPY (SELECT address, data FROM {self.names.objects} WHERE address = ANY(%s::bytea[])) "
+                            f"TO STDOUT (FORMAT binary)", (list(dict.fromkeys(addresses)),)).decode("utf-8")
+        cur.copy_expert(query, sink, size=COPY_IO_SIZE)
+        return sink.finish()
+
+    # -- shared content ----------------------------------------------------------------------
+    def collect_garbage(self) -> content.Collected:
+        """Delete the objects no checkpoint refers to, in one transaction.
+
+        Objects a writer has locked (it relies on them, its listing not committed
+        yet) are skipped, not waited for. Should a writer commit a reference to an
+        object while it is being deleted, the foreign key refuses the deletion and
+        the collection starts over (up to GC_RETRIES times): a referenced object is
+        never deleted."""
+        n = self.names
+        with self._lock:
+            for attempt in range(GC_RETRIES + 1):
+                cur = self._cursor()
+                try:
+                    cur.execute(
+                        f"BEGIN; SET LOCAL synchronous_commit = on; "
+                        f"WITH dead AS (SELECT o.address FROM {n.objects} o WHERE NOT EXISTS "
+                        f"(SELECT 1 FROM {n.refs} r WHERE r.address = o.address) FOR UPDATE SKIP LOCKED), "
+                        f"gone AS (DELETE FROM {n.objects} o USING dead WHERE o.address = dead.address "
+                        f"RETURNING o.size) "
+                        f"SELECT count(*), coalesce(sum(size), 0)::bigint FROM gone")
+                    deleted, nbytes = cur.fetchone()
+                    cur.execute(f"SELECT (SELECT count(*) FROM (SELECT DISTINCT run, step FROM {n.refs}) l), "
+                                f"(SELECT count(DISTINCT address) FROM {n.refs})")
+                    listings, live = cur.fetchone()
+                    cur.execute("COMMIT")
+                    return content.Collected(listings=listings, live_chunks=live, deleted_chunks=deleted,
+                                             deleted_bytes=int(nbytes))
+                except BaseException as e:
+                    self._abort(cur)
+                    retry = isinstance(e, (psycopg2.errors.ForeignKeyViolation, psycopg2.errors.DeadlockDetected,
+                                           psycopg2.errors.SerializationFailure))
+                    if retry and attempt < GC_RETRIES:
+                        time.sleep(0.01 * (attempt + 1))
+                        continue
+                    if isinstance(e, psycopg2.Error):
+                        raise self._db_error(e, "collecting garbage failed", n.label, DurabilityError) from None
+                    raise
 
     # -- housekeeping ------------------------------------------------------------------------
     def _orphan_where(self, run: str | None) -> tuple[str, tuple]:

@@ -8,14 +8,30 @@
 Tables (``prefix`` defaults to ``agck``)::
 
     {prefix}_schema_version(version)
-    {prefix}_manifest(run, step, parent, size, checksum, nchunks, created_at, meta)   PRIMARY KEY(run, step)
-    {prefix}_chunks(run, step, idx, data)                                             PRIMARY KEY(run, step, idx)
+    {prefix}_manifest(run, step, parent, size, checksum, nchunks, created_at, meta, length)   PRIMARY KEY(run, step)
+    {prefix}_chunks(run, step, idx, data)                      PRIMARY KEY(run, step, idx)
+    {prefix}_objects(address, size, data)                      PRIMARY KEY(address)
+    {prefix}_refs(run, step, address)                          PRIMARY KEY(run, step, address),
+        FOREIGN KEY (run, step) -> manifest ON DELETE CASCADE, FOREIGN KEY (address) -> objects
 
-A checkpoint is written in one ``BEGIN IMMEDIATE`` transaction: its chunk
-rows (each a BLOB of at most ``chunk_size`` bytes, filled in place through
-the incremental blob API so the container is never assembled in memory),
-then the manifest row with the xxh3-64 of the whole container. WAL mode with
-``synchronous=FULL`` makes the COMMIT durable before ``put`` returns.
+Each checkpoint is one container kept as chunk rows: ``size`` is the
+container's bytes, ``checksum`` the xxh3-64 of its footer, ``length`` the
+checkpoint's own size (what :meth:`list` reports). By default
+(``incremental=True``) that container is a chunk listing (FORMAT.md, version
+1.1) and the checkpoint's content is kept in ``objects``, one row per distinct
+BLAKE3-256 address shared by every checkpoint holding those bytes; ``refs``
+says which checkpoint lists which object, so the database itself refuses to
+delete an object a committed listing needs (:mod:`agck.stores.content`, rule
+2). ``incremental=False`` stores standalone 1.0 containers.
+
+A checkpoint is written in one ``BEGIN IMMEDIATE`` transaction: the objects
+the store lacks, then its chunk rows (each a BLOB of at most ``chunk_size``
+bytes, filled in place through the incremental blob API so the container is
+never assembled in memory), then the manifest row and its refs. WAL mode with
+``synchronous=FULL`` makes the COMMIT durable before ``put`` returns; a crash
+before it leaves nothing, not even objects. Objects no checkpoint refers to
+any more are deleted by :meth:`collect_garbage`. Opening a store of schema
+version 1 migrates it to 2 (its checkpoints stay standalone containers).
 
 ``meta`` is kept twice: exactly, inside the container (``read().meta``), and
 as JSON text in the manifest for listing and querying (see :func:`meta_to_json`).
@@ -30,17 +46,19 @@ import urllib.parse
 from contextlib import contextmanager
 from typing import Any
 
-from .. import checkpoint, failpoints
+from .. import checkpoint, codec, failpoints
 from ..checkpoint import Checkpoint
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                       DurabilityError, SchemaMismatchError, StoreConnectionError,
                       StoreError)
 from ..memory import new_buffer
+from . import content
 from .base import CheckpointInfo, Store, check_identity, check_run, check_step
-from .sqlrows import (DEFAULT_CHUNK_SIZE, check_checksum, check_chunk_size, check_identifier, chunk_plan,
-                      manifest_checksum, meta_json_text, split_chunks, sql_row)
+from .sqlrows import (DEFAULT_CHUNK_SIZE, batches, check_checksum, check_chunk_size, check_identifier, chunk_plan,
+                      container_checksum, manifest_checksum, meta_json_text, split_chunks, sql_row)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+_IN_BATCH = 500       # addresses per IN (...) list: well under SQLite's bound on query parameters
 
 
 # --- the store ---------------------------------------------------------------------
@@ -79,7 +97,7 @@ class SqliteStore(Store):
     """Checkpoints in one SQLite database file; safe to share between threads and processes."""
 
     def __init__(self, url: str | os.PathLike, *, prefix: str = "agck", chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 busy_timeout: float = 30.0, create: bool = True):
+                 busy_timeout: float = 30.0, create: bool = True, incremental: bool = True):
         super().__init__()
         url = os.fspath(url)
         self.path = sqlite_path(url)
@@ -91,8 +109,11 @@ class SqliteStore(Store):
         self.url = "sqlite:///:memory:" if self.path == ":memory:" else "sqlite:///" + self.path
         self.prefix = check_identifier(prefix, "table prefix")
         self.chunk_size = check_chunk_size(chunk_size)
+        self.incremental = bool(incremental)
+        self.last_put: content.Chunks | None = None
         p = self.prefix
         self._t_version, self._t_manifest, self._t_chunks = f"{p}_schema_version", f"{p}_manifest", f"{p}_chunks"
+        self._t_objects, self._t_refs = f"{p}_objects", f"{p}_refs"
         self._owner_pid = os.getpid()
         target, uri = self.path, False
         if not create and self.path != ":memory:":
@@ -108,6 +129,7 @@ class SqliteStore(Store):
         try:
             c = self._conn
             c.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+            c.execute("PRAGMA foreign_keys = ON")   # refs -> objects: rule 2 of agck.stores.content
             if not create and self._version() is None:
                 raise StoreConnectionError(f"no agck tables with prefix {self.prefix!r} in this database",
                                            ref=self.path, hint="check the path and the prefix")
@@ -144,16 +166,49 @@ class SqliteStore(Store):
                 c.execute(f"""CREATE TABLE IF NOT EXISTS {self._t_manifest} (
                     run TEXT NOT NULL, step INTEGER NOT NULL, parent INTEGER, size INTEGER NOT NULL,
                     checksum TEXT NOT NULL, nchunks INTEGER NOT NULL, created_at REAL NOT NULL, meta TEXT,
-                    PRIMARY KEY (run, step))""")
+                    length INTEGER, PRIMARY KEY (run, step))""")
                 c.execute(f"""CREATE TABLE IF NOT EXISTS {self._t_chunks} (
                     run TEXT NOT NULL, step INTEGER NOT NULL, idx INTEGER NOT NULL, data BLOB NOT NULL,
                     PRIMARY KEY (run, step, idx))""")
+                self._create_shared_tables(c)
                 if c.execute(f"SELECT count(*) FROM {self._t_version}").fetchone()[0] == 0:
                     c.execute(f"INSERT INTO {self._t_version} (version) VALUES (?)", (SCHEMA_VERSION,))
+            v = self._version()
+        if v == 1:
+            self._migrate_1_to_2()
             v = self._version()
         if v != SCHEMA_VERSION:
             raise SchemaMismatchError(f"schema version {v}, this agck uses {SCHEMA_VERSION}", ref=self.path,
                                       hint="use the agck version that created this database")
+
+    def _create_shared_tables(self, c: sqlite3.Connection) -> None:
+        c.execute(f"""CREATE TABLE IF NOT EXISTS {self._t_objects} (
+            address BLOB PRIMARY KEY NOT NULL, size INTEGER NOT NULL, data BLOB NOT NULL)""")
+        c.execute(f"""CREATE TABLE IF NOT EXISTS {self._t_refs} (
+            run TEXT NOT NULL, step INTEGER NOT NULL, address BLOB NOT NULL,
+            PRIMARY KEY (run, step, address),
+            FOREIGN KEY (run, step) REFERENCES {self._t_manifest} (run, step) ON DELETE CASCADE,
+            FOREIGN KEY (address) REFERENCES {self._t_objects} (address)) WITHOUT ROWID""")
+        # deleting an object looks up its refs by address
+        c.execute(f"CREATE INDEX IF NOT EXISTS {self._t_refs}_address ON {self._t_refs} (address)")
+
+    def _migrate_1_to_2(self) -> None:
+        """Version 2 adds shared content (objects, refs) and the checkpoint's own size
+        (manifest.length). Version 1 checkpoints are standalone containers and stay so."""
+        c = self._conn
+        try:
+            with _immediate(c):
+                if self._version() == 1:        # another process may have migrated meanwhile
+                    cols = [r[1] for r in c.execute(f"PRAGMA table_info({self._t_manifest})")]
+                    if "length" not in cols:
+                        c.execute(f"ALTER TABLE {self._t_manifest} ADD COLUMN length INTEGER")
+                    self._create_shared_tables(c)
+                    c.execute(f"DELETE FROM {self._t_version}")
+                    c.execute(f"INSERT INTO {self._t_version} (version) VALUES (?)", (SCHEMA_VERSION,))
+        except sqlite3.Error as e:
+            raise SchemaMismatchError(f"schema version 1 must be migrated to {SCHEMA_VERSION} and that failed: {e}",
+                                      ref=self.path, hint="open the store where the database file is writable "
+                                      "(the migration runs on open), or use an agck of schema version 1") from None
 
     # -- refs --------------------------------------------------------------------
     def ref(self, run: str, step: int) -> str:
@@ -179,8 +234,11 @@ class SqliteStore(Store):
             parent = check_step(parent, "parent")
         w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta)
         meta_text = meta_json_text(meta)
-        total = w.total_len
         ref = self.ref(run, step)
+        plan = listing = None
+        if self.incremental:   # splitting and hashing: before taking the database's write lock
+            plan = content.plan_chunks(w)
+            listing = content.listing(w, plan.chunks, run=run, step=step, parent=parent, meta=meta)
         with self._lock:
             c = self._db()
             try:
@@ -192,14 +250,27 @@ class SqliteStore(Store):
                 exists = c.execute(f"SELECT 1 FROM {self._t_manifest} WHERE run = ? AND step = ?", key).fetchone()
                 if exists and not overwrite:
                     raise CheckpointExistsError("a checkpoint already exists here", ref=ref)
+                c.execute(f"DELETE FROM {self._t_refs} WHERE run = ? AND step = ?", key)
                 c.execute(f"DELETE FROM {self._t_chunks} WHERE run = ? AND step = ?", key)
                 c.execute(f"DELETE FROM {self._t_manifest} WHERE run = ? AND step = ?", key)
                 failpoints.hit("sqlite.before_insert")
-                nchunks = self._write_chunks(c, run, step, checkpoint.stream(w), total)
+                if plan is None:
+                    total = w.total_len
+                    nchunks = self._write_chunks(c, run, step, checkpoint.stream(w), total)
+                    checksum, length = manifest_checksum(w.footer), total
+                else:
+                    self._write_objects(c, plan)
+                    failpoints.hit("sqlite.after_objects")
+                    total = len(listing)
+                    nchunks = self._write_chunks(c, run, step, [listing], total)
+                    checksum, length = container_checksum(listing), plan.chunks.total
                 c.execute(f"INSERT INTO {self._t_manifest} (run, step, parent, size, checksum, nchunks, "
-                          f"created_at, meta) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                          (run, step, parent, total, manifest_checksum(w.footer), nchunks,
-                           w.header.created_at_ns / 1e9, meta_text))
+                          f"created_at, meta, length) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                          (run, step, parent, total, checksum, nchunks, w.header.created_at_ns / 1e9, meta_text,
+                           length))
+                if plan is not None:
+                    c.executemany(f"INSERT INTO {self._t_refs} (run, step, address) VALUES (?, ?, ?)",
+                                  ((run, step, a) for a in plan.distinct))
                 failpoints.hit("sqlite.before_commit")
                 c.execute("COMMIT")
             except BaseException as e:
@@ -212,8 +283,20 @@ class SqliteStore(Store):
                 if isinstance(e, (sqlite3.Error, OSError)):
                     raise DurabilityError(f"write failed: {e}", ref=ref) from e
                 raise
+            self.last_put = plan.chunks if plan is not None else None
         failpoints.hit("sqlite.after_commit")
         return ref
+
+    def _write_objects(self, c: sqlite3.Connection, plan: content.Plan) -> None:
+        """Insert the chunks the store lacks. The write transaction is open: nothing
+        can delete an object between this check and the COMMIT."""
+        present: set[bytes] = set()
+        for batch in batches(list(plan.distinct), _IN_BATCH):
+            rows = c.execute(f"SELECT address FROM {self._t_objects} WHERE address IN "
+                             f"({','.join('?' * len(batch))})", batch)
+            present.update(bytes(a) for (a,) in rows)
+        c.executemany(f"INSERT INTO {self._t_objects} (address, size, data) VALUES (?, ?, ?)",
+                      ((a, v.nbytes, v) for a, v in plan.missing(present)))
 
     def _write_chunks(self, c: sqlite3.Connection, run: str, step: int, parts, total: int) -> int:
         insert = f"INSERT INTO {self._t_chunks} (run, step, idx, data) VALUES (?, ?, ?, zeroblob(?))"
@@ -259,6 +342,7 @@ class SqliteStore(Store):
                     if n == 0:
                         raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref)
                     c.execute(f"DELETE FROM {self._t_chunks} WHERE run = ? AND step = ?", (run, step))
+                    c.execute(f"DELETE FROM {self._t_refs} WHERE run = ? AND step = ?", (run, step))
             except sqlite3.Error as e:
                 raise DurabilityError(f"delete failed: {e}", ref=ref) from None
 
@@ -279,7 +363,7 @@ class SqliteStore(Store):
                                           (run,))]
 
     def list(self, run: str | None = None) -> list[CheckpointInfo]:
-        cols = "run, step, size, created_at, parent, meta, checksum"
+        cols = "run, step, coalesce(length, size), created_at, parent, meta, checksum"
         if run is None:
             rows = self._query(f"SELECT {cols} FROM {self._t_manifest} ORDER BY run, step")
         else:
@@ -298,20 +382,32 @@ class SqliteStore(Store):
     def read(self, run: str, step: int, *, verify: bool = True, map_location=None) -> Checkpoint:
         step = check_step(step)
         ref = self.ref(run, step)
+        map_location = codec.check_map_location(map_location)
         with self._lock:
             c = self._db()
             try:
-                c.execute("BEGIN")  # one snapshot for the manifest and its chunks
+                c.execute("BEGIN")  # one snapshot for the manifest, its chunks and its objects
                 try:
                     buf, checksum = self._read_locked(c, run, step, ref)
+                    check_checksum(buf, checksum, ref)
+                    addresses = content.listed_addresses(buf, verify=verify, ref=ref)
+                    found = self._read_objects(c, addresses) if addresses is not None else {}
                 finally:
                     c.execute("COMMIT")
             except sqlite3.Error as e:
                 raise StoreError(f"read failed: {e}", ref=ref) from None
-        check_checksum(buf, checksum, ref)
-        ck = checkpoint.loads(buf, verify=verify, copy=False, map_location=map_location, ref=ref)
+        ck = content.decode(buf, content.fetcher(found, addresses or []), verify=verify,
+                            map_location=map_location, ref=ref)
         check_identity(ck, run, step, ref)
         return ck
+
+    def _read_objects(self, c: sqlite3.Connection, addresses: list[bytes]) -> dict:
+        found = {}
+        for batch in batches(list(dict.fromkeys(addresses)), _IN_BATCH):
+            rows = c.execute(f"SELECT address, data FROM {self._t_objects} WHERE address IN "
+                             f"({','.join('?' * len(batch))})", batch)
+            found.update((bytes(a), d) for a, d in rows)
+        return found
 
     def _read_locked(self, c, run, step, ref):
         row = c.execute(f"SELECT size, checksum, nchunks FROM {self._t_manifest} WHERE run = ? AND step = ?",
@@ -340,6 +436,27 @@ class SqliteStore(Store):
             raise CorruptCheckpointError(f"chunks hold {pos} bytes, the manifest says {size}", ref=ref,
                                          section="chunks")
         return buf, checksum
+
+    # -- shared content --------------------------------------------------------
+    def collect_garbage(self) -> content.Collected:
+        """Delete the objects no checkpoint refers to, in one write transaction (so
+        no writer is between checking an object and committing its listing)."""
+        r, m, o = self._t_refs, self._t_manifest, self._t_objects
+        with self._lock:
+            c = self._db()
+            try:
+                with _immediate(c):
+                    # refs of a vanished manifest: left only by a connection without foreign keys
+                    c.execute(f"DELETE FROM {r} WHERE NOT EXISTS "
+                              f"(SELECT 1 FROM {m} WHERE {m}.run = {r}.run AND {m}.step = {r}.step)")
+                    dead = f"NOT EXISTS (SELECT 1 FROM {r} WHERE {r}.address = {o}.address)"
+                    n, nbytes = c.execute(f"SELECT count(*), coalesce(sum(size), 0) FROM {o} WHERE {dead}").fetchone()
+                    c.execute(f"DELETE FROM {o} WHERE {dead}")
+                    listings = c.execute(f"SELECT count(*) FROM (SELECT DISTINCT run, step FROM {r})").fetchone()[0]
+                    live = c.execute(f"SELECT count(*) FROM {o}").fetchone()[0]
+            except sqlite3.Error as e:
+                raise DurabilityError(f"collecting garbage failed: {e}", ref=self.path) from None
+        return content.Collected(listings=listings, live_chunks=live, deleted_chunks=n, deleted_bytes=nbytes)
 
     # -- housekeeping ----------------------------------------------------------
     def _orphan_rows(self, c, run):

@@ -181,6 +181,18 @@ def manifest_checksum(footer: bytes) -> str:
     return xxhash.xxh3_64_hexdigest(footer)
 
 
+def container_checksum(data) -> str:
+    """The manifest checksum of a whole container held in memory (a chunk listing)."""
+    h = format.parse_header(data)
+    return manifest_checksum(memoryview(data)[len(data) - h.footer_len:])
+
+
+def batches(items: list, n: int) -> Iterator[list]:
+    """``items`` in consecutive lists of at most ``n``."""
+    for i in range(0, len(items), n):
+        yield items[i:i + n]
+
+
 def check_checksum(buf, stored: Any, ref: str) -> None:
     """Does the container assembled from the chunks belong to this manifest row?"""
     h = format.parse_header(buf, ref=ref)
