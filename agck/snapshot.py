@@ -36,11 +36,15 @@ nothing else.
 from __future__ import annotations
 
 import atexit
+import collections
 import copy
+import ctypes
 import functools
 import inspect
 import logging
+import math
 import numbers
+import os
 import platform
 import queue
 import random
@@ -49,6 +53,11 @@ import threading
 import time
 import warnings
 from typing import Any, Callable, Iterator
+
+try:
+    import resource
+except ImportError:  # pragma: no cover (not on Windows)
+    resource = None
 
 import numpy as np
 
@@ -200,24 +209,52 @@ class _Stager:
     step boundary and the end of the background write.
 
     Tensors are matched to buffers by their position in the tree walk, dtype
-    and shape, so a steady pipeline allocates once. CUDA tensors go to pinned
-    memory with non_blocking copies and one synchronization at the end. The same
-    tensor object appearing twice (tied weights) is copied once."""
+    and shape, so a steady pipeline allocates once; a buffer that no tensor
+    matched in the last staging is let go. CUDA tensors go to pinned memory
+    with non_blocking copies and one synchronization at the end. The same
+    tensor object appearing twice (tied weights) is copied once.
+
+    :meth:`plan` walks a tree as :meth:`stage` would and lists the buffers the
+    pool lacks, copying nothing; :meth:`make` allocates them (on the writer
+    thread, before the first snapshot, so the pipeline does not wait for a
+    fresh gigabyte's page faults at its first checkpoint)."""
 
     def __init__(self):
         self.pool: dict[tuple, Any] = {}
+        self.dry = False
 
     def stage(self, tree: Any) -> Any:
         self.memo: dict[int, Any] = {}
         self.n = 0
         self.cuda = False
+        self.used: set = set()
         out = self._walk(tree)
         if self.cuda:
             torch.cuda.synchronize()
         del self.memo
+        if len(self.used) != len(self.pool):
+            self.pool = {k: v for k, v in self.pool.items() if k in self.used}
         return out
 
+    def plan(self, tree: Any) -> list[tuple[tuple, Callable[[], Any]]]:
+        self.memo, self.n, self.cuda, self.used, self.missing = {}, 0, False, set(), []
+        self.dry = True
+        try:
+            self._walk(tree)
+            return self.missing
+        finally:
+            self.dry = False
+            del self.memo, self.missing
+
+    def make(self, missing, cancelled: Callable[[], bool] = lambda: False) -> None:
+        for key, make in missing:
+            if cancelled():
+                return
+            if key not in self.pool:
+                self.pool[key] = make()
+
     def _buffer(self, key, make):
+        self.used.add(key)
         buf = self.pool.get(key)
         if buf is None:
             buf = self.pool[key] = make()
@@ -238,13 +275,19 @@ class _Stager:
         if t is frozenset:  # may hold tensors
             return frozenset(self._walk(v) for v in x)
         if isinstance(x, (bytearray, memoryview)):  # the codec saves both as bytes
-            return bytes(x)
+            return x if self.dry else bytes(x)
         if t is np.ndarray or t is np.memmap:
             hit = self.memo.get(id(x))
             if hit is not None:
                 return hit
             self.n += 1
-            buf = self._buffer((self.n, "np", x.dtype.str, x.shape), lambda: np.empty(x.shape, x.dtype))
+            key = (self.n, "np", x.dtype.str, x.shape)
+            if self.dry:
+                if key not in self.pool:
+                    self.missing.append((key, functools.partial(_host_array, x.shape, x.dtype, True)))
+                self.memo[id(x)] = x
+                return x
+            buf = self._buffer(key, lambda: _host_array(x.shape, x.dtype))
             np.copyto(buf, x)
             self.memo[id(x)] = buf
             return buf
@@ -255,7 +298,12 @@ class _Stager:
             self.n += 1
             pin = x.device.type == "cuda"
             key = (self.n, "pt", x.dtype, tuple(x.shape), pin)
-            buf = self._buffer(key, lambda: torch.empty(x.shape, dtype=x.dtype, pin_memory=pin))
+            if self.dry:
+                if key not in self.pool:
+                    self.missing.append((key, functools.partial(_host_tensor, tuple(x.shape), x.dtype, pin, True)))
+                self.memo[id(x)] = x
+                return x
+            buf = self._buffer(key, lambda: _host_tensor(x.shape, x.dtype, pin))
             src = x.detach()
             if src.is_conj():
                 src = src.resolve_conj()
@@ -275,6 +323,30 @@ class _Stager:
 _ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
 
 
+# Staging buffers are plain host memory (pinned for CUDA tensors). Made ahead of
+# the first snapshot (Snapshotter._prepare_staging), their pages are touched on
+# the writer thread, so the first staging copy does not fault them in while the
+# pipeline waits. Not huge pages: on a VM that hands free memory back to its
+# host, a fresh 2 MiB page costs the host far more than the 4 KiB faults saved.
+_TOUCH_MIN = 1 << 20
+
+
+def _host_array(shape, dtype, touch: bool = False) -> np.ndarray:
+    buf = np.empty(shape, dtype)
+    if touch and buf.nbytes >= _TOUCH_MIN and not dtype.hasobject:
+        buf.reshape(-1).view(np.uint8).fill(0)
+    return buf
+
+
+def _host_tensor(shape, dtype, pin: bool, touch: bool = False):
+    if not touch or pin:   # pinned memory is resident once allocated
+        return torch.empty(shape, dtype=dtype, pin_memory=pin)
+    n = math.prod(shape) * dtype.itemsize
+    if n < _TOUCH_MIN:
+        return torch.empty(shape, dtype=dtype)
+    return torch.zeros(n, dtype=torch.uint8).view(dtype).view(shape)
+
+
 def _stageable(x) -> bool:
     return (type(x) in (torch.Tensor, torch.nn.Parameter) and x.layout == torch.strided and not x.is_nested
             and not x.is_quantized and x.device.type != "meta")
@@ -286,6 +358,50 @@ def _with_flags_of(buf, src):
     if isinstance(src, torch.nn.Parameter):
         return torch.nn.Parameter(t, requires_grad=src.requires_grad)
     return t.requires_grad_(True) if src.requires_grad else t
+
+
+# --- the background writer's priority -------------------------------------------
+
+# The writer runs beside the pipeline and is never what the pipeline waits for,
+# except at backpressure or close. Its I/O goes at the lowest best-effort I/O
+# priority (honoured by the bfq and mq-deadline schedulers), so the pipeline's
+# own reads come first. Its CPU priority is left alone by default
+# (WRITER_NICE = 0): the writer shares the GIL with the pipeline, and a
+# low-priority thread preempted while it holds the GIL stalls the pipeline
+# until it runs again; on a busy machine that cost more than it saved.
+WRITER_NICE = 0
+WRITER_IDLE_IO = True
+_IOPRIO_WHO_PROCESS = 1
+_IOPRIO_CLASS_BE = 2
+_IOPRIO_SYSCALL = {"x86_64": 251, "aarch64": 30, "arm64": 30, "riscv64": 30, "ppc64le": 273, "s390x": 282}
+
+
+def _yield_to_pipeline() -> None:
+    """Lower this thread's I/O priority (and its CPU priority by WRITER_NICE);
+    on Linux both are per thread. Best effort: a refusal changes nothing."""
+    if not platform.system() == "Linux":
+        return  # elsewhere a thread id passed as a pid could name another process
+    tid = threading.get_native_id()
+    if WRITER_NICE:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICE))
+        except (OSError, AttributeError):
+            pass
+    nr = _IOPRIO_SYSCALL.get(platform.machine())
+    if nr is not None and WRITER_IDLE_IO:
+        try:
+            ctypes.CDLL(None, use_errno=True).syscall(nr, _IOPRIO_WHO_PROCESS, tid, (_IOPRIO_CLASS_BE << 13) | 7)
+        except (OSError, AttributeError):
+            pass
+
+
+def _thread_cpu() -> tuple[float, float | None]:
+    """(user, system) CPU seconds of the calling thread; system is None where
+    only the sum is available."""
+    if resource is not None and hasattr(resource, "RUSAGE_THREAD"):
+        r = resource.getrusage(resource.RUSAGE_THREAD)
+        return r.ru_utime, r.ru_stime
+    return time.thread_time(), None
 
 
 # --- the engine -------------------------------------------------------------------
@@ -356,6 +472,10 @@ class Snapshotter:
         self.last_durable_ref: str | None = None
         self.recovery = None
         self.blocked_seconds: list[float] = []   # time the pipeline waited per snapshot
+        # per persisted snapshot, newest last: step, thread, start/end (perf_counter), and the
+        # CPU seconds (user, system) of the thread that encoded and wrote it
+        self.write_stats: collections.deque = collections.deque(maxlen=10_000)
+        self.prepare_stats: dict | None = None   # the same for making the staging buffers ahead
         self._state: Any = None
         self._restored = False
         self._started_over = False
@@ -372,6 +492,7 @@ class Snapshotter:
         self._old_handlers: dict = {}
         self._async: bool | None = None if mode == "auto" else mode == "async"
         self._fingerprint: dict | None = None
+        self._prepared = False                    # staging buffers made ahead of the first snapshot
         if handle_signals:
             self._install_signals()
         atexit.register(self._close_at_exit)
@@ -477,6 +598,8 @@ class Snapshotter:
         self._state = state
         if force or steps_done % self.every == 0 or self._stop_signal is not None:
             self.snapshot(steps_done, state)
+        elif not self._prepared:
+            self._prepare_staging(state)
         if self._stop_signal is not None:
             self._exit_on_signal()
 
@@ -517,7 +640,13 @@ class Snapshotter:
         self.blocked_seconds.append(time.perf_counter() - t0)
 
     def _persist(self, step, tree, meta, parent) -> str:
-        return self.store.put(self.run, step, tree, meta=meta, parent=parent)
+        t0, (u0, s0) = time.perf_counter(), _thread_cpu()
+        ref = self.store.put(self.run, step, tree, meta=meta, parent=parent)
+        u1, s1 = _thread_cpu()
+        self.write_stats.append({"step": step, "thread": threading.current_thread().name, "start": t0,
+                                 "end": time.perf_counter(), "cpu_user_s": u1 - u0,
+                                 "cpu_sys_s": None if s0 is None else s1 - s0})
+        return ref
 
     def _acknowledge(self, step: int, ref: str) -> None:
         failpoints.hit("snapshot.before_ack")
@@ -538,11 +667,51 @@ class Snapshotter:
         self._worker = threading.Thread(target=self._work, name=f"agck-snapshot-{self.run}", daemon=True)
         self._worker.start()
 
+    def _prepare_staging(self, state: Any) -> None:
+        """Once, at a step boundary before the first snapshot: have the writer thread
+        make the staging buffers the state will need, while the pipeline computes."""
+        self._prepared = True
+        if self._async is False or self._taken is not None:
+            return
+        jobs: list = []     # (stager, buffers to make); every stager taken here goes back through the job
+        try:
+            tree = {"state": capture(state), "step": 0}
+            if self.capture_rng:
+                tree["rng"] = rng_state()
+            if self._async is None and not _has_cuda(tree):
+                return   # auto mode will choose sync: nothing to stage
+            self._start_worker()
+            while True:
+                try:
+                    jobs.append((self._free_stagers.get_nowait(), []))
+                except queue.Empty:
+                    break
+            for i, (stager, _) in enumerate(jobs):
+                jobs[i] = (stager, stager.plan(tree))
+        except Exception as e:  # only a head start: the snapshot itself reports what is wrong
+            log.debug("agck: planning staging buffers failed: %s", e)
+        if jobs:
+            self._queue.put(_Prepare(jobs))
+
     def _work(self) -> None:
+        _yield_to_pipeline()
         while True:
             item = self._queue.get()
             if item is None:
                 return
+            if isinstance(item, _Prepare):
+                t0, (u0, s0) = time.perf_counter(), _thread_cpu()
+                for stager, missing in item.jobs:
+                    try:
+                        stager.make(missing, lambda: self._closed)
+                    except Exception as e:  # staging allocates again, and raises, in the pipeline's thread
+                        log.debug("agck: preparing staging buffers failed: %s", e)
+                u1, s1 = _thread_cpu()
+                self.prepare_stats = {"start": t0, "end": time.perf_counter(), "cpu_user_s": u1 - u0,
+                                      "cpu_sys_s": None if s0 is None else s1 - s0}
+                for stager, _ in item.jobs:
+                    self._free_stagers.put(stager)
+                continue
             step, staged, meta, stager = item
             try:
                 if self._error is None:
@@ -647,6 +816,13 @@ class Snapshotter:
         self.close()
         signal.raise_signal(signum)
         raise SystemExit(128 + signum)
+
+
+class _Prepare:
+    """A writer job: make staging buffers ahead of the first snapshot."""
+
+    def __init__(self, jobs):
+        self.jobs = jobs
 
 
 def _has_cuda(tree) -> bool:

@@ -1,0 +1,254 @@
+"""Durable writes that bypass the page cache (O_DIRECT): same bytes, same crash
+guarantees, clean fallback where the file system refuses direct I/O."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import random
+
+import numpy as np
+import pytest
+import xxhash
+
+from agck import checkpoint, durable, failpoints, format
+from agck.errors import CheckpointExistsError, DurabilityError
+from crashtests.simfs import MODES, Crash, SimFS
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Direct writes of 64 KiB so that small test files take every path."""
+    monkeypatch.setattr(durable, "DIRECT_CHUNK", 64 << 10)
+    monkeypatch.setattr(durable, "DIRECT_MIN", 1)
+    monkeypatch.setattr(durable, "_no_direct_devices", set())
+
+
+class Spy(durable.FileSystem):
+    """Records each write as (O_DIRECT on?, bytes)."""
+
+    def __init__(self):
+        self.writes: list[tuple[bool, int]] = []
+
+    def write(self, fd, data):
+        import fcntl
+        on = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT) if O_DIRECT else False
+        n = super().write(fd, data)
+        self.writes.append((on, n))
+        return n
+
+
+def _aligned(n: int, offset: int = 0) -> memoryview:
+    a = np.frombuffer(mmap.mmap(-1, n + offset + 4096), dtype=np.uint8)
+    a[offset:offset + n] = np.frombuffer(os.urandom(n), dtype=np.uint8)
+    return memoryview(a[offset:offset + n])
+
+
+def _random_parts(rng: random.Random) -> list:
+    parts = []
+    for _ in range(rng.randint(0, 10)):
+        n = rng.choice([0, 1, 63, 64, 511, 512, 4096, 5000, 65536, 70000, 300_000])
+        kind = rng.randrange(3)
+        if kind == 0:
+            parts.append(os.urandom(n))
+        elif kind == 1:     # page-aligned memory at various offsets: the copy-free path when it lines up
+            parts.append(_aligned(n, rng.choice([0, 64, 512, 4096])))
+        else:
+            parts.append(np.frombuffer(os.urandom(n), dtype=np.uint8).reshape(-1, 1) if n else b"")
+    return parts
+
+
+def _joined(parts) -> bytes:
+    return b"".join(bytes(memoryview(p).cast("B")) if memoryview(p).ndim else bytes(p) for p in parts)
+
+
+def test_direct_writes_the_same_bytes(tmp_path, small_chunks):
+    rng = random.Random(7)
+    saw_direct = False
+    for trial in range(80):
+        parts = _random_parts(rng)
+        want = _joined(parts)
+        spy = Spy()
+        path = str(tmp_path / f"f{trial}")
+        durable.write_atomic(path, parts, size=len(want), fs=spy, direct=rng.choice([True, None]))
+        with open(path, "rb") as f:
+            assert f.read() == want, trial
+        saw_direct |= any(on for on, _ in spy.writes)
+    assert sorted(os.listdir(tmp_path)) == sorted(f"f{i}" for i in range(80))   # no temp files
+    assert saw_direct == _supports_direct(tmp_path)
+
+
+def _supports_direct(d) -> bool:
+    fd = os.open(str(d / ".probe"), os.O_WRONLY | os.O_CREAT)
+    try:
+        return durable.REAL.set_direct(fd, True)
+    finally:
+        os.close(fd)
+        os.unlink(str(d / ".probe"))
+
+
+def test_direct_write_from_aligned_memory_copies_nothing(tmp_path, small_chunks):
+    data = _aligned(1 << 20)
+    spy = Spy()
+    path = str(tmp_path / "f")
+    durable.write_atomic(path, [data, b"tail"], size=data.nbytes + 4, fs=spy)
+    with open(path, "rb") as f:
+        assert f.read() == bytes(data) + b"tail"
+    if any(on for on, _ in spy.writes):
+        # all of the aligned run went straight out in DIRECT_CHUNK writes; only the tail is buffered
+        assert [n for on, n in spy.writes if on] == [64 << 10] * 16
+        assert [n for on, n in spy.writes if not on] == [4]
+
+
+def test_small_or_unsized_writes_stay_buffered(tmp_path, monkeypatch):
+    monkeypatch.setattr(durable, "_no_direct_devices", set())
+    spy = Spy()
+    durable.write_atomic(str(tmp_path / "a"), [bytes(100_000)], size=100_000, fs=spy)
+    durable.write_atomic(str(tmp_path / "b"), [bytes(100_000)], fs=spy)
+    durable.write_atomic(str(tmp_path / "c"), [bytes(100_000)], size=1 << 40, fs=spy, direct=False)
+    assert spy.writes and not any(on for on, _ in spy.writes)
+
+
+def test_refused_direct_io_falls_back(tmp_path, small_chunks):
+    """A file system that refuses the flag, or refuses the writes (EINVAL): buffered
+    writes, same bytes, and the file system is not asked again."""
+    want = os.urandom(300_000)
+
+    class NoFlag(durable.FileSystem):
+        def set_direct(self, fd, on):
+            return False
+
+    durable.write_atomic(str(tmp_path / "a"), [want], size=len(want), fs=NoFlag())
+    assert open(tmp_path / "a", "rb").read() == want
+
+    class Refuses(Spy):
+        def write(self, fd, data):
+            import fcntl
+            if O_DIRECT and fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return super().write(fd, data)
+
+    fs = Refuses()
+    durable.write_atomic(str(tmp_path / "b"), [want[:1000], want[1000:]], size=len(want), fs=fs)
+    assert open(tmp_path / "b", "rb").read() == want
+    assert fs.writes and not any(on for on, _ in fs.writes)
+    if _supports_direct(tmp_path):
+        assert durable._no_direct_devices   # remembered: the next file is buffered from the start
+        fs2 = Spy()
+        durable.write_atomic(str(tmp_path / "c"), [want], size=len(want), fs=fs2)
+        assert not any(on for on, _ in fs2.writes)
+
+
+def test_short_direct_write_is_resumed(tmp_path, small_chunks):
+    want = os.urandom(500_000)
+
+    class Short(Spy):
+        def write(self, fd, data):
+            view = memoryview(data)
+            return super().write(fd, view[:max(1, view.nbytes // 2 - 100)])   # unaligned, partial
+
+    fs = Short()
+    durable.write_atomic(str(tmp_path / "f"), [want], size=len(want), fs=fs)
+    assert open(tmp_path / "f", "rb").read() == want
+
+
+def test_direct_write_power_loss_at_every_operation(tmp_path, small_chunks):
+    """Simulated power loss at every system call of a direct write: the old file
+    or the new one, never a torn one; afterwards the new one whole."""
+    old, new = os.urandom(3000), os.urandom(200_000)
+    mid = np.frombuffer(mmap.mmap(-1, 150_000), dtype=np.uint8)
+    mid[:] = np.frombuffer(new[100:150_100], dtype=np.uint8)
+    parts = [new[:100], memoryview(mid), new[150_100:]]
+    assert _joined(parts) == new
+    probe = SimFS(str(tmp_path / "count"))
+    durable.write_atomic(os.path.join(probe.root, "ckpt"), parts, size=len(new), fs=probe)
+    assert probe.ops > 6
+    for crash_at in range(1, probe.ops + 1):
+        root = str(tmp_path / f"c{crash_at}")
+        os.makedirs(root)
+        with open(os.path.join(root, "ckpt"), "wb") as f:
+            f.write(old)
+        sim = SimFS(root, crash_at=crash_at)
+        with pytest.raises(Crash):
+            durable.write_atomic(os.path.join(root, "ckpt"), parts, size=len(new), fs=sim)
+        rng = random.Random(crash_at)
+        for mode in MODES:
+            got = sim.image_tree(sim.choose(rng, mode)[1]).get("ckpt")
+            assert got in (old, new), (crash_at, sim.crash_op, mode)
+    sim = SimFS(str(tmp_path / "done"))
+    durable.write_atomic(os.path.join(sim.root, "ckpt"), parts, size=len(new), fs=sim)
+    sim.crash()
+    for mode in MODES:
+        assert sim.image_tree(sim.choose(random.Random(0), mode)[1])["ckpt"] == new
+
+
+def test_direct_write_fail_points_and_errors(tmp_path, small_chunks, monkeypatch):
+    hits = []
+    monkeypatch.setattr(failpoints, "hit", hits.append)
+    want = os.urandom(300_000)
+    durable.write_atomic(str(tmp_path / "f"), [want], size=len(want))
+    assert hits == ["file.before_write", "file.mid_write", "file.before_fsync", "file.after_fsync",
+                    "file.before_rename", "file.after_rename", "file.after_dir_fsync"]
+    with pytest.raises(CheckpointExistsError):
+        durable.write_atomic(str(tmp_path / "f"), [want], size=len(want), overwrite=False)
+
+    class Full(durable.FileSystem):
+        def write(self, fd, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(DurabilityError, match="disk full"):
+        durable.write_atomic(str(tmp_path / "g"), [want], size=len(want), fs=Full())
+    assert sorted(os.listdir(tmp_path)) == ["f"]       # no temp file left behind
+
+
+def test_hashed_write_is_the_container(tmp_path, small_chunks):
+    """write_atomic_hashed of a container's layout writes exactly what dumps returns."""
+    state = {"a": np.arange(100_000, dtype=np.float32), "b": [np.ones((300, 7)), b"xyz"], "c": "text"}
+    w = checkpoint.encode(state, run="r", step=3, created_at_ns=12345)
+    ref = checkpoint.encode(state, run="r", step=3, created_at_ns=12345)
+    want = b"".join(bytes(p) for p in ref.parts())
+    path = str(tmp_path / "c.agck")
+    digests = durable.write_atomic_hashed(path, [(buf, blob) for _, buf, blob in w.layout()], w.finish,
+                                          format.new_hasher, size=w.total_len)
+    assert open(path, "rb").read() == want
+    assert digests == ref.digests
+    ck = checkpoint.load(path, verify=True)
+    assert np.array_equal(ck.state["a"], state["a"])
+
+
+def test_hashed_write_digests(tmp_path, small_chunks):
+    rng = random.Random(3)
+    for trial in range(30):
+        parts = _random_parts(rng)
+        pieces = [(p, rng.random() < 0.5) for p in parts]
+        direct = rng.choice([True, False])
+        path = str(tmp_path / f"h{trial}")
+        digests = durable.write_atomic_hashed(
+            path, pieces, lambda ds: b"".join(d.to_bytes(8, "little") for d in ds), xxhash.xxh3_64,
+            size=sum(memoryview(p).nbytes for p in parts), direct=direct)
+        want = [xxhash.xxh3_64_intdigest(_joined([p])) for p, h in pieces if h]
+        assert digests == want
+        assert open(path, "rb").read() == _joined(parts) + b"".join(d.to_bytes(8, "little") for d in want)
+
+
+def test_write_parts_to_an_open_file(tmp_path, small_chunks):
+    """For writers that manage their own temp file: same bytes, direct or not, and the exact count."""
+    rng = random.Random(11)
+    for trial in range(20):
+        parts = _random_parts(rng)
+        want = _joined(parts)
+        for direct in (False, True):
+            spy = Spy()
+            path = str(tmp_path / f"p{trial}{direct}")
+            fd = spy.open_new(path)
+            try:
+                assert durable.write_parts(spy, fd, parts, direct=direct) == len(want)
+                spy.fsync(fd)
+            finally:
+                spy.close(fd)
+            assert open(path, "rb").read() == want
+            if not direct:
+                assert not any(on for on, _ in spy.writes)
