@@ -524,3 +524,20 @@ def _write_atomic(path: str, parts: Iterable, *, overwrite: bool, size: int | No
                 fs.unlink(tmp)
             except OSError:
                 pass
+
+
+def make_dir(fs: FileSystem, path: str, parent: str, what: str = "directory") -> None:
+    """Create ``path`` (in ``parent``) if missing, and make its entry durable by
+    fsync'ing ``parent``. Raises :class:`DurabilityError`."""
+    if os.path.isdir(path):
+        return
+    try:
+        fs.mkdir(path)
+    except FileExistsError:
+        return
+    except OSError as e:
+        raise DurabilityError(f"cannot create the {what}: {e.strerror}", ref=path) from None
+    try:
+        fs.fsync_dir(parent)  # the new directory entry must survive too
+    except OSError as e:
+        raise DurabilityError(f"fsync of {parent} failed: {e.strerror}", ref=parent) from None

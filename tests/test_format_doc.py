@@ -12,9 +12,10 @@ DOC = Path(__file__).resolve().parent.parent / "FORMAT.md"
 CREATED_AT_NS = 1_700_000_000_000_000_000  # the fixed time the example states
 
 
-def example_bytes() -> bytes:
-    blocks = re.findall(r"^```hex\n(.*?)^```", DOC.read_text(encoding="utf-8"), re.M | re.S)
-    assert len(blocks) == 1, "FORMAT.md must hold exactly one ```hex block"
+def example_bytes(label: str = "hex") -> bytes:
+    """The bytes of FORMAT.md's one ```<label> block (xxd lines)."""
+    blocks = re.findall(rf"^```{label}\n(.*?)^```", DOC.read_text(encoding="utf-8"), re.M | re.S)
+    assert len(blocks) == 1, f"FORMAT.md must hold exactly one ```{label} block"
     out = bytearray()
     for line in blocks[0].splitlines():
         m = re.match(r"^([0-9a-f]{8}): (.*)$", line)
@@ -99,17 +100,6 @@ def test_name_lists_match_the_reader():
     assert f"| `MAX_SAME_HASH` | {format.MAX_SAME_HASH} |" in limits
 
 
-def chunked_example_bytes() -> bytes:
-    blocks = re.findall(r"^```hex chunked\n(.*?)^```", DOC.read_text(encoding="utf-8"), re.M | re.S)
-    assert len(blocks) == 1, "FORMAT.md must hold exactly one ```hex chunked block"
-    out = bytearray()
-    for line in blocks[0].splitlines():
-        m = re.match(r"^([0-9a-f]{8}): (.*)$", line)
-        assert m and int(m.group(1), 16) == len(out), f"bad xxd line: {line!r}"
-        out += bytes.fromhex(m.group(2).split("  ", 1)[0].replace(" ", ""))
-    return bytes(out)
-
-
 def test_chunked_example_is_what_the_writer_writes_and_rebuilds_the_inner_container():
     import blake3
 
@@ -117,7 +107,7 @@ def test_chunked_example_is_what_the_writer_writes_and_rebuilds_the_inner_contai
     from agck.stores import content
     inner = example_bytes()
     chunks = [inner[:128], inner[128:]]
-    data = chunked_example_bytes()
+    data = example_bytes("hex chunked")
     assert len(data) == 288
     assert data == format.dumps_chunked(run="demo", step=1, parent=None, meta=None,
                                         addresses=[blake3.blake3(c).digest() for c in chunks],

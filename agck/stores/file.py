@@ -25,7 +25,7 @@ from typing import Any
 
 from .. import checkpoint, durable, format
 from ..checkpoint import Checkpoint
-from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, DurabilityError,
+from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                       FormatError, InvalidRunNameError, StoreConnectionError, StoreError, UnsupportedVersionError)
 from ..names import MAX_STEP
 from . import content
@@ -102,18 +102,7 @@ class FileStore(Store):
         return path
 
     def _ensure_run_dir(self, d: str) -> None:
-        if os.path.isdir(d):
-            return
-        try:
-            self.fs.mkdir(d)
-        except FileExistsError:
-            return
-        except OSError as e:
-            raise DurabilityError(f"cannot create the run directory: {e.strerror}", ref=d) from None
-        try:
-            self.fs.fsync_dir(self.root)  # the new directory entry must survive too
-        except OSError as e:
-            raise DurabilityError(f"fsync of the store directory failed: {e.strerror}", ref=self.root) from None
+        durable.make_dir(self.fs, d, self.root, "run directory")
 
     def delete(self, run: str, step: int) -> None:
         step = check_step(step)

@@ -101,18 +101,7 @@ class ObjectDir:
                     pass
 
     def _ensure_dir(self, d: str, parent: str) -> None:
-        if os.path.isdir(d):
-            return
-        try:
-            self.fs.mkdir(d)
-        except FileExistsError:
-            return
-        except OSError as e:
-            raise DurabilityError(f"cannot create a chunk directory: {e.strerror}", ref=d) from None
-        try:
-            self.fs.fsync_dir(parent)
-        except OSError as e:
-            raise DurabilityError(f"fsync failed: {e.strerror}", ref=parent) from None
+        durable.make_dir(self.fs, d, parent, "chunk directory")
 
     # -- reading ---------------------------------------------------------------
     def get(self, address: bytes, size: int):
