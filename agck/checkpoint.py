@@ -42,17 +42,19 @@ class Checkpoint:
 
 
 def encode(state: Any, *, run: str | None = None, step: int | None = None, parent: int | None = None,
-           meta: Any = None, created_at_ns: int | None = None) -> format.ContainerWriter:
+           meta: Any = None, created_at_ns: int | None = None,
+           memo: codec.EncodeMemo | None = None) -> format.ContainerWriter:
     """Lay out a container for ``state``; iterate ``.parts()`` to get its bytes.
 
     ``step`` and ``parent`` are integers in [0, 2**63) (numpy integers too; a bad
-    one raises :class:`UsageError`); ``meta`` is plain data (:func:`codec.encode_plain`)."""
+    one raises :class:`UsageError`); ``meta`` is plain data (:func:`codec.encode_plain`).
+    ``memo`` carries what the last encode of the same run found (:class:`codec.EncodeMemo`)."""
     if run is not None and not isinstance(run, str):
         raise codec.EncodeError(f"run must be a str, not {type(run).__name__}")
     step = None if step is None else check_step(step)
     parent = None if parent is None else check_step(parent, "parent")
     codec.encode_plain(meta, "meta")
-    enc = codec.encode_state(state)
+    enc = codec.encode_state(state, memo=memo)
     m = {"run": run, "step": step, "parent": parent, "meta": meta, "tensors": enc.tensors, "state": enc.tree}
     w = format.ContainerWriter(m, enc.blobs, created_at_ns=created_at_ns)
     w.keepalive = enc  # the blobs are views of the encoder's buffers

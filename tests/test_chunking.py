@@ -69,3 +69,84 @@ def test_address_is_blake3_256():
     blake3 = pytest.importorskip("blake3")
     assert chunking.address(b"abc") == blake3.blake3(b"abc").digest()
     assert len(chunking.address(b"")) == chunking.DIGEST_SIZE == 32
+
+
+# --- a Chunker that remembers: the same chunks as a fresh split, at the cost of what changed ---
+
+def _split_all(chunker, pieces):
+    out = []
+    for key, buffers, sizes in pieces:
+        chunks, same = chunker.split_piece(key, buffers, sizes)
+        out.append(([(c.address, bytes(c.view())) for c in chunks], same))
+    chunker.done()
+    return out
+
+
+_SIZES = [chunking.HEAD, chunking.SMALL]
+
+
+def _edit(rng, buffers):
+    """One edit a pipeline's state may see between two checkpoints."""
+    buffers = [bytearray(b) for b in buffers]
+    kind = rng.integers(0, 6)
+    if kind == 0:                       # append items
+        buffers += [bytearray(rng.integers(0, 256, rng.integers(1, 90_000), dtype=np.uint8).tobytes())
+                    for _ in range(rng.integers(1, 4))]
+    elif kind == 1 and buffers:         # change bytes in place (same length)
+        b = buffers[rng.integers(0, len(buffers))]
+        if b:
+            i = rng.integers(0, len(b))
+            b[i] ^= 0xFF
+    elif kind == 2 and buffers:         # insert an item in the middle: everything after shifts
+        buffers.insert(rng.integers(0, len(buffers)), bytearray(os.urandom(int(rng.integers(1, 5000)))))
+    elif kind == 3 and len(buffers) > 1:   # drop the last items
+        buffers = buffers[:rng.integers(1, len(buffers))]
+    elif kind == 4 and buffers:         # grow one item at its end
+        buffers[-1] += os.urandom(int(rng.integers(1, 3000)))
+    return [bytes(b) for b in buffers]  # kind 5: nothing changed
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(0, 1))
+def test_remembered_chunks_are_exactly_a_fresh_split(seed, which):
+    rng = np.random.default_rng(seed)
+    sizes = _SIZES[which]
+    buffers = [os.urandom(int(n)) for n in rng.integers(1, 60_000, rng.integers(1, 8))]
+    remembering = chunking.Chunker()
+    before = None
+    for _ in range(6):
+        pieces = [("p", buffers, sizes)]
+        got = _split_all(remembering, pieces)
+        want = _split_all(chunking.Chunker(remember=False), pieces)
+        assert [c for c, _ in got] == [c for c, _ in want]
+        # a buffer reported unchanged holds the same bytes at the same place as last time
+        if before is not None:
+            old = b"".join(before)
+            pos = 0
+            for b, same in zip(buffers, got[0][1]):
+                if same:
+                    assert old[pos:pos + len(b)] == b
+                pos += len(b)
+        before = buffers
+        buffers = _edit(rng, buffers)
+
+
+def test_an_unchanged_piece_is_not_cut_or_hashed_again():
+    rng = np.random.default_rng(3)
+    items = [rng.random(16384, dtype=np.float32).tobytes() for _ in range(100)]
+    c = chunking.Chunker()
+    c.split_piece("run", items, chunking.SMALL)
+    c.done()
+    c.split_piece("run", items + [os.urandom(65536)], chunking.SMALL)
+    assert c.reused_bytes >= 100 * 65536 - chunking.SMALL[2]     # all but the open last chunk
+    assert c.cut_bytes <= 65536 + chunking.SMALL[2]
+
+
+def test_a_piece_under_another_key_or_sizes_is_not_compared():
+    data = [os.urandom(200_000)]
+    c = chunking.Chunker()
+    c.split_piece("a", data, chunking.SMALL)
+    c.done()
+    c.split_piece("b", data, chunking.SMALL)
+    c.split_piece("a", data, chunking.HEAD)
+    assert c.reused_bytes == 0

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import agck
-from agck import codec
+from agck import codec, errors
+import msgpack
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "golden"))
 from make_golden import assert_same  # noqa: E402
@@ -415,7 +416,8 @@ def test_a_torch_import_in_progress_is_never_bound_half_done(tmp_path):
     import subprocess
     script = """
 import threading, time, numpy as np, agck
-from agck import codec
+from agck import codec, errors
+import msgpack
 done = threading.Event()
 def importer():
     import torch  # noqa: F401
@@ -687,3 +689,58 @@ def test_a_deep_caller_stack_is_not_corruption():
 
     with pytest.raises(RecursionError):
         deep(sys.getrecursionlimit() - 200)
+
+
+# --- EncodeMemo: lists walked only where they changed, the same bytes as a fresh encode ---
+
+def _tree_bytes(state, memo=None) -> bytes:
+    e = codec.encode_state(state, memo=memo)
+    return e.tree + msgpack.packb(e.tensors)
+
+
+_TYPE_ONLY_CHANGES = [
+    lambda r: r.__setitem__("n", float(r["n"])),        # 1 -> 1.0: equal, encoded otherwise
+    lambda r: r.__setitem__("n", bool(r["n"] % 2)),      # 1 -> True
+    lambda r: r.__setitem__("x", -0.0 if r["x"] == 0.0 else r["x"]),   # 0.0 -> -0.0
+    lambda r: r.__setitem__("s", type("S", (str,), {})(r["s"])),     # a str subclass: the walker decides
+    lambda r: r.__setitem__("v", tuple(r["v"])),         # a list becomes a tuple
+    lambda r: r.__setitem__("v", np.float32(1.5)),       # a numpy scalar
+    lambda r: r["v"].append(np.arange(3)),               # an array inside a record
+    lambda r: r.__setitem__(1, "int key"),               # a new key
+]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_encode_memo_gives_the_bytes_of_a_fresh_encode(seed):
+    rng = np.random.default_rng(seed)
+    n = codec.EncodeMemo.SEGMENT
+    records = [{"s": f"doc-{i}", "n": i % 3, "x": 0.0, "v": [float(i)] * 3} for i in range(int(rng.integers(2 * n, 5 * n)))]
+    state = {"records": records, "nested": {"deep": [list(range(4)) for _ in range(2 * n)]}}
+    memo = codec.EncodeMemo()
+    for _ in range(5):
+        assert _tree_bytes(state, memo) == _tree_bytes(state)
+        for _ in range(int(rng.integers(0, 4))):
+            kind = int(rng.integers(0, 4))
+            if kind == 0:
+                records.append({"s": "new", "n": 1, "x": 2.0, "v": []})
+            elif kind == 1:
+                r = records[int(rng.integers(0, len(records)))]
+                _TYPE_ONLY_CHANGES[int(rng.integers(0, len(_TYPE_ONLY_CHANGES)))](r)
+            elif kind == 2:
+                state["nested"]["deep"][int(rng.integers(0, 2 * n))][0] += 1
+            else:
+                del records[int(rng.integers(0, len(records)))]    # everything after it shifts
+    assert memo.reused_items > 0
+
+
+def test_encode_memo_reports_a_changed_record_that_became_unencodable():
+    n = codec.EncodeMemo.SEGMENT
+    state = {"r": [{"a": i} for i in range(3 * n)]}
+    memo = codec.EncodeMemo()
+    codec.encode_state(state, memo=memo)
+    state["r"][5]["a"] = object()
+    with pytest.raises(errors.EncodeError, match=r"state\['r'\]\[5\]\['a'\]"):
+        codec.encode_state(state, memo=memo)
+    state["r"][5]["a"] = 7                  # the failed encode left the memo as it was
+    assert _tree_bytes(state, memo) == _tree_bytes(state)

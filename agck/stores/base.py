@@ -21,6 +21,7 @@ from ..checkpoint import Checkpoint
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..recovery import Rejection  # noqa: F401  (re-exported: agck.stores.Rejection)
 from ..names import check_run, check_step
+from .content import WriteCaches
 
 @dataclass
 class CheckpointInfo:
@@ -46,6 +47,7 @@ class Store(ABC):
 
     def __init__(self):
         self._lock = threading.RLock()
+        self._caches = WriteCaches()   # what the last put of each run found, for incremental puts
 
     # -- writing ---------------------------------------------------------------
     @abstractmethod

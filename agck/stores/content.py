@@ -65,22 +65,99 @@ class Collected:
         return dict(self.__dict__)
 
 
+class WriteCache:
+    """What a store remembers of a run's last checkpoint, so the next one costs what
+    changed: the chunks of its pieces (:class:`agck.chunking.Chunker`), the
+    digests of its blobs, and the encoding of its long lists
+    (:class:`agck.codec.EncodeMemo`). All of it is derived from content and
+    confirmed against content, so a stale or missing cache costs time, never
+    correctness. One put uses a cache at a time (:class:`WriteCaches`)."""
+
+    def __init__(self):
+        self.chunker = chunking.Chunker()
+        self.digests: dict = {}       # (piece key, offset, size) -> XXH3-64 of the blob found there
+        self.encoding = codec.EncodeMemo()
+
+
+class WriteCaches:
+    """A store's write caches, one per run. :meth:`take` hands a run's cache to one
+    put (a concurrent put of the same run gets a fresh one); :meth:`give` returns it."""
+
+    _MAX_RUNS = 64
+
+    def __init__(self):
+        self._by_run: dict[str, WriteCache] = {}
+
+    def take(self, run: str) -> WriteCache:
+        return self._by_run.pop(run, None) or WriteCache()
+
+    def give(self, run: str, cache: WriteCache) -> None:
+        if len(self._by_run) >= self._MAX_RUNS:
+            self._by_run.pop(next(iter(self._by_run)), None)
+        self._by_run[run] = cache
+
+
+def split_container(w: format.ContainerWriter, cache: WriteCache | None = None) -> list[chunking.PieceChunk]:
+    """The container ``w`` as chunks, in order, computing the blobs' digests and
+    its footer on the way. Pieces, each cut on its own (:mod:`agck.chunking`):
+    the header, metadata and padding; each run of blobs under ``LARGE_PART``
+    bytes with the padding between them; each larger blob; the footer."""
+    chunker = cache.chunker if cache is not None else chunking.Chunker(remember=False)
+    known = cache.digests if cache is not None else {}
+    digests_now: dict = {}
+    layout = w.layout()
+    out, _ = chunker.split_piece("head", [buf for _, buf, _ in layout[:3]], chunking.HEAD)
+    pieces: list[tuple[tuple, list, tuple]] = []
+    run: list = []
+    for entry in layout[3:]:
+        if entry[2] and entry[1].nbytes >= chunking.LARGE_PART:
+            if run:
+                pieces.append((("run", len(pieces)), run, chunking.SMALL))
+                run = []
+            pieces.append((("large", len(pieces)), [entry], chunking.LARGE))
+        else:
+            run.append(entry)
+    if run:
+        pieces.append((("run", len(pieces)), run, chunking.SMALL))
+    digests = []
+    for key, entries, sizes in pieces:
+        chunks, unchanged = chunker.split_piece(key, [buf for _, buf, _ in entries], sizes)
+        out.extend(chunks)
+        rel = 0
+        for (_, buf, is_blob), same in zip(entries, unchanged):
+            if is_blob:
+                k = (key, rel, buf.nbytes)
+                d = known.get(k) if same else None
+                if d is None:
+                    d = format.digest(buf)
+                digests_now[k] = d
+                digests.append(d)
+            rel += buf.nbytes
+    footer = w.finish(digests)
+    out.extend(chunker.split_piece("footer", [footer], chunking.HEAD)[0])
+    chunker.done()
+    if cache is not None:
+        cache.digests = digests_now
+    return out
+
+
 def store_chunks(w: format.ContainerWriter, has: Callable[[bytes], bool],
-                 add: Callable[[bytes, memoryview], None]) -> Chunks:
+                 add: Callable[[bytes, memoryview], None], cache: WriteCache | None = None) -> Chunks:
     """Split the container ``w`` into chunks, and ``add`` each one ``has`` says is
     missing (once, even if it occurs twice). The caller makes the added chunks
     durable before committing the listing."""
     out = Chunks([], [])
     seen: set[bytes] = set()
-    for a, chunk in _addressed(w):
+    for c in split_container(w, cache):
+        a = c.address
         out.addresses.append(a)
-        out.sizes.append(chunk.nbytes)
+        out.sizes.append(c.nbytes)
         if a in seen:
             continue
         seen.add(a)
         if not has(a):
-            add(a, chunk)
-            out.new_bytes += chunk.nbytes
+            add(a, c.view())
+            out.new_bytes += c.nbytes
             out.new_chunks += 1
     return out
 
@@ -90,44 +167,28 @@ class Plan:
     """A container split into chunks before asking the store anything, for stores
     that answer "which of these do you hold?" for many chunks at once (one query)
     rather than one at a time. ``distinct`` holds each chunk once, in order of first
-    occurrence; its views stay valid while the plan is held."""
+    occurrence; its bytes stay readable while the plan is held."""
 
     chunks: Chunks
-    distinct: dict[bytes, memoryview]
+    distinct: dict[bytes, chunking.PieceChunk]
 
     def missing(self, present) -> list[tuple[bytes, memoryview]]:
-        """The chunks not in ``present`` (a set of addresses), in order; also counted
-        in ``chunks.new_chunks`` and ``chunks.new_bytes``."""
-        out = [(a, v) for a, v in self.distinct.items() if a not in present]
+        """The chunks not in ``present`` (a set of addresses), in order, with their
+        bytes; also counted in ``chunks.new_chunks`` and ``chunks.new_bytes``."""
+        out = [(a, c.view()) for a, c in self.distinct.items() if a not in present]
         self.chunks.new_chunks = len(out)
         self.chunks.new_bytes = sum(v.nbytes for _, v in out)
         return out
 
 
-def plan_chunks(w: format.ContainerWriter) -> Plan:
+def plan_chunks(w: format.ContainerWriter, cache: WriteCache | None = None) -> Plan:
     """Split the container ``w`` into chunks; the store then sends only :meth:`Plan.missing`."""
     out = Plan(Chunks([], []), {})
-    for a, chunk in _addressed(w):
-        out.chunks.addresses.append(a)
-        out.chunks.sizes.append(chunk.nbytes)
-        out.distinct.setdefault(a, chunk)
+    for c in split_container(w, cache):
+        out.chunks.addresses.append(c.address)
+        out.chunks.sizes.append(c.nbytes)
+        out.distinct.setdefault(c.address, c)
     return out
-
-
-def _addressed(w: format.ContainerWriter) -> Iterable[tuple[bytes, memoryview]]:
-    for chunk in chunking.split(_container_parts(w)):
-        yield chunking.address(chunk), chunk
-
-
-def _container_parts(w: format.ContainerWriter) -> Iterable:
-    """The container's bytes in order: header, metadata and blobs in place, then
-    the footer (each blob's XXH3-64 computed on the way)."""
-    digests = []
-    for _, buf, is_blob in w.layout():
-        if is_blob:
-            digests.append(format.digest(buf))
-        yield buf
-    yield w.finish(digests)
 
 
 def listing(w: format.ContainerWriter, chunks: Chunks, *, run, step, parent, meta) -> bytes:

@@ -85,19 +85,23 @@ class FileStore(Store):
         if parent is not None:
             parent = check_step(parent, "parent")
         path = self.path(run, step)
-        w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta)
-        self._ensure_run_dir(os.path.dirname(path))
         if not self.incremental:
+            w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta)
+            self._ensure_run_dir(os.path.dirname(path))
             durable.write_atomic(path, checkpoint.stream(w), overwrite=overwrite, size=w.total_len, fs=self.fs)
             return path
+        cache = self._caches.take(run)
+        w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta, memo=cache.encoding)
+        self._ensure_run_dir(os.path.dirname(path))
         if not overwrite and os.path.exists(path):   # before writing chunks; link(2) below still decides
             raise CheckpointExistsError("a checkpoint already exists here", ref=path)
         with self.objects.locked():   # no chunk we rely on can be collected until the listing is durable
             batch = self.objects.batch()
-            chunks = content.store_chunks(w, batch.has, batch.add)
+            chunks = content.store_chunks(w, batch.has, batch.add, cache)
             batch.sync()
             listing = content.listing(w, chunks, run=run, step=step, parent=parent, meta=meta)
             durable.write_atomic(path, [listing], overwrite=overwrite, size=len(listing), fs=self.fs)
+        self._caches.give(run, cache)
         self.last_put = chunks
         return path
 

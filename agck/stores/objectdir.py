@@ -12,6 +12,13 @@ Locking (:mod:`agck.stores.content`, rule 2): a writer holds a shared
 listing is committed; the collector holds it exclusively while it lists the
 live chunks and deletes the rest. The kernel drops a killed process's lock, so
 a crash never leaves the store locked.
+
+Only the collector deletes chunks, and before it deletes any it writes a new
+value into ``<root>/.objects/generation``. A writer that finds the value it
+saw when it last made chunks durable knows those chunks are still there,
+durable under their names, and skips looking at them again: a checkpoint
+that refers to a gigabyte of unchanged chunks costs one read, not a stat per
+chunk. Any other value (or none) means look at every chunk again.
 """
 
 from __future__ import annotations
@@ -37,6 +44,10 @@ class ObjectDir:
         # Chunks known durable under their name: address -> (inode, ctime). Such a
         # chunk, found again as the same file, needs no fsync of its directory (Batch).
         self._durable: dict[bytes, tuple] = {}
+        # The collector's generation when _durable was last known complete and true
+        # (see the module docstring); None: unknown, look at every chunk.
+        self._generation: bytes | None = None
+        self._trusted = False      # _durable holds without a stat, for the batch in progress
 
     def path(self, address: bytes) -> str:
         h = address.hex()
@@ -52,9 +63,44 @@ class ObjectDir:
             raise DurabilityError(f"cannot open the chunk lock: {e.strerror}", ref=self.dir) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-            yield
+            gen = self._read_generation()
+            if gen is None or gen != self._generation:
+                self._durable.clear()
+                self._generation = gen
+            self._trusted = gen is not None and not exclusive
+            try:
+                yield
+            finally:
+                self._trusted = False
         finally:
             os.close(fd)   # releases the lock
+
+    def _generation_path(self) -> str:
+        return os.path.join(self.dir, "generation")
+
+    def _read_generation(self) -> bytes | None:
+        try:
+            with open(self._generation_path(), "rb") as f:
+                value = f.read(64)
+        except FileNotFoundError:
+            return b"0"
+        except OSError:
+            return None
+        return value or None
+
+    def new_generation(self) -> None:
+        """Called by the collector (holding the exclusive lock) before it deletes a
+        chunk: every writer's knowledge of which chunks exist is void."""
+        self._durable.clear()
+        self._generation = None
+        path = self._generation_path()
+        try:
+            with open(path + ".tmp", "wb") as f:
+                f.write(os.urandom(16).hex().encode())
+            os.replace(path + ".tmp", path)
+        except OSError as e:
+            raise DurabilityError(f"cannot record a garbage collection, so none is done: {e.strerror}",
+                                  ref=path) from None
 
     # -- writing ---------------------------------------------------------------
     def batch(self) -> "Batch":
@@ -133,6 +179,7 @@ class ObjectDir:
         holds the exclusive lock and computed ``live`` under it. Returns (files, bytes)."""
         files = nbytes = 0
         touched = set()
+        self.new_generation()
         for path, name in self.entries():
             base = os.path.basename(path)
             if not durable.is_temp_name(base):
@@ -176,6 +223,8 @@ class Batch:
         self.found: dict[bytes, tuple] = {}
 
     def has(self, address: bytes) -> bool:
+        if self.objects._trusted and address in self.objects._durable:
+            return True       # made durable by this process, and no collection since
         path = self.objects.path(address)
         try:
             inode = _identity(path)

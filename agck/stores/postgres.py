@@ -725,16 +725,18 @@ class PostgresStore(Store):
         step = check_step(step)
         if parent is not None:
             parent = check_step(parent, "parent")
-        w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta)
+        cache = self._caches.take(run) if self.incremental else None
+        w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta,
+                              memo=cache.encoding if cache else None)
         meta_text = meta_json_text(meta)
         ref = self.ref(run, step)
-        if not self.incremental:
+        if cache is None:
             with self._lock:
                 self._put_once(run, step, parent, meta_text, w, None, None, ref, overwrite)
                 self.last_put = None
             failpoints.hit("pg.after_commit")
             return ref
-        plan = content.plan_chunks(w)     # splitting and hashing: before the transaction
+        plan = content.plan_chunks(w, cache)     # splitting and hashing: before the transaction
         listing = content.listing(w, plan.chunks, run=run, step=step, parent=parent, meta=meta)
         with self._lock:
             for attempt in range(PUT_RETRIES + 1):
@@ -747,6 +749,7 @@ class PostgresStore(Store):
                                               f"times ({e.args[0]})", ref=ref,
                                               hint="a garbage collection ran alongside; put it again") from None
             self.last_put = plan.chunks
+        self._caches.give(run, cache)
         failpoints.hit("pg.after_commit")
         return ref
 

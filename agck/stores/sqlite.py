@@ -232,12 +232,14 @@ class SqliteStore(Store):
         step = check_step(step)
         if parent is not None:
             parent = check_step(parent, "parent")
-        w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta)
+        cache = self._caches.take(run) if self.incremental else None
+        w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta,
+                              memo=cache.encoding if cache else None)
         meta_text = meta_json_text(meta)
         ref = self.ref(run, step)
         plan = listing = None
-        if self.incremental:   # splitting and hashing: before taking the database's write lock
-            plan = content.plan_chunks(w)
+        if cache is not None:   # splitting and hashing: before taking the database's write lock
+            plan = content.plan_chunks(w, cache)
             listing = content.listing(w, plan.chunks, run=run, step=step, parent=parent, meta=meta)
         with self._lock:
             c = self._db()
@@ -284,6 +286,8 @@ class SqliteStore(Store):
                     raise DurabilityError(f"write failed: {e}", ref=ref) from e
                 raise
             self.last_put = plan.chunks if plan is not None else None
+        if cache is not None:
+            self._caches.give(run, cache)
         failpoints.hit("sqlite.after_commit")
         return ref
 
