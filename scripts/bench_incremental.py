@@ -1,26 +1,35 @@
 #!/usr/bin/env python3
 """What a long pipeline's checkpoints cost as it runs: incremental versus full.
 
-Two workloads, each run through ``Snapshotter`` (the README's loop form, sync
-mode, every EVERY steps) on a fresh file store, once with incremental
-checkpoints (the default) and once with ``incremental=False`` (every
-checkpoint a full standalone container, as before), alternating:
+Every workload runs through ``Snapshotter`` (the README's loop form) on a fresh
+store, once with incremental checkpoints (the default) and once with
+``incremental=False`` (every checkpoint a full standalone container, as
+before), alternating, on the file store and on Postgres:
 
-- ``append``: each step appends one ITEM_KB float32 array to ``state["out"]``
-  and a small record to ``state["records"]`` (an embedding or summarization
-  pipeline accumulating its results). Reported: the store's size on disk at
-  the end against what the pipeline produced, and the checkpoint time per
-  block of BLOCK steps (does it grow with the run's length?).
-- ``frozen``: a frozen model of MODEL_MB beside a small adapter that changes
-  every step (fine-tuning adapters, inference with a fixed model). Reported:
-  bytes stored per checkpoint and time per checkpoint.
+- ``arrays``: each step appends one ITEM_KB float32 array to ``state["out"]``
+  (an embedding pipeline accumulating its results); sync mode, every EVERY.
+- ``records``: each step appends one Python record of about 200 bytes (a dict
+  with a string, an int and a list of floats); sync mode, every EVERY.
+- ``frozen``: a MODEL_MB frozen base beside a 16 MiB part and its AdamW state
+  that change every step; async mode, every EVERY.
 
-The physical limit in the same run: a raw write+fsync of what is new at each
-checkpoint (the step's appended bytes), and the peer: ``torch.save`` of the
-whole state with fsync, which is what a full rewrite costs.
+Reported per run: the checkpoint time per window of WINDOW steps (the steps do
+almost nothing, so a window's wall time is what its checkpoints cost) and the
+last window over the first; bytes written over the run against the bytes the
+pipeline produced (file store: the bytes this process sent to the disk,
+/proc/self/io write_bytes; Postgres: the WAL the server wrote plus nothing
+else, since table pages follow the WAL); of them the listings' bytes
+(metadata); for ``frozen`` the bytes each later checkpoint adds to the store
+against the state's size, and the time ``checkpoint_every`` blocked the
+pipeline. Then ``store.get`` and recovery of the last checkpoint, incremental
+against full.
 
-    python scripts/bench_incremental.py [--steps 2000] [--every 10] [--item-kb 64] [--block 500]
-        [--model-mb 256] [--frozen-ckpts 10] [--dir D] [--json F]
+The physical limit in the same run: raw write+fsync of one checkpoint's new
+bytes.
+
+    python scripts/bench_incremental.py [--steps 2000] [--every 10] [--window 500]
+        [--record-steps 2000] [--model-mb 1024] [--frozen-steps 60]
+        [--stores file,postgres] [--dsn DSN] [--dir D] [--json F]
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import shutil
 import sys
 import tempfile
 import time
+import uuid
 
 import numpy as np
 
@@ -40,92 +50,171 @@ import benchio  # noqa: E402  (puts the checkout on sys.path, before agck is imp
 
 import torch  # noqa: E402
 
-from agck import Snapshotter, open_store  # noqa: E402
+from agck import Snapshotter, open_store, recover  # noqa: E402
 
 
-def du(path: str) -> int:
-    """Bytes the files under ``path`` hold (apparent size)."""
-    total = 0
-    for d, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.path.getsize(os.path.join(d, f))
-            except OSError:
-                pass
-    return total
+def _proc_written() -> int:
+    """Bytes this process caused to be written to storage so far (Linux)."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("write_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
-def run_append(root: str, incremental: bool, args) -> dict:
-    store = open_store(root, incremental=incremental)
+class Target:
+    """A fresh store of one kind, and how to count what it wrote."""
+
+    def __init__(self, kind: str, work: str, dsn: str):
+        self.kind, self.work, self.dsn = kind, work, dsn
+        self.prefix = None
+
+    def open(self, incremental: bool, name: str):
+        if self.kind == "file":
+            self.url = os.path.join(self.work, f"{name}-{incremental}")
+            self.opts = {}
+        else:
+            self.url = self.dsn
+            self.prefix = f"bench_{uuid.uuid4().hex[:8]}"
+            self.opts = {"prefix": self.prefix, "init": True}
+        return open_store(self.url, incremental=incremental, **self.opts)
+
+    def written(self) -> int:
+        if self.kind == "file":
+            return _proc_written()
+        import psycopg2
+        with psycopg2.connect(self.dsn) as c, c.cursor() as cur:
+            cur.execute("SELECT pg_current_wal_lsn() - '0/0'")
+            return int(cur.fetchone()[0])
+
+    def drop(self, store) -> None:
+        store.close()
+        if self.kind == "file":
+            shutil.rmtree(self.url, ignore_errors=True)
+            return
+        import psycopg2
+        with psycopg2.connect(self.dsn) as c, c.cursor() as cur:
+            cur.execute("SELECT tablename FROM pg_tables WHERE tablename LIKE %s", (self.prefix + "\\_%",))
+            for (t,) in cur.fetchall():
+                cur.execute(f'DROP TABLE IF EXISTS "{t}" CASCADE')
+
+
+def _listing_bytes(store) -> int:
+    lp = getattr(store, "last_put", None)
+    return 0 if lp is None else 37 * len(lp.addresses) + 200   # per chunk a 32-byte address and its size
+
+
+def run_growth(target: Target, incremental: bool, kind: str, args) -> dict:
+    store = target.open(incremental, kind)
     rng = np.random.default_rng(0)
     width = args.item_kb * 1024 // 4
-    state = {"out": [], "records": []}
-    # The steps do almost no work, so the wall time of a block of steps is what its
-    # checkpoints cost (taken inside the loop, when a step is a multiple of every).
-    blocks, t_run = [], time.perf_counter()
-    t_block = t_run
-    with Snapshotter(store, "append", every=args.every, mode="sync", resume=False) as snap:
-        for i in snap.steps(args.steps):
-            state["out"].append(rng.random(width, dtype=np.float32))
-            state["records"].append({"doc": f"doc-{i}", "score": float(i) / 7, "tokens": i % 513})
+    steps = args.steps if kind == "arrays" else args.record_steps
+    state: dict = {"out": []}
+    produced = listings = 0
+    windows: list[float] = []
+    written0 = target.written()
+    t_run = t_window = time.perf_counter()
+    with Snapshotter(store, kind, every=args.every, mode="sync", resume=False) as snap:
+        for i in snap.steps(steps):
+            if kind == "arrays":
+                state["out"].append(rng.random(width, dtype=np.float32))
+                produced += width * 4
+            else:
+                rec = {"doc": f"document {i:08d} of the corpus, summarized", "tokens": i * 7 % 4099,
+                       "scores": [round(float(x), 6) for x in rng.random(12)]}
+                state["out"].append(rec)
+                produced += 200
             snap.update(state)
-            if (i + 1) % args.block == 0:
+            if (i + 1) % args.every == 0:
+                listings += _listing_bytes(store)
+            if (i + 1) % args.window == 0:
                 now = time.perf_counter()
-                blocks.append(round(now - t_block, 3))
-                t_block = now
-    ckpt_s = time.perf_counter() - t_run
-    produced = len(state["out"]) * width * 4
-    size = du(root)
-    store.close()
-    return {"incremental": incremental, "checkpoint_s": round(ckpt_s, 3), "per_block_s": blocks,
-            "produced_bytes": produced, "store_bytes": size, "store_over_produced": round(size / produced, 2)}
+                windows.append(round(now - t_window, 3))
+                t_window = now
+    total_s = time.perf_counter() - t_run
+    written = target.written() - written0
+    get_s, rec_s = _read_times(store, kind)
+    target.drop(store)
+    return {"store": target.kind, "incremental": incremental, "steps": steps, "checkpoint_s": round(total_s, 3),
+            "windows_s": windows, "last_over_first": round(windows[-1] / windows[0], 2) if windows else None,
+            "produced": produced, "written": written, "listings": listings,
+            "written_over_produced": round(written / produced, 2),
+            "get_s": get_s, "recover_s": rec_s}
 
 
-def run_frozen(root: str, incremental: bool, args) -> dict:
-    store = open_store(root, incremental=incremental)
-    model = torch.randn(args.model_mb << 18)               # MODEL_MB of float32
-    times, sizes = [], []
-    for k in range(args.frozen_ckpts):
-        adapter = torch.full((1 << 16,), float(k))
-        before = du(root)
+def _read_times(store, run: str, repeats: int = 3) -> tuple[float, float]:
+    last = store.steps(run)[-1]
+    best_get = best_rec = float("inf")
+    for _ in range(repeats):
         t0 = time.perf_counter()
-        store.put("frozen", k, {"model": model, "adapter": adapter})
-        times.append(time.perf_counter() - t0)
-        sizes.append(du(root) - before)
-    store.close()
-    return {"incremental": incremental, "first_s": round(times[0], 3),
-            "later_s_median": round(float(np.median(times[1:])), 4),
-            "first_bytes": sizes[0], "later_bytes_median": int(np.median(sizes[1:]))}
+        store.get(run, last)
+        best_get = min(best_get, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        recover(store, run)
+        best_rec = min(best_rec, time.perf_counter() - t0)
+    return round(best_get, 4), round(best_rec, 4)
+
+
+def run_frozen(target: Target, incremental: bool, args) -> dict:
+    store = target.open(incremental, "frozen")
+    torch.manual_seed(0)
+    base = torch.randn(args.model_mb << 18)                  # frozen, MODEL_MB of float32
+    part = torch.nn.Parameter(torch.randn(4 << 20))          # 16 MiB that changes every step
+    opt = torch.optim.AdamW([part], lr=1e-3)
+    state_bytes = base.nbytes + 3 * part.nbytes
+    added: list[int] = []
+    written0 = target.written()
+    sizes = []
+    with Snapshotter(store, "frozen", every=args.every, mode="async", resume=False) as snap:
+        for i in snap.steps(args.frozen_steps):
+            part.grad = torch.ones_like(part)
+            opt.step()
+            snap.update({"base": base, "part": part, "opt": opt.state_dict()})
+            if (i + 1) % args.every == 0:
+                sizes.append(target.written())
+        blocked = list(snap.blocked_seconds)
+    added = [b - a for a, b in zip(sizes, sizes[1:])]
+    get_s, rec_s = _read_times(store, "frozen")
+    written = target.written() - written0
+    target.drop(store)
+    return {"store": target.kind, "incremental": incremental, "state_bytes": state_bytes,
+            "first_written": sizes[0] - written0 if sizes else None,
+            "later_written_median": int(np.median(added)) if added else None,
+            "later_over_state": round(float(np.median(added)) / state_bytes, 4) if added else None,
+            "blocked_median_s": round(float(np.median(blocked)), 4) if blocked else None,
+            "blocked_max_s": round(max(blocked), 4) if blocked else None,
+            "written": written, "get_s": get_s, "recover_s": rec_s}
 
 
 def limits(root: str, args) -> dict:
-    """Raw write+fsync of one checkpoint's new bytes; torch.save+fsync of a full state."""
+    """Raw write+fsync of one checkpoint's new bytes (the arrays workload)."""
     os.makedirs(root, exist_ok=True)
     new = np.random.default_rng(1).random(args.item_kb * 256 * args.every, dtype=np.float32)
     t0 = time.perf_counter()
     for k in range(20):
         benchio.raw_write_fsync(os.path.join(root, f"raw{k}"), memoryview(new).cast("B"))
-    raw = (time.perf_counter() - t0) / 20
-    full = {"out": [torch.from_numpy(np.random.default_rng(2).random(args.item_kb * 256, dtype=np.float32))
-                    for _ in range(args.steps)]}
-    t0 = time.perf_counter()
-    path = os.path.join(root, "full.pt")
-    with open(path, "wb") as f:
-        torch.save(full, f)
-        f.flush()
-        os.fsync(f.fileno())
-    return {"raw_new_bytes_s": round(raw, 5), "torch_save_final_state_s": round(time.perf_counter() - t0, 3),
-            "final_state_bytes": os.path.getsize(path)}
+    return {"raw_new_bytes_s": round((time.perf_counter() - t0) / 20, 5)}
+
+
+def _mib(n) -> str:
+    return f"{n / 2**20:,.1f}"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--record-steps", type=int, default=2000)
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--item-kb", type=int, default=64)
-    ap.add_argument("--block", type=int, default=500)
-    ap.add_argument("--model-mb", type=int, default=256)
-    ap.add_argument("--frozen-ckpts", type=int, default=10)
+    ap.add_argument("--window", type=int, default=500)
+    ap.add_argument("--model-mb", type=int, default=1024)
+    ap.add_argument("--frozen-steps", type=int, default=60)
+    ap.add_argument("--stores", default="file,postgres")
+    ap.add_argument("--workloads", default="arrays,records,frozen")
+    ap.add_argument("--dsn", default=os.environ.get("AGCK_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/test"))
     ap.add_argument("--dir", help="where to write (default: a temp directory here)")
     ap.add_argument("--json", help="write the results to this file")
     args = ap.parse_args(argv)
@@ -133,46 +222,60 @@ def main(argv=None) -> int:
         print(f"bench_incremental: --dir {args.dir}: no such directory", file=sys.stderr)
         return 2
     work = tempfile.mkdtemp(prefix="agck-bench-inc-", dir=args.dir or ".")
-    out = {"args": vars(args), "append": [], "frozen": []}
+    kinds = [k for k in args.stores.split(",") if k]
+    workloads = [w for w in args.workloads.split(",") if w]
+    out: dict = {"args": vars(args), "growth": [], "frozen": []}
     try:
         out["limits"] = limits(os.path.join(work, "limits"), args)
-        for incremental in (True, False):
-            root = os.path.join(work, f"append-{incremental}")
-            out["append"].append(run_append(root, incremental, args))
-            shutil.rmtree(root)
-        for incremental in (True, False):
-            root = os.path.join(work, f"frozen-{incremental}")
-            out["frozen"].append(run_frozen(root, incremental, args))
-            shutil.rmtree(root)
+        for kind in kinds:
+            target = Target(kind, work, args.dsn)
+            for workload in ("arrays", "records"):
+                if workload in workloads:
+                    for incremental in (True, False):      # alternating, same store kind, same run
+                        r = run_growth(target, incremental, workload, args)
+                        r["workload"] = workload
+                        out["growth"].append(r)
+                        print(json.dumps(r), file=sys.stderr, flush=True)
+            if "frozen" in workloads:
+                for incremental in (True, False):
+                    r = run_frozen(target, incremental, args)
+                    out["frozen"].append(r)
+                    print(json.dumps(r), file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    lim = out["limits"]
-    print(f"append: {args.steps} steps of {args.item_kb} KiB, checkpoint every {args.every} (sync, file store)")
-    print("| checkpoints | store size / produced | checkpoint time per block of "
-          f"{args.block} steps (s) | total checkpoint time (s) |")
-    print("|---|---:|---|---:|")
-    for r in out["append"]:
-        name = "incremental" if r["incremental"] else "full (incremental=False)"
-        print(f"| {name} | {r['store_over_produced']}x ({r['store_bytes'] / 2**20:.0f} MiB) | "
-              f"{', '.join(map(str, r['per_block_s']))} | {r['checkpoint_s']} |")
-    n_ckpt = args.steps // args.every
-    inc = out["append"][0]
-    print(f"- physical limit: raw write+fsync of each checkpoint's new bytes ({args.every * args.item_kb} KiB) "
-          f"{lim['raw_new_bytes_s'] * 1000:.1f} ms, x{n_ckpt} checkpoints = {lim['raw_new_bytes_s'] * n_ckpt:.2f} s; "
-          f"incremental spent {inc['checkpoint_s']} s ({inc['checkpoint_s'] / (lim['raw_new_bytes_s'] * n_ckpt):.1f}x)")
-    print(f"- peer: torch.save+fsync of the final state ({lim['final_state_bytes'] / 2**20:.0f} MiB) "
-          f"{lim['torch_save_final_state_s']} s, once; a full rewrite pays about that at every late checkpoint")
-    print(f"\nfrozen: a {args.model_mb} MiB frozen model and a 256 KiB adapter, {args.frozen_ckpts} checkpoints")
-    print("| checkpoints | first: s, MiB | later (median): s, bytes stored |")
-    print("|---|---:|---:|")
-    for r in out["frozen"]:
-        name = "incremental" if r["incremental"] else "full (incremental=False)"
-        print(f"| {name} | {r['first_s']}, {r['first_bytes'] / 2**20:.0f} | "
-              f"{r['later_s_median']}, {r['later_bytes_median']:,} |")
+    report(out, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
     return 0
+
+
+def report(out: dict, args) -> None:
+    lim = out["limits"]
+    print(f"growth: {args.steps} steps appending {args.item_kb} KiB arrays, {args.record_steps} steps appending "
+          f"~200-byte records; every {args.every}, sync")
+    print(f"| workload | store | checkpoints | time per {args.window} steps (s) | last / first | total (s) | "
+          "written / produced (MiB) | of it listings (MiB) | get / recover last (ms) |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|")
+    for r in out["growth"]:
+        name = "incremental" if r["incremental"] else "full"
+        print(f"| {r['workload']} | {r['store']} | {name} | {', '.join(map(str, r['windows_s']))} | "
+              f"{r['last_over_first']} | {r['checkpoint_s']} | {_mib(r['written'])} / {_mib(r['produced'])} "
+              f"= {r['written_over_produced']}x | {_mib(r['listings'])} | "
+              f"{r['get_s'] * 1000:.1f} / {r['recover_s'] * 1000:.1f} |")
+    print(f"- physical limit: raw write+fsync of one checkpoint's new arrays ({args.every * args.item_kb} KiB) "
+          f"{lim['raw_new_bytes_s'] * 1000:.1f} ms")
+    if out["frozen"]:
+        print(f"\nfrozen: {args.model_mb} MiB frozen base + 16 MiB part + its AdamW state, {args.frozen_steps} steps, "
+              f"every {args.every}, async")
+        print("| store | checkpoints | first written (MiB) | later written, median (MiB; of state) | "
+              "blocked median / max (ms) | get / recover last (ms) |")
+        print("|---|---|---:|---:|---:|---:|")
+        for r in out["frozen"]:
+            name = "incremental" if r["incremental"] else "full"
+            print(f"| {r['store']} | {name} | {_mib(r['first_written'])} | {_mib(r['later_written_median'])} "
+                  f"({r['later_over_state']:.1%}) | {r['blocked_median_s'] * 1000:.0f} / "
+                  f"{r['blocked_max_s'] * 1000:.0f} | {r['get_s'] * 1000:.0f} / {r['recover_s'] * 1000:.0f} |")
 
 
 if __name__ == "__main__":

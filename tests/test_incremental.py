@@ -14,6 +14,7 @@ import pytest
 
 import agck
 from agck import chunking, errors, format
+from agck.stores import content
 from agck.recovery import recover_run
 from agck.stores import open_store
 
@@ -424,3 +425,51 @@ def test_a_collection_voids_what_a_writer_knows_of_the_chunks(tmp_path):
     writer.put("a", 2, {"m": model})
     assert writer.last_put.new_bytes >= model.numel() * 4
     assert torch.equal(open_store(root).get("a", 2).state["m"], model)
+
+
+def test_full_every_bounds_what_one_damaged_shared_chunk_can_reach(store_spec):
+    """Damage to a chunk every incremental checkpoint shares: recovery names each
+    checkpoint it reaches and walks back to the newest standalone one, which
+    full_every=K puts in every K checkpoints (the first of the run included)."""
+    kind, url, opts = store_spec
+    store = open_store(url, full_every=4, **opts)
+    try:
+        model = np.random.default_rng(0).random(300_000)           # shared by every checkpoint
+        standalone = []
+        for s in range(1, 12):
+            store.put("r", s, {"model": model, "s": s})
+            if store.last_put is None:
+                standalone.append(s)
+        assert standalone == [1, 5, 9]
+        plan = content.plan_chunks(agck.checkpoint.encode({"model": model, "s": 11}, run="r", step=11))
+        shared = max(plan.distinct.values(), key=lambda c: c.nbytes).address
+        _damage_chunk(store, kind, shared)
+        rec = recover_run(store, "r")
+        assert rec.step == 9
+        assert [r.step for r in rec.rejected] == [11, 10]
+        assert all(r.section == "chunk" for r in rec.rejected)
+    finally:
+        store.close()
+    with pytest.raises(errors.UsageError):
+        open_store(url, full_every=0, **opts)
+
+
+def _damage_chunk(store, kind, address: bytes) -> None:
+    if kind == "file":
+        with open(store.objects.path(address), "r+b") as f:
+            b = f.read(1)
+            f.seek(0)
+            f.write(bytes([b[0] ^ 1]))
+        return
+    if kind == "sqlite":
+        import sqlite3
+        c = sqlite3.connect(store.path, isolation_level=None)
+        c.execute(f"UPDATE {store.prefix}_objects SET data = zeroblob(length(data)) WHERE address = ?", (address,))
+        c.close()
+        return
+    import psycopg2
+    c = psycopg2.connect(store._dsn)
+    c.autocommit = True
+    c.cursor().execute(f"UPDATE {store.names.objects} SET data = set_byte(data, 0, get_byte(data, 0) # 1) "
+                       f"WHERE address = %s", (psycopg2.Binary(address),))
+    c.close()

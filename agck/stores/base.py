@@ -11,6 +11,7 @@ a step whose old checkpoint failed verification.
 
 from __future__ import annotations
 
+import numbers
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
@@ -18,10 +19,10 @@ from typing import Any, Iterable
 
 from .. import recovery
 from ..checkpoint import Checkpoint
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
 from ..recovery import Rejection  # noqa: F401  (re-exported: agck.stores.Rejection)
 from ..names import check_run, check_step
-from .content import WriteCaches
+from .content import WriteCache, WriteCaches
 
 @dataclass
 class CheckpointInfo:
@@ -45,9 +46,39 @@ class Store(ABC):
 
     url: str
 
+    incremental = False
+    full_every: int | None = None
+
     def __init__(self):
         self._lock = threading.RLock()
         self._caches = WriteCaches()   # what the last put of each run found, for incremental puts
+
+    def _set_policy(self, incremental, full_every) -> None:
+        """``incremental``: keep checkpoints as chunk listings sharing content.
+        ``full_every=K``: the first put of each run by this store object, and
+        every K-th after it, is a standalone container all the same, so damage
+        to one shared chunk can reach at most the checkpoints since the last
+        standalone one (README, "Incremental checkpoints")."""
+        if not isinstance(incremental, bool):
+            raise UsageError(f"incremental must be True or False, not {incremental!r}")
+        if full_every is not None and (not isinstance(full_every, numbers.Integral) or isinstance(full_every, bool)
+                                       or full_every < 1):
+            raise UsageError(f"full_every must be a positive integer or None, not {full_every!r}")
+        self.incremental = incremental
+        self.full_every = None if full_every is None else int(full_every)
+
+    def _write_cache(self, run: str) -> WriteCache | None:
+        """The run's write cache for a chunked put (give it back with
+        ``self._caches.give`` once the put succeeded), or None: write this one standalone."""
+        if not self.incremental:
+            return None
+        cache = self._caches.take(run)
+        standalone = self.full_every is not None and cache.puts % self.full_every == 0
+        cache.puts += 1
+        if standalone:
+            self._caches.give(run, cache)
+            return None
+        return cache
 
     # -- writing ---------------------------------------------------------------
     @abstractmethod

@@ -77,6 +77,7 @@ class WriteCache:
         self.chunker = chunking.Chunker()
         self.digests: dict = {}       # (piece key, offset, size) -> XXH3-64 of the blob found there
         self.encoding = codec.EncodeMemo()
+        self.puts = 0                 # puts of the run through this store object (full_every)
 
 
 class WriteCaches:

@@ -52,12 +52,12 @@ def parse_step_filename(name: str) -> int | None:
 
 class FileStore(Store):
     def __init__(self, root: str | os.PathLike, *, create: bool = True, fs: durable.FileSystem | None = None,
-                 incremental: bool = True):
+                 incremental: bool = True, full_every: int | None = None):
         super().__init__()
+        self._set_policy(incremental, full_every)
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
         self.fs = fs or durable.REAL
-        self.incremental = bool(incremental)
         self.objects = ObjectDir(self.root, self.fs)
         if not os.path.isdir(self.root):
             if not create or os.path.exists(self.root):
@@ -85,12 +85,13 @@ class FileStore(Store):
         if parent is not None:
             parent = check_step(parent, "parent")
         path = self.path(run, step)
-        if not self.incremental:
+        cache = self._write_cache(run)
+        if cache is None:
             w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta)
             self._ensure_run_dir(os.path.dirname(path))
             durable.write_atomic(path, checkpoint.stream(w), overwrite=overwrite, size=w.total_len, fs=self.fs)
+            self.last_put = None
             return path
-        cache = self._caches.take(run)
         w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta, memo=cache.encoding)
         self._ensure_run_dir(os.path.dirname(path))
         if not overwrite and os.path.exists(path):   # before writing chunks; link(2) below still decides

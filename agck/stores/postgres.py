@@ -471,11 +471,13 @@ class PostgresStore(Store):
     search path when None), ``chunk_size`` the bytes per chunk row (bytea holds at
     most 1 GiB), ``init=True`` creates a missing schema instead of refusing,
     ``check_schema=False`` opens without looking at the schema (``agck db``),
-    ``incremental=False`` writes standalone containers instead of chunk listings."""
+    ``incremental=False`` writes standalone containers instead of chunk listings,
+    ``full_every=K`` one in every K puts of a run (:meth:`Store._set_policy`)."""
 
     def __init__(self, url: str, *, prefix: str = "agck", schema: str | None = None,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, init: bool = False, check_schema: bool = True,
-                 connect_timeout: int = 10, incremental: bool = True):
+                 connect_timeout: int = 10, incremental: bool = True,
+                 full_every: int | None = None):
         super().__init__()
         if not isinstance(url, str) or not url:
             raise StoreConnectionError(f"not a Postgres URL: {type(url).__name__}",
@@ -486,7 +488,7 @@ class PostgresStore(Store):
         self.prefix = check_identifier(prefix, "table prefix")
         self.schema = check_identifier(schema, "schema name") if schema is not None else None
         self.chunk_size = check_chunk_size(chunk_size)
-        self.incremental = bool(incremental)
+        self._set_policy(incremental, full_every)
         self.last_put: content.Chunks | None = None
         self._connect_timeout = connect_timeout
         self._conn = None
@@ -725,7 +727,7 @@ class PostgresStore(Store):
         step = check_step(step)
         if parent is not None:
             parent = check_step(parent, "parent")
-        cache = self._caches.take(run) if self.incremental else None
+        cache = self._write_cache(run)
         w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta,
                               memo=cache.encoding if cache else None)
         meta_text = meta_json_text(meta)

@@ -97,7 +97,8 @@ class SqliteStore(Store):
     """Checkpoints in one SQLite database file; safe to share between threads and processes."""
 
     def __init__(self, url: str | os.PathLike, *, prefix: str = "agck", chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 busy_timeout: float = 30.0, create: bool = True, incremental: bool = True):
+                 busy_timeout: float = 30.0, create: bool = True, incremental: bool = True,
+                 full_every: int | None = None):
         super().__init__()
         url = os.fspath(url)
         self.path = sqlite_path(url)
@@ -109,7 +110,7 @@ class SqliteStore(Store):
         self.url = "sqlite:///:memory:" if self.path == ":memory:" else "sqlite:///" + self.path
         self.prefix = check_identifier(prefix, "table prefix")
         self.chunk_size = check_chunk_size(chunk_size)
-        self.incremental = bool(incremental)
+        self._set_policy(incremental, full_every)
         self.last_put: content.Chunks | None = None
         p = self.prefix
         self._t_version, self._t_manifest, self._t_chunks = f"{p}_schema_version", f"{p}_manifest", f"{p}_chunks"
@@ -232,7 +233,7 @@ class SqliteStore(Store):
         step = check_step(step)
         if parent is not None:
             parent = check_step(parent, "parent")
-        cache = self._caches.take(run) if self.incremental else None
+        cache = self._write_cache(run)
         w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta,
                               memo=cache.encoding if cache else None)
         meta_text = meta_json_text(meta)
