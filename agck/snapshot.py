@@ -59,6 +59,7 @@ try:
 except ImportError:  # pragma: no cover (not on Windows)
     resource = None
 
+import msgpack
 import numpy as np
 
 from . import failpoints
@@ -109,10 +110,16 @@ def _stateful(x) -> bool:
 def capture(x: Any) -> Any:
     """The user's state as a tree the codec takes: objects with state_dict()
     (modules, optimizers, schedulers, GradScaler) become tagged dicts of their
-    state_dict; RNG generators become tagged dicts of their state."""
+    state_dict; RNG generators become tagged dicts of their state. Plain data
+    (what msgpack packs as is) is returned as it is, checked in C, not walked."""
+    t = type(x)
+    if t in _ATOMS:
+        return x
+    if (t is list or t is dict) and len(x) >= _PLAIN_CHECK_MIN and _is_plain(x):
+        return x
     if isinstance(x, dict):
         return {k: capture(v) for k, v in x.items()}
-    if type(x) is list:
+    if t is list:
         return [capture(v) for v in x]
     if type(x) is tuple:
         return tuple(capture(v) for v in x)
@@ -127,6 +134,21 @@ def capture(x: Any) -> Any:
     if _stateful(x):
         return {TAG: "stateful", "type": f"{type(x).__module__}.{type(x).__qualname__}", "state": x.state_dict()}
     return x
+
+
+_PLAIN_CHECK_MIN = 32
+_plain_packer = msgpack.Packer(use_bin_type=True, strict_types=True, unicode_errors="surrogatepass")
+
+
+def _is_plain(x) -> bool:
+    """Whether ``x`` holds only exact None, bool, int, float, str, bytes, list and
+    dict, so capture() has nothing in it to turn into something else."""
+    try:
+        _plain_packer.pack(x)
+        return True
+    except (TypeError, ValueError, OverflowError):
+        _plain_packer.reset()
+        return False
 
 
 def restore_into(live: Any, saved: Any) -> Any:
