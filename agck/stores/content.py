@@ -205,7 +205,8 @@ def assemble(listed: format.ChunkedContainer, fetch: Callable[[bytes, int], obje
     size)`` returns a chunk's bytes (or None if the store lacks it). With
     ``verify`` every chunk is checked against its address (its size always);
     the result is a v1.0 container for :func:`agck.checkpoint.loads` to verify
-    and decode."""
+    and decode. :func:`decode` passes ``verify=False`` and lets the container's
+    own checksums find damage, checking addresses only to name the chunk."""
     buf = memory.new_buffer(listed.length)   # a uint8 array, not zero-filled
     view = memoryview(buf)
     pos = 0
@@ -261,8 +262,15 @@ def decode(buf, fetch: Callable[[bytes, int], object], *, verify: bool, map_loca
     if not format.is_chunked(c.header):
         return checkpoint.decode(c, copy=False, map_location=map_location)
     listed = format.open_chunked(c)
-    inner = assemble(listed, fetch, verify=verify, ref=ref)
-    ck = checkpoint.loads(inner, verify=verify, copy=False, map_location=map_location, ref=ref)
+    # The inner container's checksums (XXH3 over every part) find damaged or wrong
+    # chunks; BLAKE3 of every chunk would cost several times more. A chunk's address
+    # is checked only when they do, to say which chunk it is.
+    inner = assemble(listed, fetch, verify=False, ref=ref)
+    try:
+        ck = checkpoint.loads(inner, verify=verify, copy=False, map_location=map_location, ref=ref)
+    except CorruptCheckpointError:
+        _name_damaged_chunk(listed, inner, ref)
+        raise
     for name in ("run", "step", "parent"):
         if getattr(ck, name) != getattr(listed, name):
             raise CorruptCheckpointError(f"the listing says {name} {getattr(listed, name)!r}, its content "
@@ -270,6 +278,18 @@ def decode(buf, fetch: Callable[[bytes, int], object], *, verify: bool, map_loca
     if _packed(ck.meta) != _packed(listed.meta):
         raise CorruptCheckpointError("the listing's meta differs from its content's", ref=ref, section="chunk")
     return ck
+
+
+def _name_damaged_chunk(listed: format.ChunkedContainer, inner, ref: str | None) -> None:
+    """Raise the chunk-level error for the first chunk of ``inner`` whose bytes do not
+    match its address; return if every chunk matches (the damage is elsewhere)."""
+    view = memoryview(inner)
+    pos = 0
+    for i, (a, n) in enumerate(zip(listed.addresses, listed.sizes)):
+        if chunking.address(view[pos:pos + n]) != a:
+            raise CorruptCheckpointError(f"chunk {i} ({a.hex()[:16]}) does not match its address", ref=ref,
+                                         section="chunk")
+        pos += n
 
 
 def _packed(value) -> bytes:
