@@ -217,23 +217,32 @@ def _covered(starts: list[int], kept: list[tuple[int, int]]) -> list[bool]:
     return out
 
 
+def pieces(sizes: Sequence[int]) -> list[tuple[Hashable, list[int], tuple[int, int, int]]]:
+    """How consecutive parts of ``sizes`` bytes group into pieces: (key, the parts'
+    indices, chunk sizes). A part of ``LARGE_PART`` bytes or more is a piece of its
+    own cut with ``LARGE`` sizes; each run of smaller parts one piece cut with
+    ``SMALL`` sizes. Keys number the pieces in order."""
+    out: list = []
+    run: list[int] = []
+    for i, n in enumerate(sizes):
+        if n >= LARGE_PART:
+            if run:
+                out.append((("run", len(out)), run, SMALL))
+                run = []
+            out.append((("large", len(out)), [i], LARGE))
+        else:
+            run.append(i)
+    if run:
+        out.append((("run", len(out)), run, SMALL))
+    return out
+
+
 def split(parts: Iterable) -> Iterator[memoryview]:
     """The concatenation of ``parts`` as consecutive chunks (views), with no memory
     of earlier splits: each part of ``LARGE_PART`` bytes or more a piece of its
     own cut with ``LARGE`` sizes, each run of smaller parts one piece cut with
     ``SMALL`` sizes."""
+    views = [_byte_view(p) for p in parts]
     chunker = Chunker(remember=False)
-    run: list = []
-    n = 0
-    for part in parts:
-        view = _byte_view(part)
-        if view.nbytes >= LARGE_PART:
-            if run:
-                yield from (c.view() for c in chunker.split_piece(n, run, SMALL)[0])
-                run, n = [], n + 1
-            yield from (c.view() for c in chunker.split_piece(n, [view], LARGE)[0])
-            n += 1
-        else:
-            run.append(view)
-    if run:
-        yield from (c.view() for c in chunker.split_piece(n, run, SMALL)[0])
+    for key, members, sizes in pieces([v.nbytes for v in views]):
+        yield from (c.view() for c in chunker.split_piece(key, [views[i] for i in members], sizes)[0])

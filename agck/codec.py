@@ -222,20 +222,21 @@ class EncodeMemo:
     def __init__(self):
         self._last: dict = {}
         self._next: dict = {}
-        self._packer = msgpack.Packer(use_bin_type=True, strict_types=True, unicode_errors="surrogatepass")
         self.reused_items = 0
-
-    def plain_bytes(self, items: list) -> bytes | None:
-        try:
-            return self._packer.pack(items)
-        except (TypeError, ValueError, OverflowError):
-            self._packer.reset()
-            return None
 
     def done(self, ok: bool) -> None:
         if ok:
             self._last = self._next
         self._next = {}
+
+
+def plain_packed(x) -> bytes | None:
+    """msgpack of ``x`` if it holds only exact None, bool, int, float, str, bytes,
+    list and dict (what the walker would pass through unchanged), else None."""
+    try:
+        return msgpack.packb(x, use_bin_type=True, strict_types=True, unicode_errors="surrogatepass")
+    except (TypeError, ValueError, OverflowError):
+        return None
 
 
 def encode_state(state: Any, *, root: str = "state", memo: EncodeMemo | None = None) -> Encoded:
@@ -406,7 +407,7 @@ class _Encoder:
         path = (depth, *self.stack)
         for j in range(0, full, n):
             seg = xs[j:j + n]
-            packed = memo.plain_bytes(seg)
+            packed = plain_packed(seg)
             key = (path, j)
             if packed is not None and memo._last.get(key) == packed:
                 out += seg

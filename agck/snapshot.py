@@ -59,11 +59,10 @@ try:
 except ImportError:  # pragma: no cover (not on Windows)
     resource = None
 
-import msgpack
 import numpy as np
 
 from . import failpoints
-from .codec import encode_plain
+from .codec import encode_plain, plain_packed
 from .errors import AgckError, SnapshotError, UsageError
 from .names import check_run, check_step
 from .recovery import recover_run
@@ -115,7 +114,7 @@ def capture(x: Any) -> Any:
     t = type(x)
     if t in _ATOMS:
         return x
-    if (t is list or t is dict) and len(x) >= _PLAIN_CHECK_MIN and _is_plain(x):
+    if (t is list or t is dict) and len(x) >= _PLAIN_CHECK_MIN and plain_packed(x) is not None:
         return x
     if isinstance(x, dict):
         return {k: capture(v) for k, v in x.items()}
@@ -137,18 +136,6 @@ def capture(x: Any) -> Any:
 
 
 _PLAIN_CHECK_MIN = 32
-_plain_packer = msgpack.Packer(use_bin_type=True, strict_types=True, unicode_errors="surrogatepass")
-
-
-def _is_plain(x) -> bool:
-    """Whether ``x`` holds only exact None, bool, int, float, str, bytes, list and
-    dict, so capture() has nothing in it to turn into something else."""
-    try:
-        _plain_packer.pack(x)
-        return True
-    except (TypeError, ValueError, OverflowError):
-        _plain_packer.reset()
-        return False
 
 
 def restore_into(live: Any, saved: Any) -> Any:

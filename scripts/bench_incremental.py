@@ -183,7 +183,6 @@ def run_frozen(target: Target, incremental: bool, args) -> dict:
     written = target.written() - written0
     target.drop(store)
     return {"store": target.kind, "incremental": incremental, "state_bytes": state_bytes,
-            "first_written": sizes[1] - written0 if len(sizes) > 1 else None,
             "later_written_median": int(np.median(added)) if added else None,
             "later_over_state": round(float(np.median(added)) / state_bytes, 4) if added else None,
             "blocked_median_s": round(float(np.median(blocked)), 4) if blocked else None,
@@ -270,12 +269,12 @@ def report(out: dict, args) -> None:
     if out["frozen"]:
         print(f"\nfrozen: {args.model_mb} MiB frozen base + 16 MiB part + its AdamW state, {args.frozen_steps} steps, "
               f"every {args.every}, async")
-        print("| store | checkpoints | first written (MiB) | later written, median (MiB; of state) | "
+        print("| store | checkpoints | later written, median (MiB; of state) | "
               "blocked median / max (ms) | get / recover last (ms) |")
-        print("|---|---|---:|---:|---:|---:|")
+        print("|---|---|---:|---:|---:|")
         for r in out["frozen"]:
             name = "incremental" if r["incremental"] else "full"
-            print(f"| {r['store']} | {name} | {_mib(r['first_written'])} | {_mib(r['later_written_median'])} "
+            print(f"| {r['store']} | {name} | {_mib(r['later_written_median'])} "
                   f"({r['later_over_state']:.1%}) | {r['blocked_median_s'] * 1000:.0f} / "
                   f"{r['blocked_max_s'] * 1000:.0f} | {r['get_s'] * 1000:.0f} / {r['recover_s'] * 1000:.0f} |")
 

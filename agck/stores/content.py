@@ -108,20 +108,11 @@ def split_container(w: format.ContainerWriter, cache: WriteCache | None = None) 
     digests_now: dict = {}
     layout = w.layout()
     out, _ = chunker.split_piece("head", [buf for _, buf, _ in layout[:3]], chunking.HEAD)
-    pieces: list[tuple[tuple, list, tuple]] = []
-    run: list = []
-    for entry in layout[3:]:
-        if entry[2] and entry[1].nbytes >= chunking.LARGE_PART:
-            if run:
-                pieces.append((("run", len(pieces)), run, chunking.SMALL))
-                run = []
-            pieces.append((("large", len(pieces)), [entry], chunking.LARGE))
-        else:
-            run.append(entry)
-    if run:
-        pieces.append((("run", len(pieces)), run, chunking.SMALL))
+    rest = layout[3:]
+    groups = [(key, [rest[i] for i in members], sizes)
+              for key, members, sizes in chunking.pieces([buf.nbytes for _, buf, _ in rest])]
     digests = []
-    for key, entries, sizes in pieces:
+    for key, entries, sizes in groups:
         chunks, unchanged = chunker.split_piece(key, [buf for _, buf, _ in entries], sizes)
         out.extend(chunks)
         rel = 0
@@ -200,13 +191,12 @@ def listing(w: format.ContainerWriter, chunks: Chunks, *, run, step, parent, met
 
 
 def assemble(listed: format.ChunkedContainer, fetch: Callable[[bytes, int], object], *,
-             verify: bool = True, ref: str | None) -> memoryview:
+             ref: str | None) -> memoryview:
     """The listed container's bytes, rebuilt from its chunks. ``fetch(address,
-    size)`` returns a chunk's bytes (or None if the store lacks it). With
-    ``verify`` every chunk is checked against its address (its size always);
-    the result is a v1.0 container for :func:`agck.checkpoint.loads` to verify
-    and decode. :func:`decode` passes ``verify=False`` and lets the container's
-    own checksums find damage, checking addresses only to name the chunk."""
+    size)`` returns a chunk's bytes (or None if the store lacks it). Sizes are
+    checked here; the content by the container's own checksums when
+    :func:`agck.checkpoint.loads` verifies it, and addresses only then, to name
+    a damaged chunk (:func:`decode`)."""
     buf = memory.new_buffer(listed.length)   # a uint8 array, not zero-filled
     view = memoryview(buf)
     pos = 0
@@ -216,7 +206,7 @@ def assemble(listed: format.ChunkedContainer, fetch: Callable[[bytes, int], obje
             raise CorruptCheckpointError(f"chunk {i} ({a.hex()[:16]}) is missing from the store", ref=ref,
                                          section="chunk")
         data = memoryview(data).cast("B")
-        if data.nbytes != n or (verify and chunking.address(data) != a):
+        if data.nbytes != n:
             raise CorruptCheckpointError(f"chunk {i} ({a.hex()[:16]}) does not match its address", ref=ref,
                                          section="chunk")
         view[pos:pos + n] = data
@@ -265,7 +255,7 @@ def decode(buf, fetch: Callable[[bytes, int], object], *, verify: bool, map_loca
     # The inner container's checksums (XXH3 over every part) find damaged or wrong
     # chunks; BLAKE3 of every chunk would cost several times more. A chunk's address
     # is checked only when they do, to say which chunk it is.
-    inner = assemble(listed, fetch, verify=False, ref=ref)
+    inner = assemble(listed, fetch, ref=ref)
     try:
         ck = checkpoint.loads(inner, verify=verify, copy=False, map_location=map_location, ref=ref)
     except CorruptCheckpointError:
