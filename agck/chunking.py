@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 from bisect import bisect_right
-from dataclasses import dataclass
 from itertools import accumulate
 from typing import Hashable, Iterable, Iterator, Sequence
 
@@ -59,14 +58,6 @@ def address(chunk) -> bytes:
 def _byte_view(part) -> memoryview:
     v = part if isinstance(part, memoryview) else memoryview(part)
     return v if v.format == "B" and v.ndim == 1 else v.cast("B")
-
-
-@dataclass(frozen=True)
-class _Remembered:
-    start: int          # offset in its piece
-    end: int
-    address: bytes
-    check: int          # seeded XXH3-128 of the bytes, to recognize them next time
 
 
 class _Piece:
@@ -113,6 +104,58 @@ class PieceChunk:
         return self._view
 
 
+class PieceChunks:
+    """The chunks of one piece, in order, as parallel lists (a piece of a large
+    state has thousands: no object per chunk unless asked, :meth:`__iter__`)."""
+
+    __slots__ = ("piece", "starts", "sizes", "addresses", "fresh")
+
+    def __init__(self, piece: _Piece):
+        self.piece = piece
+        self.starts: list[int] = []
+        self.sizes: list[int] = []
+        self.addresses: list[bytes] = []
+        self.fresh: dict[int, memoryview] = {}   # chunks cut this time: their bytes, already gathered
+
+    def __len__(self) -> int:
+        return len(self.addresses)
+
+    def chunk(self, i: int) -> PieceChunk:
+        s = self.starts[i]
+        return PieceChunk(self.addresses[i], self.piece, s, s + self.sizes[i], self.fresh.get(i))
+
+    def __iter__(self) -> Iterator[PieceChunk]:
+        return map(self.chunk, range(len(self.addresses)))
+
+
+class _Memory:
+    """The chunks of one piece of the last container (parallel lists: start, end,
+    address and seeded XXH3-128 of each), and an XXH3-128 state over the piece's
+    bytes up to ``prefix_end``: the end of its last chunk that was cut by content
+    (not by the piece's end). A new piece whose first ``prefix_end`` bytes hash
+    the same takes all those chunks at once: a list that only grew costs one pass
+    of XXH3 and no work per chunk."""
+    __slots__ = ("length", "starts", "ends", "addresses", "checks", "_by_start", "prefix_end", "prefix_count",
+                 "prefix_hash", "failed")
+
+    def __init__(self, length: int, starts, ends, addresses, checks, prefix_hash, failed: bool):
+        self.length, self.failed = length, failed
+        self.starts, self.ends, self.addresses, self.checks = starts, ends, addresses, checks
+        self._by_start = None
+        n = len(starts)
+        if n and ends[-1] == length:
+            n -= 1
+        self.prefix_count = n
+        self.prefix_end = ends[n - 1] if n else 0
+        self.prefix_hash = prefix_hash   # an xxh3_128 over [0, prefix_end)
+
+    def at(self, start: int) -> int | None:
+        """The index of the chunk that started at ``start``, if one did."""
+        if self._by_start is None:
+            self._by_start = {s: i for i, s in enumerate(self.starts)}
+        return self._by_start.get(start)
+
+
 class Chunker:
     """Splits the successive containers of one run into chunks.
 
@@ -123,45 +166,74 @@ class Chunker:
     def __init__(self, remember: bool = True):
         self.remember = remember
         self._seed = int.from_bytes(os.urandom(8), "little")
-        self._last: dict[Hashable, tuple[int, dict[int, _Remembered]]] = {}
-        self._next: dict[Hashable, tuple[int, dict[int, _Remembered]]] = {}
+        self._last: dict[Hashable, _Memory] = {}
+        self._next: dict[Hashable, _Memory] = {}
         self.reused_bytes = 0        # bytes taken from remembered chunks, since the last done()
         self.cut_bytes = 0           # bytes cut and hashed afresh
 
     def split_piece(self, key: Hashable, buffers: Sequence, sizes: tuple[int, int, int]
-                    ) -> tuple[list[PieceChunk], list[bool]]:
+                    ) -> tuple[PieceChunks, list[bool]]:
         """The piece's chunks, and for each buffer whether all its bytes were found
         unchanged at the same place of the last container's piece ``key``."""
         p = _Piece(buffers)
-        last_len, last = self._last.get((key, sizes), (0, {}))
-        out: list[PieceChunk] = []
-        remembered: list[_Remembered] = []
+        out = PieceChunks(p)
+        mem = self._last.get((key, sizes))
+        starts, ends, addresses, checks = [], [], [], []   # what is remembered for next time
         kept: list[tuple[int, int]] = []
         pos = 0
+        prefix = None     # (end, hash state) of bytes known to equal the last piece's
+        failed = False
+        if mem is not None and mem.prefix_count and mem.prefix_end <= p.length and not mem.failed:
+            # (after a miss the check is skipped once, so a piece that always changes pays it half the time)
+            h = xxhash.xxh3_128(seed=self._seed)
+            for v in p.views(0, mem.prefix_end):
+                h.update(v)
+            if h.intdigest() == mem.prefix_hash.intdigest():
+                n = mem.prefix_count
+                starts, ends, addresses, checks = mem.starts[:n], mem.ends[:n], mem.addresses[:n], mem.checks[:n]
+                kept.append((0, mem.prefix_end))
+                pos = mem.prefix_end
+                prefix = (pos, h)
+                self.reused_bytes += pos
+            else:
+                failed = True
+        last_len = 0 if mem is None else mem.length
         while pos < p.length:
-            old = last.get(pos)
+            i = None if mem is None else mem.at(pos)
             # A remembered chunk that ended where its piece ended was cut by the end, not
             # by its content: it is the same chunk only if this piece ends there too.
-            if (old is not None and old.end <= p.length and (old.end < last_len or old.end == p.length)
-                    and self._check(p, pos, old.end) == old.check):
-                out.append(PieceChunk(old.address, p, pos, old.end))
-                remembered.append(old)
-                if kept and kept[-1][1] == pos:
-                    kept[-1] = (kept[-1][0], old.end)
-                else:
-                    kept.append((pos, old.end))
-                self.reused_bytes += old.end - pos
-                pos = old.end
-                continue
-            for s, e, view in _cut(p, pos, sizes, stop=last):
-                a = address(view)
-                out.append(PieceChunk(a, p, s, e, view))
-                if self.remember:
-                    remembered.append(_Remembered(s, e, a, self._check(p, s, e)))
+            if i is not None:
+                end = mem.ends[i]
+                if (end <= p.length and (end < last_len or end == p.length)
+                        and self._check(p, pos, end) == mem.checks[i]):
+                    starts.append(pos)
+                    ends.append(end)
+                    addresses.append(mem.addresses[i])
+                    checks.append(mem.checks[i])
+                    if kept and kept[-1][1] == pos:
+                        kept[-1] = (kept[-1][0], end)
+                    else:
+                        kept.append((pos, end))
+                    self.reused_bytes += end - pos
+                    pos = end
+                    continue
+            for s, e, view in _cut(p, pos, sizes, stop=mem):
+                out.fresh[len(starts)] = view
+                starts.append(s)
+                ends.append(e)
+                addresses.append(address(view))
+                checks.append(self._check(p, s, e) if self.remember else 0)
                 self.cut_bytes += e - s
                 pos = e
+        out.starts, out.addresses = starts, addresses
+        out.sizes = [e - s for s, e in zip(starts, ends)]
         if self.remember:
-            self._next[(key, sizes)] = (p.length, {c.start: c for c in remembered})
+            n = len(ends) - (1 if ends and ends[-1] == p.length else 0)
+            end = ends[n - 1] if n else 0
+            start, h = prefix if prefix is not None and prefix[0] <= end else (0, xxhash.xxh3_128(seed=self._seed))
+            for v in p.views(start, end):
+                h.update(v)
+            self._next[(key, sizes)] = _Memory(p.length, starts, ends, addresses, checks, h, failed)
         return out, _covered(p.starts, kept)
 
     def done(self) -> None:
@@ -180,7 +252,7 @@ class Chunker:
         return h.intdigest()
 
 
-def _cut(p: _Piece, pos: int, sizes, stop: dict) -> Iterator[tuple[int, int, memoryview]]:
+def _cut(p: _Piece, pos: int, sizes, stop: _Memory | None) -> Iterator[tuple[int, int, memoryview]]:
     """Fresh chunks of ``p`` from ``pos`` (a boundary) until the piece ends or a
     chunk ends where a remembered one starts (the caller then tries that one).
     Bytes spread over several buffers are gathered a window at a time; the last
@@ -200,7 +272,7 @@ def _cut(p: _Piece, pos: int, sizes, stop: dict) -> Iterator[tuple[int, int, mem
             if e == end < p.length:
                 break
             yield s, e, window[c.offset:c.offset + c.length]
-            if e in stop:
+            if stop is not None and stop.at(e) is not None:
                 return
             done = e
         pos = done
@@ -209,11 +281,12 @@ def _cut(p: _Piece, pos: int, sizes, stop: dict) -> Iterator[tuple[int, int, mem
 def _covered(starts: list[int], kept: list[tuple[int, int]]) -> list[bool]:
     """For each buffer (``starts``: their offsets, then the end): is it inside one of
     the ``kept`` ranges (sorted, disjoint, adjacent ones merged)?"""
-    firsts = [k[0] for k in kept]
     out = []
+    j, n = 0, len(kept)
     for b0, b1 in zip(starts, starts[1:]):
-        j = bisect_right(firsts, b0) - 1
-        out.append(b0 == b1 or (j >= 0 and kept[j][1] >= b1))
+        while j < n and kept[j][1] < b1:
+            j += 1
+        out.append(b0 == b1 or (j < n and kept[j][0] <= b0))
     return out
 
 

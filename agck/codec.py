@@ -15,10 +15,13 @@ tensor alone in its storage is stored compact (contiguous, only its own bytes).
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import math
 import re
 import sys
+import weakref
+from operator import attrgetter, is_, methodcaller
 from typing import Any, Callable
 
 import msgpack
@@ -181,40 +184,36 @@ def _key_repr(k) -> str:
     return f"[{k!r}]"
 
 
-class _Blob:
-    """Memory to be written as one blob, plus what keeps it alive."""
-    __slots__ = ("view", "owner")
-
-    def __init__(self, view: memoryview, owner: Any):
-        self.view = view
-        self.owner = owner
-
-
 class Encoded:
-    """The result of :func:`encode_state`."""
+    """The result of :func:`encode_state`: the tree, the tensor descriptors, and per
+    blob its bytes (``blobs``) and what keeps them alive (``owners``)."""
 
-    def __init__(self, tree: bytes, tensors: list[dict], blobs: list[_Blob]):
+    def __init__(self, tree: bytes, tensors: list[dict], blobs: list[memoryview], owners: list):
         self.tree = tree
         self.tensors = tensors
-        self._blobs = blobs
-
-    @property
-    def blobs(self) -> list[memoryview]:
-        return [b.view for b in self._blobs]
+        self.blobs = blobs
+        self.owners = owners
 
     @property
     def payload_bytes(self) -> int:
-        return sum(b.view.nbytes for b in self._blobs)
+        return sum(b.nbytes for b in self.blobs)
 
 
 class EncodeMemo:
     """What the last encode of a run found in its long lists, so the next encode
-    walks only what changed: for each full segment of ``SEGMENT`` items of a list
-    at a given path, the segment's bytes when it holds plain data only (exact
-    None, bool, int, float, str, bytes, list, dict: no tensors, tuples or
-    subclasses). A segment that packs to the same bytes again holds the same
-    values, already checked once, so it goes into the tree as it is instead of
-    through the walker (packing in C costs about a tenth of walking in Python).
+    walks only what changed. For each full segment of ``SEGMENT`` items of a list
+    at a given path:
+
+    - when it holds plain data only (exact None, bool, int, float, str, bytes,
+      list, dict: no tensors, tuples or subclasses), its bytes. A segment that
+      packs to the same bytes again holds the same values, already checked once,
+      so it goes into the tree as it is instead of through the walker (packing
+      in C costs about a tenth of walking in Python);
+    - when it holds tensors only, each a different one, read in place
+      (:func:`_signature`), what they encoded to (:class:`_TensorRun`). The same
+      objects with the same signatures encode the same again (their bytes are
+      read afresh: content is never remembered here).
+
     A list that only grew is walked only in its new tail."""
 
     SEGMENT = 256
@@ -223,11 +222,106 @@ class EncodeMemo:
         self._last: dict = {}
         self._next: dict = {}
         self.reused_items = 0
+        self.tensors = _TensorMemo()
 
     def done(self, ok: bool) -> None:
         if ok:
             self._last = self._next
         self._next = {}
+        self.tensors.done(ok)
+
+
+class _TensorRun:
+    """A segment of a list that encoded to tensor references only, each a new
+    reference: ``first`` is the first one's index, ``prefix`` the list's path."""
+    __slots__ = ("refs", "sigs", "first", "prefix", "tree", "paths", "known", "descs")
+
+    def __init__(self, seg: list, first: int, prefix: str, tree: list, paths: list, known: list):
+        self.refs = list(map(weakref.ref, seg))
+        self.sigs = _signatures(seg)
+        self.first, self.prefix, self.tree, self.paths, self.known = first, prefix, tree, paths, known
+        self.descs = [k.desc for k in known]
+
+    def moved(self, first: int) -> _TensorRun:
+        """A copy whose references start at ``first`` (the memo's own is left as it
+        is: the encode may still fail)."""
+        out = copy.copy(self)
+        out.first = first
+        out.tree = [msgpack.ExtType(EXT_TENSOR, _packed_index(i)) for i in range(first, first + len(self.tree))]
+        out.descs = [{**d, "blob": b} for d, b in zip(self.descs, range(first, first + len(self.descs)))]
+        out.known = [_Known(k.ref, k.sig, k.memory_key, d) for k, d in zip(self.known, out.descs)]
+        return out
+
+
+class _Known:
+    """What encoding one tensor gave last time, valid while the same object has
+    the same signature (:func:`_signature`)."""
+    __slots__ = ("ref", "sig", "memory_key", "desc")
+
+    def __init__(self, ref, sig, memory_key, desc):
+        self.ref, self.sig, self.memory_key, self.desc = ref, sig, memory_key, desc
+
+
+class _TensorMemo:
+    """Per tensor object (by identity, through a weak reference) what the last
+    encode derived from its type, dtype, shape, strides and memory: the format
+    check, the memory group, the descriptor. A tensor with the same signature
+    gets them again without the checks and the descriptor building; its bytes
+    are read afresh every time. Content is never remembered here (the chunker
+    and the footer digests look at the bytes). Also the path strings of tensor
+    positions, which cost more to build than to look up."""
+
+    def __init__(self):
+        self.last: dict[int, _Known] = {}
+        self.next: dict[int, _Known] = {}
+        self.paths: dict[tuple, str] = {}
+        self.next_paths: dict[tuple, str] = {}
+        self.reused = 0
+
+    def known(self, x) -> _Known | None:
+        k = self.last.get(id(x))
+        if k is None or k.ref() is not x or _signature(x) != k.sig:
+            return None
+        return k
+
+    def done(self, ok: bool) -> None:
+        if ok:
+            self.last, self.paths = self.next, self.next_paths
+        self.next, self.next_paths = {}, {}
+
+
+_deref = weakref.ref.__call__
+
+
+def _signature(x):
+    """What a tensor's encoding depends on besides its bytes, for a tensor whose
+    bytes the codec reads in place (C-contiguous, on the CPU); None for others.
+    A numpy array's data pointer is not needed: numpy refuses to resize (the only
+    way to move its data) an array that has a weak reference, which the memo holds.
+    A torch tensor's can move (``set_``, ``.data =``, ``resize_``): it is part of it."""
+    t = type(x)
+    if t is np.ndarray:
+        if not x.flags.c_contiguous or x.dtype.byteorder == ">" or x.size == 0:
+            return None
+        return (x.dtype, x.shape, x.strides)
+    if torch is not None and (t is torch.Tensor or t is torch.nn.Parameter):
+        if (x.device.type != "cpu" or x.layout != torch.strided or not x.is_contiguous() or x.is_conj()
+                or x.is_neg() or x.numel() == 0):
+            return None
+        return (t, x.dtype, x.shape, x.stride(), x.storage_offset(), x.data_ptr(), x.requires_grad)
+    return None
+
+
+_NP_META = attrgetter("dtype", "shape", "strides")
+
+
+def _signatures(seg: list) -> list:
+    """What :func:`_signature` depends on, for tensors it accepted, in bulk: in C
+    (``map``) for a segment of numpy arrays, where it costs most per item."""
+    types = list(map(type, seg))
+    if types.count(np.ndarray) == len(types):
+        return list(map(_NP_META, seg))
+    return [types] + list(map(_signature, seg))
 
 
 def plain_packed(x) -> bytes | None:
@@ -250,6 +344,9 @@ def encode_state(state: Any, *, root: str = "state", memo: EncodeMemo | None = N
     try:
         tree = enc.value(state, 0)
         tree_bytes = msgpack.packb(tree, use_bin_type=True, unicode_errors="surrogatepass")
+        tensors, blobs, owners = enc.finish()
+        if memo is not None:
+            enc.record_runs()
         ok = True
     except _Unencodable as e:
         path = root + "".join(reversed(e.path))
@@ -258,9 +355,8 @@ def encode_state(state: Any, *, root: str = "state", memo: EncodeMemo | None = N
         raise EncodeError(f"{root}: nesting too deep (limit {MAX_DEPTH})") from None
     finally:
         if memo is not None:
-            memo.done(ok)
-    tensors, blobs = enc.finish()
-    return Encoded(tree_bytes, tensors, blobs)
+            memo.done(ok)   # a failed encode leaves the memo as the last good one left it
+    return Encoded(tree_bytes, tensors, blobs, owners)
 
 
 _PLAIN_KEYS = (type(None), bool, int, float, str, bytes)
@@ -321,6 +417,9 @@ class _Encoder:
         self.paths: list[str] = []
         self.by_id: dict[int, int] = {}    # id(obj) -> reference index
         self.stack: list[str] = []
+        self.known: list[_Known | None] = []   # per reference, what the memo knew of it
+        self.new_runs: list[tuple] = []        # segments to remember once finish() knows their tensors
+        self.spans: list[tuple[int, _TensorRun]] = []   # segments taken as remembered: (first reference, run)
 
     # The walker. Exact types first (the common case), then the rest.
     def value(self, x, depth):
@@ -405,19 +504,68 @@ class _Encoder:
         n = memo.SEGMENT
         full = len(xs) // n * n
         path = (depth, *self.stack)
+        prefix = None
         for j in range(0, full, n):
             seg = xs[j:j + n]
-            packed = plain_packed(seg)
             key = (path, j)
-            if packed is not None and memo._last.get(key) == packed:
-                out += seg
-                memo.reused_items += n
+            last = memo._last.get(key)
+            packed = None
+            if type(last) is _TensorRun:
+                if prefix is None:
+                    prefix = self._path()
+                run = self._reuse_run(last, seg, prefix, out)
+                if run is not None:
+                    memo._next[key] = run
+                    memo.reused_items += n
+                    continue
             else:
-                out += self.items(seg, depth, j)
+                packed = plain_packed(seg)
+                if packed is not None and last == packed:
+                    out += seg
+                    memo.reused_items += n
+                    memo._next[key] = packed
+                    continue
+            before = len(self.refs)
+            out += self.items(seg, depth, j)
             if packed is not None:
                 memo._next[key] = packed
+            elif len(self.refs) == before + n and all(map(is_, self.refs[before:], seg)):
+                if prefix is None:
+                    prefix = self._path()
+                self.new_runs.append((key, seg, before, prefix, out[-n:]))
         out += self.items(xs[full:], depth, full)
         return out
+
+    def _reuse_run(self, run: _TensorRun, seg: list, prefix: str, out: list) -> _TensorRun | None:
+        """Take ``seg`` as ``run`` encoded it, if it holds the same tensors with the
+        same signatures and none of them was referenced earlier in this state.
+        Returns the run to remember (itself, or a copy at its new first index)."""
+        if run.prefix != prefix or not all(map(is_, map(_deref, run.refs), seg)):
+            return None
+        if _signatures(seg) != run.sigs:
+            return None
+        ids = list(map(id, seg))
+        if not self.by_id.keys().isdisjoint(ids):
+            return None
+        first = len(self.refs)
+        if first != run.first:      # what precedes it changed: its references (and blobs) moved
+            run = run.moved(first)
+        self.by_id.update(zip(ids, range(first, first + len(seg))))
+        self.refs += seg
+        self.paths += run.paths
+        self.known += run.known
+        self.spans.append((first, run))
+        out += run.tree
+        return run
+
+    def record_runs(self) -> None:
+        """Remember the tensor segments walked this time whose tensors all got a
+        :class:`_Known` (after :meth:`finish`)."""
+        for key, seg, first, prefix, tree in self.new_runs:
+            known = self.known[first:first + len(seg)]
+            if all(k is not None for k in known):
+                self.memo._next[key] = _TensorRun(seg, first, prefix, tree, self.paths[first:first + len(seg)],
+                                                  known)
 
     def items(self, xs, depth, first: int) -> list:
         out = []
@@ -470,35 +618,99 @@ class _Encoder:
     def tensor(self, x):
         idx = self.by_id.get(id(x))
         if idx is None:
-            if isinstance(x, np.ndarray):
-                _check_np(x)
-            else:
-                _check_torch(x)
+            known = self.memo.tensors.known(x) if self.memo is not None else None
+            if known is None:
+                if isinstance(x, np.ndarray):
+                    _check_np(x)
+                else:
+                    _check_torch(x)
             idx = len(self.refs)
             self.by_id[id(x)] = idx
             self.refs.append(x)
             self.paths.append(self._path())
+            self.known.append(known)
         return msgpack.ExtType(EXT_TENSOR, _packed_index(idx))
 
     def _path(self) -> str:
-        return "state" + "".join(_key_repr(k) for k in self.stack)
+        if self.memo is None:
+            return "state" + "".join(_key_repr(k) for k in self.stack)
+        memo = self.memo.tensors
+        # only str and int steps: other keys can be equal and print differently (1 and True, 0.0 and -0.0)
+        key = tuple(self.stack)
+        if not all(type(k) is str or type(k) is int for k in key):
+            return "state" + "".join(_key_repr(k) for k in self.stack)
+        path = memo.paths.get(key)
+        if path is None:
+            path = "state" + "".join(_key_repr(k) for k in self.stack)
+        memo.next_paths[key] = path
+        return path
 
     # Group tensors by the memory they live in, then lay out blobs.
-    def finish(self) -> tuple[list[dict], list[_Blob]]:
-        groups: dict[Any, list[int]] = {}
-        for i, x in enumerate(self.refs):
-            groups.setdefault(_memory_key(x, i), []).append(i)
-        descs: list[dict | None] = [None] * len(self.refs)
-        blobs: list[_Blob] = []
-        for members in groups.values():
+    def finish(self) -> tuple[list[dict], list[memoryview], list]:
+        refs, known = self.refs, self.known
+        keys = [_memory_key(x, i) if k is None else k.memory_key for i, (x, k) in enumerate(zip(refs, known))]
+        if len(set(keys)) == len(keys):     # no two tensors share memory: blob i holds tensor i
+            return self._finish_unshared()
+        by_key: dict[Any, list[int]] = {}
+        for i, key in enumerate(keys):
+            by_key.setdefault(key, []).append(i)
+        descs: list[dict | None] = [None] * len(refs)
+        views: list[memoryview] = []
+        owners: list = []
+        for key, members in by_key.items():
             if len(members) == 1:
                 i = members[0]
-                view, owner = _compact_bytes(self.refs[i])
-                descs[i] = _descriptor(self.refs[i], self.paths[i], len(blobs), 0, None)
-                blobs.append(_Blob(view, owner))
+                d, view, owner = self._one(i, len(views), key)
+                descs[i] = d
+                views.append(view)
+                owners.append(owner)
             else:
-                _shared_group(members, self.refs, self.paths, descs, blobs)
-        return descs, blobs  # type: ignore[return-value]
+                _shared_group(members, refs, self.paths, descs, views, owners)
+        return descs, views, owners  # type: ignore[return-value]
+
+    def _finish_unshared(self) -> tuple[list[dict], list[memoryview], list]:
+        refs, known = self.refs, self.known
+        n = len(refs)
+        descs: list = [None] * n
+        views: list = [None] * n
+        owners: list = list(refs)
+        pos = 0
+        spans = self.spans + [(n, None)]
+        for first, run in spans:
+            for i in range(pos, first):       # walked one by one
+                descs[i], views[i], owners[i] = self._one(i, i, None)
+            if run is None:
+                break
+            m = len(run.descs)
+            seg = refs[first:first + m]
+            views[first:first + m] = _own_bytes_all(seg)
+            descs[first:first + m] = run.descs      # blob i is reference i, as when the run was made
+            if self.memo is not None:
+                self.memo.tensors.next.update(zip(map(id, seg), run.known))
+                self.memo.tensors.reused += m
+            pos = first + m
+        return descs, views, owners
+
+    def _one(self, i: int, b: int, key) -> tuple[dict, memoryview, Any]:
+        """Descriptor (blob ``b``), bytes and owner of reference ``i`` stored alone."""
+        x, k = self.refs[i], self.known[i]
+        memo = self.memo.tensors if self.memo is not None else None
+        if k is not None and k.desc["path"] == self.paths[i]:
+            memo.reused += 1
+            d = k.desc if k.desc["blob"] == b else {**k.desc, "blob": b}
+            view, owner = _own_bytes(x), x
+        else:
+            view, owner = _compact_bytes(x)
+            d = _descriptor(x, self.paths[i], b, 0, None)
+            if memo is not None:
+                sig = _signature(x)
+                k = None if sig is None else _Known(weakref.ref(x), sig, _memory_key(x, i) if key is None else key,
+                                                    d)
+                self.known[i] = k
+        if k is not None:
+            k.desc = d
+            memo.next[id(x)] = k
+        return d, view, owner
 
 
 def _packed_index(idx: int) -> bytes:
@@ -601,6 +813,37 @@ def _compact_bytes(x) -> tuple[memoryview, Any]:
     return memoryview(flat.numpy()), t
 
 
+def _own_bytes_all(xs: list) -> list[memoryview]:
+    """:func:`_own_bytes` of each, in C where every one is a numpy array with a buffer format."""
+    try:
+        if list(map(type, xs)).count(np.ndarray) == len(xs):
+            return list(map(_CAST_BYTES, map(memoryview, xs)))
+    except (ValueError, TypeError, NotImplementedError):
+        pass
+    return list(map(_own_bytes, xs))
+
+
+_CAST_BYTES = methodcaller("cast", "B")
+
+
+def _own_bytes(x) -> memoryview:
+    """The bytes of a tensor that :func:`_signature` accepts, in place."""
+    if type(x) is np.ndarray:
+        try:
+            return memoryview(x).cast("B")
+        except (ValueError, TypeError, NotImplementedError):   # no buffer format (datetime64, complex)
+            return memoryview(x.reshape(-1).view(np.uint8))
+    t = x.detach()
+    try:
+        return memoryview(t.numpy()).cast("B")
+    except (TypeError, ValueError, RuntimeError, NotImplementedError):   # dtypes numpy lacks (bfloat16)
+        pass
+    flat = t.reshape(-1)
+    if flat.numel() == 1:  # a one-element view may keep any stride; view(uint8) needs 1
+        flat = flat.as_strided((1,), (1,))
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
 def _descriptor(x, path: str, blob: int, offset: int, strides) -> dict:
     if isinstance(x, np.ndarray):
         d = {"path": path, "lib": "numpy", "dtype": np_dtype_name(x.dtype), "shape": list(x.shape),
@@ -631,7 +874,7 @@ def _extent(ptr: int, shape, byte_strides, itemsize: int) -> tuple[int, int]:
     return lo, hi + itemsize
 
 
-def _shared_group(members, refs, paths, descs, blobs) -> None:
+def _shared_group(members, refs, paths, descs, views, owners) -> None:
     """Several tensors over one memory region: store the span covering all, once."""
     spans = []
     first = refs[members[0]]
@@ -640,8 +883,9 @@ def _shared_group(members, refs, paths, descs, blobs) -> None:
             a = refs[i]
             if a.dtype.byteorder == ">":  # cannot share a byte-swapped view: store it alone
                 view, owner = _compact_bytes(a)
-                descs[i] = _descriptor(a, paths[i], len(blobs), 0, None)
-                blobs.append(_Blob(view, owner))
+                descs[i] = _descriptor(a, paths[i], len(views), 0, None)
+                views.append(view)
+                owners.append(owner)
                 continue
             ptr = a.__array_interface__["data"][0]
             spans.append((i, ptr, list(a.strides), a.itemsize))
@@ -666,8 +910,9 @@ def _shared_group(members, refs, paths, descs, blobs) -> None:
         view, owner = memoryview(host.numpy()), host
     else:
         view = memoryview((ctypes.c_ubyte * n).from_address(lo)).cast("B")
-    blob_index = len(blobs)
-    blobs.append(_Blob(view, owner))
+    blob_index = len(views)
+    views.append(view)
+    owners.append(owner)
     for i, p, st, k in spans:
         x = refs[i]
         contiguous = (x.flags.c_contiguous if isinstance(x, np.ndarray) else x.is_contiguous())

@@ -17,6 +17,7 @@ import struct
 import time
 from dataclasses import dataclass
 from itertools import chain
+from operator import attrgetter
 from typing import Callable, Iterator, Sequence
 
 import msgpack
@@ -64,6 +65,7 @@ def align(n: int) -> int:
 
 
 _ZEROS = bytes(ALIGN)
+_NBYTES = attrgetter("nbytes")
 
 
 @dataclass(frozen=True)
@@ -115,18 +117,20 @@ class ContainerWriter:
 
     def __init__(self, meta: dict, blobs: Sequence[memoryview], *, created_at_ns: int | None = None,
                  minor: int = MINOR, flags: int = 0):
-        self.blobs = [b if isinstance(b, memoryview) and b.format == "B" and b.ndim == 1
+        self.blobs = [b if type(b) is memoryview and b.format == "B" and b.ndim == 1
                       else memoryview(b).cast("B") for b in blobs]
         if len(self.blobs) > MAX_BLOBS:
             raise ValueError(f"too many blobs: {len(self.blobs)} > {MAX_BLOBS}")
-        offsets, pos = [], 0
-        for b in self.blobs:
-            pos = align(pos)
-            offsets.append(pos)
-            pos += b.nbytes
-        self.offsets = offsets
+        # each blob starts at the next multiple of ALIGN after the one before it ends
+        sizes = np.fromiter(map(_NBYTES, self.blobs), dtype=np.uint64, count=len(self.blobs))
+        ends = np.cumsum((sizes + np.uint64(ALIGN - 1)) & np.uint64(~(ALIGN - 1) & (2**64 - 1)))
+        starts = np.empty_like(ends)
+        starts[:1] = 0
+        starts[1:] = ends[:-1]
+        pos = int(starts[-1] + sizes[-1]) if len(sizes) else 0
+        self.offsets = offsets = starts.tolist()
         full_meta = dict(meta)
-        full_meta["blobs"] = [[o, b.nbytes] for o, b in zip(offsets, self.blobs)]
+        full_meta["blobs"] = np.stack([starts, sizes], axis=1).tolist()
         self.meta_bytes = msgpack.packb(full_meta, use_bin_type=True, unicode_errors="surrogatepass")
         if len(self.meta_bytes) > MAX_META_LEN:
             raise ValueError(f"metadata is {len(self.meta_bytes)} bytes, over the {MAX_META_LEN} limit")

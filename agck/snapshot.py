@@ -112,10 +112,13 @@ def capture(x: Any) -> Any:
     state_dict; RNG generators become tagged dicts of their state. Plain data
     (what msgpack packs as is) is returned as it is, checked in C, not walked."""
     t = type(x)
-    if t in _ATOMS:
+    if t in _ATOMS or t is np.ndarray or t in _TENSOR_TYPES:
         return x
-    if (t is list or t is dict) and len(x) >= _PLAIN_CHECK_MIN and plain_packed(x) is not None:
-        return x
+    if (t is list or t is dict) and len(x) >= _PLAIN_CHECK_MIN:
+        if plain_packed(x) is not None:
+            return x
+        if t is list and all(map(_PASSED.__contains__, map(type, x))):   # a list of tensors, checked in C
+            return x
     if isinstance(x, dict):
         return {k: capture(v) for k, v in x.items()}
     if t is list:
@@ -330,6 +333,8 @@ class _Stager:
 
 
 _ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
+_TENSOR_TYPES = frozenset() if torch is None else frozenset({torch.Tensor, torch.nn.Parameter})
+_PASSED = _ATOMS | _TENSOR_TYPES | {np.ndarray}     # what capture() returns as it is
 
 
 # Staging buffers are plain host memory (pinned for CUDA tensors). Made ahead of

@@ -150,3 +150,31 @@ def test_a_piece_under_another_key_or_sizes_is_not_compared():
     c.split_piece("b", data, chunking.SMALL)
     c.split_piece("a", data, chunking.HEAD)
     assert c.reused_bytes == 0
+
+
+def test_a_piece_that_only_grew_is_confirmed_in_one_pass(monkeypatch):
+    """The bytes up to the last chunk cut by content are confirmed by one XXH3 over
+    them, not chunk by chunk; a change anywhere in them falls back to chunk by chunk."""
+    rng = np.random.default_rng(5)
+    items = [rng.random(16384, dtype=np.float32).tobytes() for _ in range(200)]
+    c = chunking.Chunker()
+    c.split_piece("run", items, chunking.SMALL)
+    c.done()
+    checks = []
+    real = chunking.Chunker._check
+    monkeypatch.setattr(chunking.Chunker, "_check", lambda self, p, s, e: checks.append(s) or real(self, p, s, e))
+    grown = items + [os.urandom(65536)]
+    got, same = c.split_piece("run", grown, chunking.SMALL)
+    c.done()
+    assert len(checks) <= 4                               # the open last chunk and the new ones only
+    assert all(same[:199]) and not same[-1]
+    want = chunking.Chunker(remember=False).split_piece("run", grown, chunking.SMALL)[0]
+    assert got.addresses == want.addresses and got.sizes == want.sizes
+    changed = list(grown)
+    changed[50] = os.urandom(65536)
+    checks.clear()
+    got, same = c.split_piece("run", changed, chunking.SMALL)
+    assert len(checks) > 100                              # the prefix did not match: chunk by chunk
+    assert not same[50] and all(same[:45])               # (a chunk may span the edge of item 50)
+    want = chunking.Chunker(remember=False).split_piece("run", changed, chunking.SMALL)[0]
+    assert got.addresses == want.addresses

@@ -744,3 +744,132 @@ def test_encode_memo_reports_a_changed_record_that_became_unencodable():
         codec.encode_state(state, memo=memo)
     state["r"][5]["a"] = 7                  # the failed encode left the memo as it was
     assert _tree_bytes(state, memo) == _tree_bytes(state)
+
+
+# --- the tensor memo: same objects with the same signature encode the same; anything else is walked ---
+
+def _encoded(state, memo=None):
+    """Everything an encode produces: tree, descriptors, and each blob's bytes."""
+    e = codec.encode_state(state, memo=memo)
+    return e.tree, msgpack.packb(e.tensors), [bytes(b) for b in e.blobs]
+
+
+def _np_shape_in_place(xs, i):
+    a = xs[i]
+    if isinstance(a, np.ndarray) and a.size % 2 == 0:
+        a.shape = (2, a.size // 2)            # same object, same memory, another shape
+
+
+def _np_dtype_in_place(xs, i):
+    a = xs[i]
+    if isinstance(a, np.ndarray) and a.ndim == 1 and a.dtype == np.float32:
+        a.dtype = np.int32                     # same object, same bytes, another dtype
+
+
+def _torch_data_assign(xs, i):
+    if isinstance(xs[i], torch.Tensor):
+        xs[i].data = torch.full((7,), 3, dtype=xs[i].dtype)    # same object, new storage and shape
+
+
+def _torch_set(xs, i):
+    if isinstance(xs[i], torch.Tensor):
+        xs[i].set_(torch.ones(5))
+
+
+def _torch_resize(xs, i):
+    if isinstance(xs[i], torch.Tensor) and not xs[i].requires_grad:
+        n = xs[i].numel()
+        shape = xs[i].shape
+        try:
+            xs[i].resize_(n + 3)
+        except RuntimeError:       # storage not resizable (from numpy, a view): torch leaves the new
+            xs[i].resize_(shape)   # shape set over the old storage; put it back
+            return
+        xs[i].view(-1)[n:] = 7     # the new elements are uninitialized memory
+
+
+def _torch_requires_grad(xs, i):
+    t = xs[i]
+    if isinstance(t, torch.Tensor) and t.is_floating_point():
+        t.requires_grad_(not t.requires_grad)
+
+
+def _inplace_values(xs, i):
+    x = xs[i]
+    if isinstance(x, np.ndarray):
+        x.reshape(-1)[0] += 1
+    elif not x.requires_grad:
+        x.view(-1)[0] += 1
+    else:
+        with torch.no_grad():
+            x.view(-1)[0] += 1
+
+
+_TENSOR_EDITS = [
+    lambda xs, i: xs.append(np.random.default_rng(i).random(6, dtype=np.float32)),     # grows
+    lambda xs, i: xs.append(torch.arange(float(i % 9 + 1))),
+    lambda xs, i: xs.__setitem__(i, np.arange(6, dtype=np.float32)),                 # replaced
+    lambda xs, i: xs.insert(i, torch.zeros(3)),                                         # everything after shifts
+    lambda xs, i: xs.__delitem__(i),
+    lambda xs, i: xs.__setitem__(i, xs[(i + 1) % len(xs)]),                            # the same tensor twice
+    lambda xs, i: xs.__setitem__(i, xs[(i + 3) % len(xs)][:1]),                        # a view of another one
+    lambda xs, i: xs.__setitem__(i, np.arange(8, dtype=np.float32)[::2]),              # not contiguous
+    lambda xs, i: xs.__setitem__(i, np.arange(4, dtype=">f4")),                        # big-endian
+    lambda xs, i: xs.__setitem__(i, torch.nn.Parameter(torch.ones(3))),
+    lambda xs, i: xs.__setitem__(i, torch.ones(4, dtype=torch.bfloat16)),
+    lambda xs, i: xs.__setitem__(i, {"nested": xs[i]}),                                # no longer a tensor
+    _np_shape_in_place, _np_dtype_in_place, _torch_data_assign, _torch_set, _torch_resize,
+    _torch_requires_grad, _inplace_values,
+]
+
+
+def _apply(edit, xs, i):
+    with torch.no_grad():
+        try:
+            edit(xs, i)
+        except RuntimeError:     # an edit torch refuses for this tensor (a leaf that requires grad)
+            pass
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_tensor_memo_gives_what_a_fresh_encode_gives(seed):
+    rng = np.random.default_rng(seed)
+    n = codec.EncodeMemo.SEGMENT
+    xs: list = []
+    for i in range(int(rng.integers(2 * n, 4 * n))):
+        xs.append(np.random.default_rng(i).random(int(rng.integers(1, 9)), dtype=np.float32) if i % 3
+                  else torch.arange(float(i % 5 + 2)))
+    state = {"out": xs, "model": {"w": torch.ones(4, 4), "b": np.zeros(3)}}
+    memo = codec.EncodeMemo()
+    for _ in range(6):
+        assert _encoded(state, memo) == _encoded(state)
+        for _ in range(int(rng.integers(0, 5))):
+            edit = _TENSOR_EDITS[int(rng.integers(0, len(_TENSOR_EDITS)))]
+            _apply(edit, xs, int(rng.integers(0, len(xs))))
+        if rng.integers(0, 4) == 0:
+            _apply(_TENSOR_EDITS[int(rng.integers(14, len(_TENSOR_EDITS)))], [state["model"]["w"]], 0)
+    assert memo.tensors.reused > 0
+
+
+def test_tensor_memo_takes_unchanged_segments_whole():
+    n = codec.EncodeMemo.SEGMENT
+    xs = [np.full(4, i, dtype=np.float32) for i in range(3 * n + 5)]
+    memo = codec.EncodeMemo()
+    codec.encode_state({"out": xs}, memo=memo)
+    before = memo.reused_items
+    xs.append(np.zeros(4, dtype=np.float32))
+    assert _encoded({"out": xs}, memo) == _encoded({"out": xs})
+    assert memo.reused_items - before == 3 * n        # the full segments, not walked again
+    xs[n + 1].shape = (2, 2)                           # one array of the second segment changes shape
+    assert _encoded({"out": xs}, memo) == _encoded({"out": xs})
+
+
+def test_numpy_refuses_to_move_an_array_the_memo_references():
+    """The memo leaves numpy arrays' data pointers out of their signature because a weak
+    reference makes numpy refuse resize() (the one way to move an array's data in place)."""
+    a = np.zeros(8, dtype=np.float32)
+    memo = codec.EncodeMemo()
+    codec.encode_state({"a": a}, memo=memo)
+    with pytest.raises(ValueError):
+        a.resize(1 << 20, refcheck=False)

@@ -75,7 +75,7 @@ class WriteCache:
 
     def __init__(self):
         self.chunker = chunking.Chunker()
-        self.digests: dict = {}       # (piece key, offset, size) -> XXH3-64 of the blob found there
+        self.digests: dict = {}       # piece key -> _PieceDigests, the blob digests found there
         self.encoding = codec.EncodeMemo()
         self.puts = 0                 # puts of the run through this store object (full_every)
 
@@ -98,35 +98,63 @@ class WriteCaches:
         self._by_run[run] = cache
 
 
-def split_container(w: format.ContainerWriter, cache: WriteCache | None = None) -> list[chunking.PieceChunk]:
+class _PieceDigests:
+    """The blob digests of one piece of the last container: per part, its offset in
+    the piece and, for a blob, its XXH3-64 (None for padding)."""
+    __slots__ = ("bounds", "digests", "_by_place")
+
+    def __init__(self, bounds: list[int], digests: list):
+        self.bounds, self.digests, self._by_place = bounds, digests, None
+
+    def at(self, start: int, end: int):
+        """The digest of the blob that was at [start, end) of the piece, if any."""
+        if self._by_place is None:
+            b = self.bounds
+            self._by_place = {(b[i], b[i + 1]): d for i, d in enumerate(self.digests) if d is not None}
+        return self._by_place.get((start, end))
+
+
+def split_container(w: format.ContainerWriter, cache: WriteCache | None = None) -> list[chunking.PieceChunks]:
     """The container ``w`` as chunks, in order, computing the blobs' digests and
     its footer on the way. Pieces, each cut on its own (:mod:`agck.chunking`):
     the header, metadata and padding; each run of blobs under ``LARGE_PART``
-    bytes with the padding between them; each larger blob; the footer."""
+    bytes with the padding between them; each larger blob; the footer. A blob
+    whose bytes the chunker found unchanged at the same place of the same piece
+    keeps its digest from last time."""
     chunker = cache.chunker if cache is not None else chunking.Chunker(remember=False)
     known = cache.digests if cache is not None else {}
     digests_now: dict = {}
     layout = w.layout()
-    out, _ = chunker.split_piece("head", [buf for _, buf, _ in layout[:3]], chunking.HEAD)
+    out = [chunker.split_piece("head", [buf for _, buf, _ in layout[:3]], chunking.HEAD)[0]]
     rest = layout[3:]
     groups = [(key, [rest[i] for i in members], sizes)
               for key, members, sizes in chunking.pieces([buf.nbytes for _, buf, _ in rest])]
-    digests = []
+    digests: list[int] = []
     for key, entries, sizes in groups:
-        chunks, unchanged = chunker.split_piece(key, [buf for _, buf, _ in entries], sizes)
-        out.extend(chunks)
-        rel = 0
-        for (_, buf, is_blob), same in zip(entries, unchanged):
-            if is_blob:
-                k = (key, rel, buf.nbytes)
-                d = known.get(k) if same else None
-                if d is None:
-                    d = format.digest(buf)
-                digests_now[k] = d
-                digests.append(d)
-            rel += buf.nbytes
+        bufs = [buf for _, buf, _ in entries]
+        chunks, unchanged = chunker.split_piece(key, bufs, sizes)
+        out.append(chunks)
+        base = entries[0][0]
+        bounds = [off - base for off, _, _ in entries]
+        bounds.append(bounds[-1] + bufs[-1].nbytes)
+        old = known.get(key)
+        # the parts before the first changed one: same bytes at the same offsets as last time
+        m = unchanged.index(False) if False in unchanged else len(unchanged)
+        if old is not None and m and old.bounds[:m + 1] == bounds[:m + 1]:
+            ds = old.digests[:m]
+        else:
+            ds, m = [], 0
+        for i in range(m, len(entries)):
+            ds.append(old.at(bounds[i], bounds[i + 1]) if old is not None and unchanged[i] else None)
+        for i, (_, buf, is_blob) in enumerate(entries):
+            if not is_blob:
+                ds[i] = None
+            elif ds[i] is None:
+                ds[i] = format.digest(buf)
+        digests.extend(d for d in ds if d is not None)
+        digests_now[key] = _PieceDigests(bounds, ds)
     footer = w.finish(digests)
-    out.extend(chunker.split_piece("footer", [footer], chunking.HEAD)[0])
+    out.append(chunker.split_piece("footer", [footer], chunking.HEAD)[0])
     chunker.done()
     if cache is not None:
         cache.digests = digests_now
@@ -140,17 +168,18 @@ def store_chunks(w: format.ContainerWriter, has: Callable[[bytes], bool],
     durable before committing the listing."""
     out = Chunks([], [])
     seen: set[bytes] = set()
-    for c in split_container(w, cache):
-        a = c.address
-        out.addresses.append(a)
-        out.sizes.append(c.nbytes)
-        if a in seen:
-            continue
-        seen.add(a)
-        if not has(a):
-            add(a, c.view())
-            out.new_bytes += c.nbytes
-            out.new_chunks += 1
+    for piece in split_container(w, cache):
+        out.addresses += piece.addresses
+        out.sizes += piece.sizes
+        for i, a in enumerate(piece.addresses):
+            if a in seen:
+                continue
+            seen.add(a)
+            if not has(a):
+                c = piece.chunk(i)
+                add(a, c.view())
+                out.new_bytes += c.nbytes
+                out.new_chunks += 1
     return out
 
 
@@ -176,10 +205,12 @@ class Plan:
 def plan_chunks(w: format.ContainerWriter, cache: WriteCache | None = None) -> Plan:
     """Split the container ``w`` into chunks; the store then sends only :meth:`Plan.missing`."""
     out = Plan(Chunks([], []), {})
-    for c in split_container(w, cache):
-        out.chunks.addresses.append(c.address)
-        out.chunks.sizes.append(c.nbytes)
-        out.distinct.setdefault(c.address, c)
+    for piece in split_container(w, cache):
+        out.chunks.addresses += piece.addresses
+        out.chunks.sizes += piece.sizes
+        for i, a in enumerate(piece.addresses):
+            if a not in out.distinct:
+                out.distinct[a] = piece.chunk(i)
     return out
 
 
