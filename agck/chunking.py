@@ -55,6 +55,35 @@ def address(chunk) -> bytes:
     return blake3.blake3(chunk).digest()
 
 
+class CheckedChunks:
+    """Addresses of chunks whose bytes were found to match them. Passed as
+    ``verify`` to a store's ``read``, it makes each chunk be hashed once across
+    all the checkpoints read with it (``agck verify`` of a run whose
+    checkpoints share most of their chunks): a chunked checkpoint whose chunks
+    all match their addresses holds exactly the bytes its writer checksummed."""
+
+    def __init__(self):
+        self.addresses: set[bytes] = set()
+        self.hashed_bytes = 0
+
+    def __bool__(self) -> bool:   # it means "verify"
+        return True
+
+    def first_mismatch(self, addresses: Sequence[bytes], sizes: Sequence[int], data) -> int | None:
+        """The index of the first chunk of ``data`` (the chunks' bytes, in order) that
+        does not match its address, checking only those not checked before."""
+        view = memoryview(data).cast("B")
+        pos = 0
+        for i, (a, n) in enumerate(zip(addresses, sizes)):
+            if a not in self.addresses:
+                if address(view[pos:pos + n]) != a:
+                    return i
+                self.addresses.add(a)
+                self.hashed_bytes += n
+            pos += n
+        return None
+
+
 def _byte_view(part) -> memoryview:
     v = part if isinstance(part, memoryview) else memoryview(part)
     return v if v.format == "B" and v.ndim == 1 else v.cast("B")

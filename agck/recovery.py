@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from .checkpoint import Checkpoint
+from .chunking import CheckedChunks
 from .errors import (AgckError, CheckpointNotFoundError, CorruptCheckpointError, FormatError,
                      NoValidCheckpointError, UnsupportedVersionError, UsageError)
 from .names import check_run
@@ -90,11 +91,12 @@ def _reject(store, run: str, step: int, e: AgckError) -> Rejection:
                      reason=getattr(e, "reason", str(e)), section=getattr(e, "section", None))
 
 
-def _judge(store, run: str, step: int, *, map_location=None) -> tuple[Checkpoint | None, Rejection | None]:
+def _judge(store, run: str, step: int, *, map_location=None, verify=True
+           ) -> tuple[Checkpoint | None, Rejection | None]:
     """(checkpoint, None) if it verifies, (None, rejection) on a verdict; raises
     anything else. A checkpoint deleted while we look is rejected as gone."""
     try:
-        return store.read(run, step, verify=True, map_location=map_location), None
+        return store.read(run, step, verify=verify, map_location=map_location), None
     except AgckError as e:
         if is_verdict(e) or isinstance(e, CheckpointNotFoundError):
             return None, _reject(store, run, step, e)
@@ -187,11 +189,13 @@ class VerifyReport:
 
 
 def verify_store(store, run: str | None = None, *, progress: Callable[[], Any] | None = None) -> VerifyReport:
-    """Fully verify every checkpoint (of ``run``, or of all runs)."""
+    """Fully verify every checkpoint (of ``run``, or of all runs). A chunk shared by
+    several checkpoints is checked once (:class:`agck.chunking.CheckedChunks`)."""
     rep = VerifyReport(orphans=store.orphans(run))
+    checked = CheckedChunks()
     for r in ([run] if run is not None else store.runs()):
         for step in store.steps(r):
-            ck, rejection = _judge(store, r, step)
+            ck, rejection = _judge(store, r, step, verify=checked)
             if ck is not None:
                 rep.ok.append((r, step))
             else:

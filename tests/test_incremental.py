@@ -473,3 +473,27 @@ def _damage_chunk(store, kind, address: bytes) -> None:
     c.cursor().execute(f"UPDATE {store.names.objects} SET data = set_byte(data, 0, get_byte(data, 0) # 1) "
                        f"WHERE address = %s", (psycopg2.Binary(address),))
     c.close()
+
+
+def test_verify_checks_each_shared_chunk_once_and_names_every_checkpoint_it_reaches(store_spec, monkeypatch):
+    from agck.recovery import verify_store
+    kind, url, opts = store_spec
+    store = open_store(url, **opts)
+    try:
+        model = np.random.default_rng(0).random(300_000)           # shared by every checkpoint
+        for s in range(1, 7):
+            store.put("r", s, {"model": model, "s": s, "out": [np.full(1000, i) for i in range(s)]})
+        hashed = []
+        real = chunking.address
+        monkeypatch.setattr(chunking, "address", lambda b: hashed.append(bytes(b)) or real(b))
+        rep = verify_store(store, "r")
+        assert [s for _, s in rep.ok] == [1, 2, 3, 4, 5, 6] and not rep.rejected
+        assert len(hashed) == len(set(hashed))                      # no chunk hashed twice
+        plan = content.plan_chunks(agck.checkpoint.encode({"model": model, "s": 6}, run="r", step=6))
+        shared = max(plan.distinct.values(), key=lambda c: c.nbytes).address
+        _damage_chunk(store, kind, shared)
+        rep = verify_store(store, "r")
+        assert [r.step for r in rep.rejected] == [1, 2, 3, 4, 5, 6]
+        assert all(r.section == "chunk" and shared.hex()[:16] in r.reason for r in rep.rejected)
+    finally:
+        store.close()

@@ -106,7 +106,9 @@ class Store(ABC):
     @abstractmethod
     def read(self, run: str, step: int, *, verify: bool = True, map_location=None) -> Checkpoint:
         """Load exactly (run, step). Raises CorruptCheckpointError (with ``ref``)
-        on anything that fails verification, CheckpointNotFoundError if absent."""
+        on anything that fails verification, CheckpointNotFoundError if absent.
+        ``verify`` may be a :class:`agck.chunking.CheckedChunks` shared by several
+        reads: each chunk is then checked against its address once for all."""
 
     @abstractmethod
     def ref(self, run: str, step: int) -> str:

@@ -26,6 +26,8 @@ from chunks for a reader.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -222,14 +224,18 @@ def listing(w: format.ContainerWriter, chunks: Chunks, *, run, step, parent, met
 
 
 def assemble(listed: format.ChunkedContainer, fetch: Callable[[bytes, int], object], *,
-             ref: str | None) -> memoryview:
+             ref: str | None, fetch_into: Callable[[bytes, memoryview], int | None] | None = None) -> memoryview:
     """The listed container's bytes, rebuilt from its chunks. ``fetch(address,
-    size)`` returns a chunk's bytes (or None if the store lacks it). Sizes are
-    checked here; the content by the container's own checksums when
-    :func:`agck.checkpoint.loads` verifies it, and addresses only then, to name
-    a damaged chunk (:func:`decode`)."""
+    size)`` returns a chunk's bytes (or None if the store lacks it); a store that
+    can read a chunk straight into its place passes ``fetch_into(address, view)``
+    instead (returns the chunk's size, or None). Sizes are checked here; the
+    content by the container's own checksums when :func:`agck.checkpoint.loads`
+    verifies it, and addresses only then, to name a damaged chunk (:func:`decode`)."""
     buf = memory.new_buffer(listed.length)   # a uint8 array, not zero-filled
     view = memoryview(buf)
+    if fetch_into is not None:
+        _read_into(listed, fetch_into, view, ref)
+        return buf
     pos = 0
     for i, (a, n) in enumerate(zip(listed.addresses, listed.sizes)):
         data = fetch(a, n)
@@ -246,6 +252,41 @@ def assemble(listed: format.ChunkedContainer, fetch: Callable[[bytes, int], obje
         raise CorruptCheckpointError(f"chunks add up to {pos} bytes, the listing says {listed.length}", ref=ref,
                                      section="chunk")
     return buf
+
+
+_PARALLEL_READ_MIN = 16 << 20
+
+
+def _read_into(listed: format.ChunkedContainer, fetch_into, view: memoryview, ref: str | None) -> None:
+    """Each chunk read into its place; large containers by a few threads, each over
+    a contiguous share of the chunks (the reads release the GIL)."""
+    starts = [0]
+    for n in listed.sizes:
+        starts.append(starts[-1] + n)
+    if starts[-1] != listed.length:
+        raise CorruptCheckpointError(f"chunks add up to {starts[-1]} bytes, the listing says {listed.length}",
+                                     ref=ref, section="chunk")
+    count = len(listed.sizes)
+
+    def read(lo: int, hi: int) -> None:
+        for i in range(lo, hi):
+            a, n = listed.addresses[i], listed.sizes[i]
+            got = fetch_into(a, view[starts[i]:starts[i] + n])
+            if got is None:
+                raise CorruptCheckpointError(f"chunk {i} ({a.hex()[:16]}) is missing from the store", ref=ref,
+                                             section="chunk")
+            if got != n:
+                raise CorruptCheckpointError(f"chunk {i} ({a.hex()[:16]}) does not match its address", ref=ref,
+                                             section="chunk")
+
+    k = memory.threads() if listed.length >= _PARALLEL_READ_MIN and count > 1 else 1
+    if k == 1:
+        read(0, count)
+        return
+    bounds = [0] + [bisect_left(starts, listed.length * j // k) for j in range(1, k)] + [count]
+    with ThreadPoolExecutor(max_workers=k, thread_name_prefix="agck-read") as pool:
+        for f in [pool.submit(read, lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]:
+            f.result()
 
 
 def fetcher(found: dict, addresses: list[bytes]) -> Callable[[bytes, int], object]:
@@ -271,27 +312,38 @@ def listed_addresses(buf, *, verify: bool, ref: str | None) -> list[bytes] | Non
     h = format.parse_header(buf, ref=ref)
     if not format.is_chunked(h):
         return None
-    return format.open_chunked(format.open_container(buf, verify=verify, ref=ref)).addresses
+    return format.open_chunked(format.open_container(buf, verify=bool(verify), ref=ref)).addresses
 
 
-def decode(buf, fetch: Callable[[bytes, int], object], *, verify: bool, map_location, ref: str | None) -> Checkpoint:
+def decode(buf, fetch: Callable[[bytes, int], object], *, verify: bool, map_location, ref: str | None,
+           fetch_into: Callable[[bytes, memoryview], int | None] | None = None) -> Checkpoint:
     """Decode a stored container: a 1.0 container as it is, a chunked one by
     rebuilding its content from the store (``fetch``) first. The listing and the
     content must agree on run, step, parent and meta (FORMAT.md, chunked rule 4)."""
     map_location = codec.check_map_location(map_location)   # before anything is read
-    c = format.open_container(buf, verify=verify, ref=ref)
+    c = format.open_container(buf, verify=bool(verify), ref=ref)
     if not format.is_chunked(c.header):
         return checkpoint.decode(c, copy=False, map_location=map_location)
     listed = format.open_chunked(c)
-    # The inner container's checksums (XXH3 over every part) find damaged or wrong
-    # chunks; BLAKE3 of every chunk would cost several times more. A chunk's address
-    # is checked only when they do, to say which chunk it is.
-    inner = assemble(listed, fetch, ref=ref)
-    try:
-        ck = checkpoint.loads(inner, verify=verify, copy=False, map_location=map_location, ref=ref)
-    except CorruptCheckpointError:
-        _name_damaged_chunk(listed, inner, ref)
-        raise
+    inner = assemble(listed, fetch, ref=ref, fetch_into=fetch_into)
+    if isinstance(verify, chunking.CheckedChunks):
+        # Many checkpoints verified together: each chunk is checked against its address
+        # once; then the payload is what its writer checksummed (header, metadata and
+        # footer are still checked, by loads).
+        bad = verify.first_mismatch(listed.addresses, listed.sizes, inner)
+        if bad is not None:
+            raise CorruptCheckpointError(f"chunk {bad} ({listed.addresses[bad].hex()[:16]}) does not match its "
+                                         "address", ref=ref, section="chunk")
+        ck = checkpoint.loads(inner, verify=False, copy=False, map_location=map_location, ref=ref)
+    else:
+        # The inner container's checksums (XXH3 over every part) find damaged or wrong
+        # chunks; BLAKE3 of every chunk would cost several times more. A chunk's address
+        # is checked only when they do, to say which chunk it is.
+        try:
+            ck = checkpoint.loads(inner, verify=verify, copy=False, map_location=map_location, ref=ref)
+        except CorruptCheckpointError:
+            _name_damaged_chunk(listed, inner, ref)
+            raise
     for name in ("run", "step", "parent"):
         if getattr(ck, name) != getattr(listed, name):
             raise CorruptCheckpointError(f"the listing says {name} {getattr(listed, name)!r}, its content "

@@ -159,7 +159,8 @@ class FileStore(Store):
             raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=path,
                                           hint=f"`agck ls {shlex.quote(self.root)} --run {run}` lists the steps")
         buf = checkpoint.read_file(path, mmap=True)
-        ck = content.decode(buf, self.objects.get, verify=verify, map_location=map_location, ref=path)
+        ck = content.decode(buf, self.objects.get, verify=verify, map_location=map_location, ref=path,
+                            fetch_into=self.objects.read_into)
         check_identity(ck, run, step, path)
         return ck
 

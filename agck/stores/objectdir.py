@@ -160,6 +160,33 @@ class ObjectDir:
         except OSError as e:
             raise StoreError(f"cannot read a chunk: {e.strerror}", ref=self.path(address)) from None
 
+    def read_into(self, address: bytes, view: memoryview) -> int | None:
+        """Read the chunk into ``view`` (one copy, from the page cache); returns the
+        chunk file's size (the caller checks it is ``len(view)``), or None if there
+        is no such chunk. Releases the GIL while reading."""
+        path = self.path(address)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StoreError(f"cannot read a chunk: {e.strerror}", ref=path) from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != view.nbytes:
+                return size
+            got = 0
+            while got < size:
+                k = os.preadv(fd, [view[got:]], got)
+                if k == 0:      # shrank since fstat
+                    return got
+                got += k
+            return got
+        except OSError as e:
+            raise StoreError(f"cannot read a chunk: {e.strerror}", ref=path) from None
+        finally:
+            os.close(fd)
+
     # -- collecting ------------------------------------------------------------
     def entries(self) -> Iterable[tuple[str, str]]:
         """(path, name) of every file under the object directory but the lock."""
