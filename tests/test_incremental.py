@@ -442,7 +442,7 @@ def test_full_every_bounds_what_one_damaged_shared_chunk_can_reach(store_spec):
                 standalone.append(s)
         assert standalone == [1, 5, 9]
         plan = content.plan_chunks(agck.checkpoint.encode({"model": model, "s": 11}, run="r", step=11))
-        shared = max(plan.distinct.values(), key=lambda c: c.nbytes).address
+        shared = max(plan.distinct, key=lambda a: plan.chunk(a).nbytes)
         _damage_chunk(store, kind, shared)
         rec = recover_run(store, "r")
         assert rec.step == 9
@@ -490,7 +490,7 @@ def test_verify_checks_each_shared_chunk_once_and_names_every_checkpoint_it_reac
         assert [s for _, s in rep.ok] == [1, 2, 3, 4, 5, 6] and not rep.rejected
         assert len(hashed) == len(set(hashed))                      # no chunk hashed twice
         plan = content.plan_chunks(agck.checkpoint.encode({"model": model, "s": 6}, run="r", step=6))
-        shared = max(plan.distinct.values(), key=lambda c: c.nbytes).address
+        shared = max(plan.distinct, key=lambda a: plan.chunk(a).nbytes)
         _damage_chunk(store, kind, shared)
         rep = verify_store(store, "r")
         assert [r.step for r in rep.rejected] == [1, 2, 3, 4, 5, 6]

@@ -806,8 +806,8 @@ def test_pg_writers_sending_the_same_new_objects_both_commit(pg, pg_dsn):
     from agck.stores import content
     state = {"x": np.arange(300_000, dtype=np.int64)}
     plan = content.plan_chunks(checkpoint.encode(state, run="r", step=1))
-    a, chunk = max(plan.distinct.items(), key=lambda kv: kv[1].nbytes)    # tensor bytes: the same in the put
-    view = chunk.view()
+    a = max(plan.distinct, key=lambda a: plan.chunk(a).nbytes)    # tensor bytes: the same in the put
+    view = plan.chunk(a).view()
     other = psycopg2.connect(pg_dsn)
     cur = other.cursor()
     cur.execute(f"INSERT INTO {pg.names.objects} (address, size, data) VALUES (%s, %s, %s)",

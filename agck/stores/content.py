@@ -29,6 +29,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Callable, Iterable
 
 import msgpack
@@ -189,16 +190,21 @@ def store_chunks(w: format.ContainerWriter, has: Callable[[bytes], bool],
 class Plan:
     """A container split into chunks before asking the store anything, for stores
     that answer "which of these do you hold?" for many chunks at once (one query)
-    rather than one at a time. ``distinct`` holds each chunk once, in order of first
-    occurrence; its bytes stay readable while the plan is held."""
+    rather than one at a time. ``distinct`` holds each chunk's address once, in
+    order of first occurrence, with where its bytes are (:meth:`chunk`); they stay
+    readable while the plan is held."""
 
     chunks: Chunks
-    distinct: dict[bytes, chunking.PieceChunk]
+    distinct: dict[bytes, tuple[chunking.PieceChunks, int]]
+
+    def chunk(self, address: bytes) -> chunking.PieceChunk:
+        piece, i = self.distinct[address]
+        return piece.chunk(i)
 
     def missing(self, present) -> list[tuple[bytes, memoryview]]:
         """The chunks not in ``present`` (a set of addresses), in order, with their
         bytes; also counted in ``chunks.new_chunks`` and ``chunks.new_bytes``."""
-        out = [(a, c.view()) for a, c in self.distinct.items() if a not in present]
+        out = [(a, self.chunk(a).view()) for a in self.distinct if a not in present]
         self.chunks.new_chunks = len(out)
         self.chunks.new_bytes = sum(v.nbytes for _, v in out)
         return out
@@ -210,9 +216,8 @@ def plan_chunks(w: format.ContainerWriter, cache: WriteCache | None = None) -> P
     for piece in split_container(w, cache):
         out.chunks.addresses += piece.addresses
         out.chunks.sizes += piece.sizes
-        for i, a in enumerate(piece.addresses):
-            if a not in out.distinct:
-                out.distinct[a] = piece.chunk(i)
+        # a repeated address keeps its first place; any occurrence has the same bytes
+        out.distinct.update(zip(piece.addresses, zip(repeat(piece), range(len(piece)))))
     return out
 
 
