@@ -256,7 +256,7 @@ class Tamper:
             self.conn = psycopg2.connect(spec[1])
             self.conn.autocommit = True
             self.chunks, self.manifest, self.p = store.names.chunks, store.names.manifest, "%s"
-            self.objects, self.refs = store.names.objects, store.names.refs
+            self.objects, self.refs = store.names.objects, None     # schema 3: no refs table
 
     def sql(self, q, args=()):
         cur = self.conn.cursor()
@@ -522,7 +522,7 @@ def test_sql_standalone_checkpoints_keep_no_objects(db_spec):
     t = Tamper(db_spec, s)
     try:
         s.put("r", 1, state_for(1, n=100_000))
-        assert t.objects_bytes() == 0 and t.sql(f"SELECT count(*) FROM {t.refs}")[0][0] == 0
+        assert t.objects_bytes() == 0 and (t.refs is None or t.sql(f"SELECT count(*) FROM {t.refs}")[0][0] == 0)
         assert s.list("r")[0].size == s.read("r", 1).nbytes
         assert s.collect_garbage().deleted_chunks == 0
         assert_state(s.read("r", 1), 1, n=100_000)
@@ -669,7 +669,8 @@ def test_sql_damaged_or_missing_object_is_corruption(inc):
     rec = recover_run(s, "r")
     assert rec.step == 1 and rec.rejected[0].section == "chunk"
     # a lost row: the tables' own rules are bypassed, as a bad restore or a manual fix would
-    t.sql(f"DELETE FROM {t.refs} WHERE address = ?", (t.blob(big),))
+    if t.refs is not None:
+        t.sql(f"DELETE FROM {t.refs} WHERE address = ?", (t.blob(big),))
     t.sql(f"DELETE FROM {t.objects} WHERE address = ?", (t.blob(big),))
     for verify in (True, False):
         with pytest.raises(CorruptCheckpointError, match="missing") as e:
@@ -684,12 +685,16 @@ def test_sql_overwrite_and_not_overwrite_keep_refs_straight(inc):
     s.put("r", 1, {"x": np.arange(200_000) * 3})
     with pytest.raises(CheckpointExistsError):
         s.put("r", 1, {"x": np.ones(5)}, overwrite=False)
-    assert {bytes(a) for (a,) in t.sql(f"SELECT address FROM {t.refs} WHERE run = ? AND step = ?", ("r", 1))} \
-        == set(t.listed("r", 1))
-    s.collect_garbage()
+    if t.refs is not None:
+        assert {bytes(a) for (a,) in t.sql(f"SELECT address FROM {t.refs} WHERE run = ? AND step = ?",
+                                           ("r", 1))} == set(t.listed("r", 1))
+    got = s.collect_garbage()
+    assert got.live_chunks == len(set(t.listed("r", 1))) and got.listings == 1
+    assert t.object_addresses() == set(t.listed("r", 1))      # the overwritten content is gone
     np.testing.assert_array_equal(s.read("r", 1).state["x"], np.arange(200_000) * 3)
     s.delete("r", 1)
-    assert t.sql(f"SELECT count(*) FROM {t.refs}")[0][0] == 0
+    if t.refs is not None:
+        assert t.sql(f"SELECT count(*) FROM {t.refs}")[0][0] == 0
     assert s.collect_garbage().live_chunks == 0 and t.objects_bytes() == 0
 
 
@@ -786,13 +791,58 @@ def test_pg_migrates_a_version_1_schema(pg_dsn, pg_schema):
         PostgresStore(pg_dsn, prefix=prefix, schema=pg_schema, init=True)    # init never migrates
     raw = PostgresStore(pg_dsn, prefix=prefix, schema=pg_schema, check_schema=False)
     assert raw.schema_status()["state"] == "outdated"
-    assert raw.migrate() == [2] and raw.migrate() == []
+    assert raw.migrate() == [2, 3] and raw.migrate() == []
     raw.close()
     s = PostgresStore(pg_dsn, prefix=prefix, schema=pg_schema)
     t = Tamper(("postgres", pg_dsn), s)
     try:
         assert s.schema_status()["state"] == "current"
         _check_migrated(s, t, old)
+    finally:
+        t.close()
+        s.close()
+
+
+def test_pg_migrates_a_version_2_schema_with_chunked_checkpoints(pg_dsn, pg_schema):
+    """Schema 2 kept a refs row per listed object; 3 flags listings on the manifest
+    and drops refs. Listings written under 2 keep their objects alive after it."""
+    import psycopg2
+    from agck.stores.postgres import PostgresStore
+    prefix = pg_prefix()
+    s = PostgresStore(pg_dsn, prefix=prefix, schema=pg_schema, init=True)
+    t = Tamper(("postgres", pg_dsn), s)
+    model = np.random.default_rng(1).random(200_000)
+    try:
+        for k in (1, 2):
+            s.put("r", k, {"model": model, "k": k})
+        listed = {k: set(t.listed("r", k)) for k in (1, 2)}
+        n = s.names
+        # back to schema 2 as that version of agck left it: refs rows, no listing column
+        t.sql(f"CREATE TABLE {n.refs} (run text COLLATE \"C\" NOT NULL, step bigint NOT NULL, "
+              f"address bytea NOT NULL, PRIMARY KEY (run, step, address), "
+              f"FOREIGN KEY (run, step) REFERENCES {n.manifest} (run, step) ON DELETE CASCADE, "
+              f"FOREIGN KEY (address) REFERENCES {n.objects} (address))")
+        for k, addrs in listed.items():
+            for a in addrs:
+                t.sql(f"INSERT INTO {n.refs} (run, step, address) VALUES (?, ?, ?)", ("r", k, psycopg2.Binary(a)))
+        t.sql(f"ALTER TABLE {n.manifest} DROP COLUMN listing")
+        t.sql(f"UPDATE {n.version} SET version = 2")
+    finally:
+        s.close()
+    with pytest.raises(SchemaMismatchError, match="agck db migrate"):
+        PostgresStore(pg_dsn, prefix=prefix, schema=pg_schema)
+    raw = PostgresStore(pg_dsn, prefix=prefix, schema=pg_schema, check_schema=False)
+    assert raw.migrate() == [3] and raw.migrate() == []
+    raw.close()
+    s = PostgresStore(pg_dsn, prefix=prefix, schema=pg_schema)
+    try:
+        assert t.sql(f"SELECT to_regclass('{pg_schema}.{prefix}_refs') IS NULL")[0][0]
+        got = s.collect_garbage()
+        assert got.listings == 2 and got.deleted_chunks == 0 and got.live_chunks == len(listed[1] | listed[2])
+        s.delete("r", 1)
+        s.collect_garbage()
+        assert t.object_addresses() == listed[2]
+        np.testing.assert_array_equal(s.read("r", 2).state["model"], model)
     finally:
         t.close()
         s.close()

@@ -13,8 +13,9 @@ The rules every backend keeps, whatever its storage:
 2. A chunk is deleted only when no committed chunked container lists it, and
    never while a writer that may be about to list it is between checking that
    it exists and committing (file store: a shared lock held by writers, an
-   exclusive one by the collector; SQL stores: a foreign key from the listing
-   to the chunk, checked by the database at commit).
+   exclusive one by the collector; Postgres: the same with a transaction
+   advisory lock; SQLite: a foreign key from the listing to the chunk, checked
+   by the database at commit).
 3. Deleting a checkpoint removes its chunked container first; its chunks are
    collected later (:meth:`Store.collect_garbage`), so a crash between the two
    leaves only unreferenced chunks, collected by the next run.
@@ -36,7 +37,7 @@ import msgpack
 
 from .. import checkpoint, chunking, codec, format, memory
 from ..checkpoint import Checkpoint
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, FormatError
 
 
 @dataclass
@@ -346,7 +347,7 @@ def decode(buf, fetch: Callable[[bytes, int], object], *, verify: bool, map_loca
         # is checked only when they do, to say which chunk it is.
         try:
             ck = checkpoint.loads(inner, verify=verify, copy=False, map_location=map_location, ref=ref)
-        except CorruptCheckpointError:
+        except (CorruptCheckpointError, FormatError):   # (damage to the magic reads as "not a container")
             _name_damaged_chunk(listed, inner, ref)
             raise
     for name in ("run", "step", "parent"):

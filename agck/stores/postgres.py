@@ -6,34 +6,42 @@
 Tables (``prefix`` defaults to ``agck``, optionally inside Postgres ``schema``)::
 
     {prefix}_schema_version(version int)
-    {prefix}_manifest(run, step, parent, size, checksum, nchunks, created_at, meta jsonb, length)
+    {prefix}_manifest(run, step, parent, size, checksum, nchunks, created_at, meta jsonb, length, listing)
                                                                    PRIMARY KEY(run, step)
     {prefix}_chunks(run, step, idx, data bytea STORAGE EXTERNAL)   PRIMARY KEY(run, step, idx)
     {prefix}_objects(address bytea, size, data bytea STORAGE EXTERNAL)       PRIMARY KEY(address)
-    {prefix}_refs(run, step, address)   PRIMARY KEY(run, step, address),
-        FOREIGN KEY (run, step) -> manifest ON DELETE CASCADE, FOREIGN KEY (address) -> objects
+    {prefix}_gc(generation bigint)                                 one row
 
 Each checkpoint is one container kept as chunk rows: ``size`` is the
 container's bytes, ``checksum`` the xxh3-64 of its footer, ``length`` the
 checkpoint's own size (what :meth:`list` reports). By default
 (``incremental=True``) that container is a small chunk listing (FORMAT.md,
-version 1.1) and the content is kept in ``objects``, one row per distinct
-BLAKE3-256 address, shared by every checkpoint holding those bytes; only the
-objects the store lacks are sent. ``refs`` records which checkpoint lists
-which object: its foreign keys make the database refuse a listing
-whose object is gone and the deletion of an object a committed listing needs
-(:mod:`agck.stores.content`, rule 2), whatever writers and collectors run
-side by side. ``incremental=False`` stores standalone 1.0 containers.
+version 1.1; ``listing`` is true) and the content is kept in ``objects``, one
+row per distinct BLAKE3-256 address, shared by every checkpoint holding those
+bytes; only the objects the store lacks are sent. ``incremental=False``
+stores standalone 1.0 containers.
+
+Writers and the collector exclude each other with one transaction advisory
+lock per store (:mod:`agck.stores.content`, rule 2): a put holds it shared
+from the moment it looks for the objects it relies on until its COMMIT; the
+collector holds it exclusively while it reads every listing and deletes the
+objects none lists. So no object a put relies on can be deleted before its
+listing commits, and a collection sees every listing committed before it
+began, with no per-object row or lock per checkpoint (a checkpoint's cost
+stays proportional to what it sends). A collection that deleted anything
+increments ``{prefix}_gc.generation``; a store object asks the database only
+about objects it has not itself committed while the generation it read is
+current. Schema 2 kept a ``refs`` row per listed object instead; ``migrate``
+drops it.
 
 A put is one transaction: ``synchronous_commit = on``, a transaction advisory
-lock on (run, step), the old rows deleted; then, incremental, the objects the
-store already holds are found with one query and locked (``FOR KEY SHARE``: a
-collector cannot delete them until this transaction ends) and the missing ones
-are streamed over ``COPY ... FROM STDIN (FORMAT binary)``; then the container
-streamed as chunk rows the same way (the COPY stream is generated from the
-container's own buffers while psycopg2 reads it: the container is never
-assembled, never hex-encoded), then the manifest row with the xxh3-64 of the
-container and the refs, then COMMIT. A client killed mid-way leaves an aborted
+lock on (run, step), the old rows deleted; then, incremental, the store lock
+shared, the objects the store already holds found with one query and the
+missing ones streamed over ``COPY ... FROM STDIN (FORMAT binary)``; then the
+container streamed as chunk rows the same way (the COPY stream is generated
+from the container's own buffers while psycopg2 reads it: the container is
+never assembled, never hex-encoded), then the manifest row with the xxh3-64
+of the container, then COMMIT. A client killed mid-way leaves an aborted
 transaction: nothing visible, no objects either. A read is one snapshot: the
 manifest and the chunk lengths are checked first, then ``COPY (SELECT data
 ...) TO STDOUT (FORMAT binary)`` is parsed straight into one preallocated
@@ -65,8 +73,8 @@ from psycopg2 import sql
 from .. import checkpoint, codec, failpoints
 from ..checkpoint import Checkpoint
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
-                      DurabilityError, SchemaMismatchError, SchemaUninitializedError, StoreConnectionError,
-                      StoreError)
+                      DurabilityError, FormatError, SchemaMismatchError, SchemaUninitializedError,
+                      StoreConnectionError, StoreError, UnsupportedVersionError)
 from ..memory import new_buffer
 from . import content
 from .base import CheckpointInfo, Store, check_identity, check_run, check_step
@@ -74,7 +82,7 @@ from .sqlrows import (DEFAULT_CHUNK_SIZE, check_chunk_size, check_checksum, chec
                       container_checksum, dsn_secrets, dsn_without_password, manifest_checksum, meta_json_text,
                       nchunks_for, redact_dsn, split_chunks, sql_row)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # How often a put starts over when the database refused its objects (a collector
 # deleted one it relies on, or a deadlock with a collector); then DurabilityError.
@@ -83,12 +91,16 @@ PUT_RETRIES = 1
 GC_RETRIES = 5
 # How often a put sends its missing objects again after another writer sent one of them first.
 _OBJECT_ROUNDS = 8
+# Objects a store object remembers having committed (32 bytes each), so a put asks the
+# database only about the others while no collection has run (the gc generation).
+_KNOWN_OBJECTS_MAX = 1 << 22
 
 # How much COPY data one read() hands to libpq, and one write() gets back at most:
 # large enough that per-call Python overhead vanishes, small enough to stay in cache.
 COPY_IO_SIZE = 4 << 20
 
 _XACT_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))"
+_XACT_LOCK_SHARED = "SELECT pg_advisory_xact_lock_shared(hashtextextended(%s, 0))"
 _COPY_SIGNATURE = b"PGCOPY\n\xff\r\n\x00"
 _COPY_HEADER = _COPY_SIGNATURE + struct.pack("!ii", 0, 0)
 _COPY_TRAILER = struct.pack("!h", -1)
@@ -402,8 +414,24 @@ class _CopyOut:
 # --- the schema's steps -----------------------------------------------------------------
 
 def _create_shared_tables(cur, n: "_Names") -> None:
-    """The content shared between checkpoints (schema version 2)."""
+    """The content shared between checkpoints (schema version 3)."""
     cur.execute(f"""
+        ALTER TABLE {n.manifest} ADD COLUMN IF NOT EXISTS listing boolean NOT NULL DEFAULT false;
+        CREATE TABLE IF NOT EXISTS {n.objects} (
+            address bytea NOT NULL CHECK (octet_length(address) = 32),
+            size bigint NOT NULL,
+            data bytea NOT NULL,
+            PRIMARY KEY (address));
+        ALTER TABLE {n.objects} ALTER COLUMN data SET STORAGE EXTERNAL;
+        CREATE TABLE IF NOT EXISTS {n.gc} (generation bigint NOT NULL);
+        INSERT INTO {n.gc} (generation) SELECT 0 WHERE NOT EXISTS (SELECT 1 FROM {n.gc});""")
+
+
+def _migrate_1_to_2(cur, n: "_Names") -> None:
+    """Shared content (objects, refs) and the checkpoint's own size (manifest.length).
+    Version 1 checkpoints are standalone containers and stay readable as they are."""
+    cur.execute(f"""
+        ALTER TABLE {n.manifest} ADD COLUMN IF NOT EXISTS length bigint;
         CREATE TABLE IF NOT EXISTS {n.objects} (
             address bytea NOT NULL CHECK (octet_length(address) = 32),
             size bigint NOT NULL,
@@ -416,19 +444,23 @@ def _create_shared_tables(cur, n: "_Names") -> None:
             address bytea NOT NULL,
             PRIMARY KEY (run, step, address),
             FOREIGN KEY (run, step) REFERENCES {n.manifest} (run, step) ON DELETE CASCADE,
-            FOREIGN KEY (address) REFERENCES {n.objects} (address));
-        CREATE INDEX IF NOT EXISTS {n.refs_index} ON {n.refs} (address);""")
+            FOREIGN KEY (address) REFERENCES {n.objects} (address));""")
 
 
-def _migrate_1_to_2(cur, n: "_Names") -> None:
-    """Shared content (objects, refs) and the checkpoint's own size (manifest.length).
-    Version 1 checkpoints are standalone containers and stay readable as they are."""
-    cur.execute(f"ALTER TABLE {n.manifest} ADD COLUMN IF NOT EXISTS length bigint")
+def _migrate_2_to_3(cur, n: "_Names") -> None:
+    """Listings are flagged on the manifest (``listing``), ``refs`` is dropped and
+    ``gc`` counts collections: writers and the collector exclude each other with
+    the store's advisory lock instead of a row per listed object per checkpoint."""
+    cur.execute(f"""
+        ALTER TABLE {n.manifest} ADD COLUMN IF NOT EXISTS listing boolean NOT NULL DEFAULT false;
+        UPDATE {n.manifest} m SET listing = true
+            WHERE EXISTS (SELECT 1 FROM {n.refs} r WHERE r.run = m.run AND r.step = m.step);
+        DROP TABLE {n.refs};""")
     _create_shared_tables(cur, n)
 
 
 # Steps from version N to N+1, each run inside the migrate() transaction: {N: fn(cursor, names)}.
-_MIGRATIONS: dict[int, Callable[[Any, "_Names"], None]] = {1: _migrate_1_to_2}
+_MIGRATIONS: dict[int, Callable[[Any, "_Names"], None]] = {1: _migrate_1_to_2, 2: _migrate_2_to_3}
 
 
 # --- the store ------------------------------------------------------------------------
@@ -450,18 +482,19 @@ class _Names:
         self.manifest = ident(f"{prefix}_manifest")
         self.chunks = ident(f"{prefix}_chunks")
         self.objects = ident(f"{prefix}_objects")
-        self.refs = ident(f"{prefix}_refs")
+        self.refs = ident(f"{prefix}_refs")          # schema 2 only (migrate drops it)
+        self.gc = ident(f"{prefix}_gc")
         self.meta_index = sql.Identifier(f"{prefix}_manifest_meta").as_string(conn)
-        self.refs_index = sql.Identifier(f"{prefix}_refs_address").as_string(conn)
         self.schema_sql = sql.Identifier(schema).as_string(conn) if schema else None
         dot = f"{schema}." if schema else ""
         self.version_ref = f"{dot}{prefix}_schema_version"
         self.manifest_ref = f"{dot}{prefix}_manifest"
         self.chunks_ref = f"{dot}{prefix}_chunks"
         self.objects_ref = f"{dot}{prefix}_objects"
-        self.refs_ref = f"{dot}{prefix}_refs"
-        self.tables = (self.version, self.manifest, self.chunks, self.objects, self.refs)
-        self.table_refs = (self.version_ref, self.manifest_ref, self.chunks_ref, self.objects_ref, self.refs_ref)
+        self.gc_ref = f"{dot}{prefix}_gc"
+        self.tables = (self.version, self.manifest, self.chunks, self.objects, self.gc)
+        self.table_refs = (self.version_ref, self.manifest_ref, self.chunks_ref, self.objects_ref, self.gc_ref)
+        self.store_lock = f"agck objects {self.label}"   # shared by puts, exclusive for the collector
 
 
 class PostgresStore(Store):
@@ -493,6 +526,8 @@ class PostgresStore(Store):
         self._connect_timeout = connect_timeout
         self._conn = None
         self._closed = False
+        self._known_objects: set[bytes] = set()   # committed by this store object, as of _known_generation
+        self._known_generation = None
         self._inherited = []      # a parent's connections, kept open: closing one would end the parent's session
         self._connect()
         self.names = _Names(self._conn, self.prefix, self.schema)
@@ -789,12 +824,9 @@ class PostgresStore(Store):
                 checksum, length = container_checksum(listing), plan.chunks.total
             failpoints.hit("pg.before_manifest")
             cur.execute(f"INSERT INTO {n.manifest} (run, step, parent, size, checksum, nchunks, created_at, meta, "
-                        f"length) VALUES (%s, %s, %s, %s, %s, %s, to_timestamp(%s), %s::jsonb, %s)",
+                        f"length, listing) VALUES (%s, %s, %s, %s, %s, %s, to_timestamp(%s), %s::jsonb, %s, %s)",
                         (run, step, parent, total, checksum, nchunks, w.header.created_at_ns / 1e9, meta_text,
-                         length))
-            if plan is not None:
-                cur.execute(f"INSERT INTO {n.refs} (run, step, address) SELECT %s, %s, unnest(%s::bytea[])",
-                            (run, step, list(plan.distinct)))
+                         length, plan is not None))
             failpoints.hit("pg.before_commit")
             try:
                 cur.execute("COMMIT")
@@ -804,6 +836,8 @@ class PostgresStore(Store):
                     f"({_scrub(str(e), self._secrets)})", ref=ref,
                     hint="check store.steps(run) once the server is reachable, and put it again if absent"
                 ) from None
+            if plan is not None:
+                self._committed_objects(plan)
         except BaseException as e:
             if stream is not None and stream.error is not None and isinstance(e, psycopg2.Error):
                 e = stream.error   # the real cause behind psycopg2's "COPY cancelled"
@@ -821,13 +855,20 @@ class PostgresStore(Store):
             raise
 
     def _put_objects(self, cur, plan: "content.Plan") -> None:
-        """Lock the objects the store holds (``FOR KEY SHARE``: no collector deletes them
-        before this transaction ends; one it deleted meanwhile is simply absent) and
-        send the rest. Another writer may send one of them first: the COPY then
-        fails on its key, and is done again, in a savepoint, without the ones that
-        have arrived."""
+        """Take the store lock shared (no collector deletes an object before this
+        transaction ends), find the objects the store holds and send the rest.
+        Another writer may send one of them first: the COPY then fails on its key,
+        and is done again, in a savepoint, without the ones that have arrived."""
         n = self.names
-        present = self._lock_objects(cur, list(plan.distinct))
+        # held until COMMIT: no collection runs between finding an object here and the listing committing
+        cur.execute(_XACT_LOCK_SHARED + f"; SELECT generation FROM {n.gc}", (n.store_lock,))
+        generation = cur.fetchone()[0]
+        if generation != self._known_generation:    # a collection ran: what this store knew may be gone
+            self._known_objects = set()
+            self._known_generation = generation
+        known = self._known_objects
+        present = {a for a in plan.distinct if a in known}
+        present |= self._present(cur, [a for a in plan.distinct if a not in known])
         for _ in range(_OBJECT_ROUNDS):
             missing = plan.missing(present)
             if not missing:
@@ -842,7 +883,7 @@ class PostgresStore(Store):
                 if stream.error is not None:
                     raise
                 cur.execute("ROLLBACK TO SAVEPOINT agck_objects")
-                present |= self._lock_objects(cur, [a for a, _ in missing])
+                present |= self._present(cur, [a for a, _ in missing])
                 continue
             except psycopg2.Error:
                 if stream.error is not None:
@@ -854,9 +895,14 @@ class PostgresStore(Store):
             return
         raise _Refused("other writers kept sending the same objects")
 
-    def _lock_objects(self, cur, addresses: list[bytes]) -> set[bytes]:
-        cur.execute(f"SELECT address FROM {self.names.objects} WHERE address = ANY(%s::bytea[]) "
-                    f"ORDER BY address FOR KEY SHARE", (addresses,))
+    def _committed_objects(self, plan: "content.Plan") -> None:
+        """After a put's COMMIT: its objects are in the store until a collection runs."""
+        if len(self._known_objects) > _KNOWN_OBJECTS_MAX:
+            self._known_objects = set()
+        self._known_objects.update(plan.distinct)
+
+    def _present(self, cur, addresses: list[bytes]) -> set[bytes]:
+        cur.execute(f"SELECT address FROM {self.names.objects} WHERE address = ANY(%s::bytea[])", (addresses,))
         return {bytes(a) for (a,) in cur.fetchall()}
 
     def _begin_and_delete(self, cur, run: str, step: int) -> bool:
@@ -969,42 +1015,64 @@ class PostgresStore(Store):
 
     # -- shared content ----------------------------------------------------------------------
     def collect_garbage(self) -> content.Collected:
-        """Delete the objects no checkpoint refers to, in one transaction.
-
-        Objects a writer has locked (it relies on them, its listing not committed
-        yet) are skipped, not waited for. Should a writer commit a reference to an
-        object while it is being deleted, the foreign key refuses the deletion and
-        the collection starts over (up to GC_RETRIES times): a referenced object is
-        never deleted."""
+        """Delete the objects no listing refers to, in one transaction holding the
+        store lock exclusively: it waits for puts in flight to commit, and puts wait
+        for it. A damaged listing keeps nothing alive (nothing could ever rebuild
+        its content); one that cannot be read here (a newer format) stops the
+        collection before anything is deleted."""
         n = self.names
         with self._lock:
             for attempt in range(GC_RETRIES + 1):
                 cur = self._cursor()
                 try:
+                    cur.execute("BEGIN; SET LOCAL synchronous_commit = on; " + _XACT_LOCK, (n.store_lock,))
+                    live, listings, damaged = self._live_objects(cur)
+                    cur.execute("CREATE TEMP TABLE agck_live (address bytea PRIMARY KEY) ON COMMIT DROP")
+                    cur.execute("INSERT INTO agck_live SELECT unnest(%s::bytea[])", (list(live),))
                     cur.execute(
-                        f"BEGIN; SET LOCAL synchronous_commit = on; "
-                        f"WITH dead AS (SELECT o.address FROM {n.objects} o WHERE NOT EXISTS "
-                        f"(SELECT 1 FROM {n.refs} r WHERE r.address = o.address) FOR UPDATE SKIP LOCKED), "
-                        f"gone AS (DELETE FROM {n.objects} o USING dead WHERE o.address = dead.address "
-                        f"RETURNING o.size) "
+                        f"WITH gone AS (DELETE FROM {n.objects} o WHERE NOT EXISTS "
+                        f"(SELECT 1 FROM agck_live l WHERE l.address = o.address) RETURNING o.size) "
                         f"SELECT count(*), coalesce(sum(size), 0)::bigint FROM gone")
                     deleted, nbytes = cur.fetchone()
-                    cur.execute(f"SELECT (SELECT count(*) FROM (SELECT DISTINCT run, step FROM {n.refs}) l), "
-                                f"(SELECT count(DISTINCT address) FROM {n.refs})")
-                    listings, live = cur.fetchone()
+                    if deleted:   # what writers know to be present may be gone: they look again
+                        cur.execute(f"UPDATE {n.gc} SET generation = generation + 1")
                     cur.execute("COMMIT")
-                    return content.Collected(listings=listings, live_chunks=live, deleted_chunks=deleted,
-                                             deleted_bytes=int(nbytes))
+                    return content.Collected(listings=listings, live_chunks=len(live), deleted_chunks=deleted,
+                                             deleted_bytes=int(nbytes), damaged=damaged)
                 except BaseException as e:
                     self._abort(cur)
-                    retry = isinstance(e, (psycopg2.errors.ForeignKeyViolation, psycopg2.errors.DeadlockDetected,
-                                           psycopg2.errors.SerializationFailure))
+                    retry = isinstance(e, (psycopg2.errors.DeadlockDetected, psycopg2.errors.SerializationFailure))
                     if retry and attempt < GC_RETRIES:
                         time.sleep(0.01 * (attempt + 1))
                         continue
                     if isinstance(e, psycopg2.Error):
                         raise self._db_error(e, "collecting garbage failed", n.label, DurabilityError) from None
                     raise
+
+    def _live_objects(self, cur) -> tuple[set[bytes], int, list[str]]:
+        """The addresses every readable listing lists, how many listings, and the refs
+        of damaged ones."""
+        n = self.names
+        cur.execute(f"SELECT run, step, checksum FROM {n.manifest} WHERE listing ORDER BY run, step")
+        live: set[bytes] = set()
+        listings, damaged = 0, []
+        for run, step, checksum in cur.fetchall():
+            ref = self.ref(run, step)
+            cur.execute(f"SELECT data FROM {n.chunks} WHERE run = %s AND step = %s ORDER BY idx", (run, step))
+            buf = b"".join(bytes(d) for (d,) in cur.fetchall())
+            try:
+                check_checksum(buf, checksum, ref)
+                addresses = content.listed_addresses(buf, verify=True, ref=ref)
+            except UnsupportedVersionError as e:
+                raise StoreError(f"a checkpoint of a newer format: {e.reason}", ref=ref,
+                                 hint="collect garbage with the agck version that wrote it") from None
+            except (CorruptCheckpointError, FormatError):   # damaged: it lists nothing anyone can read
+                damaged.append(ref)
+                continue
+            if addresses is not None:
+                live.update(addresses)
+                listings += 1
+        return live, listings, damaged
 
     # -- housekeeping ------------------------------------------------------------------------
     def _orphan_where(self, run: str | None) -> tuple[str, tuple]:
