@@ -413,16 +413,19 @@ class _CopyOut:
 
 # --- the schema's steps -----------------------------------------------------------------
 
+def _objects_ddl(n: "_Names") -> str:
+    """The objects table (the same since schema version 2)."""
+    return f"""
+        CREATE TABLE IF NOT EXISTS {n.objects} (
+            address bytea NOT NULL CHECK (octet_length(address) = 32), size bigint NOT NULL,
+            data bytea NOT NULL, PRIMARY KEY (address));
+        ALTER TABLE {n.objects} ALTER COLUMN data SET STORAGE EXTERNAL;"""
+
+
 def _create_shared_tables(cur, n: "_Names") -> None:
     """The content shared between checkpoints (schema version 3)."""
-    cur.execute(f"""
+    cur.execute(_objects_ddl(n) + f"""
         ALTER TABLE {n.manifest} ADD COLUMN IF NOT EXISTS listing boolean NOT NULL DEFAULT false;
-        CREATE TABLE IF NOT EXISTS {n.objects} (
-            address bytea NOT NULL CHECK (octet_length(address) = 32),
-            size bigint NOT NULL,
-            data bytea NOT NULL,
-            PRIMARY KEY (address));
-        ALTER TABLE {n.objects} ALTER COLUMN data SET STORAGE EXTERNAL;
         CREATE TABLE IF NOT EXISTS {n.gc} (generation bigint NOT NULL);
         INSERT INTO {n.gc} (generation) SELECT 0 WHERE NOT EXISTS (SELECT 1 FROM {n.gc});""")
 
@@ -430,14 +433,8 @@ def _create_shared_tables(cur, n: "_Names") -> None:
 def _migrate_1_to_2(cur, n: "_Names") -> None:
     """Shared content (objects, refs) and the checkpoint's own size (manifest.length).
     Version 1 checkpoints are standalone containers and stay readable as they are."""
-    cur.execute(f"""
+    cur.execute(_objects_ddl(n) + f"""
         ALTER TABLE {n.manifest} ADD COLUMN IF NOT EXISTS length bigint;
-        CREATE TABLE IF NOT EXISTS {n.objects} (
-            address bytea NOT NULL CHECK (octet_length(address) = 32),
-            size bigint NOT NULL,
-            data bytea NOT NULL,
-            PRIMARY KEY (address));
-        ALTER TABLE {n.objects} ALTER COLUMN data SET STORAGE EXTERNAL;
         CREATE TABLE IF NOT EXISTS {n.refs} (
             run text COLLATE "C" NOT NULL,
             step bigint NOT NULL,
