@@ -250,7 +250,7 @@ class Tamper:
         if self.kind == "sqlite":
             self.conn = sqlite3.connect(store.path, isolation_level=None)     # foreign keys off, as by default
             self.chunks, self.manifest, self.p = f"{store.prefix}_chunks", f"{store.prefix}_manifest", "?"
-            self.objects, self.refs = f"{store.prefix}_objects", f"{store.prefix}_refs"
+            self.objects, self.refs = f"{store.prefix}_objects", None    # schema 3: no refs table
         else:
             import psycopg2
             self.conn = psycopg2.connect(spec[1])
@@ -516,6 +516,26 @@ def test_sql_collect_garbage_removes_exactly_the_unreferenced_objects(inc):
         np.testing.assert_array_equal(ck.state["own"], states[k]["own"])
 
 
+def test_sql_a_damaged_listing_keeps_nothing_alive_and_a_newer_one_stops_collection(inc):
+    import struct
+    from agck import format
+    s, t = inc
+    s.put("r", 1, {"x": np.arange(400_000)})
+    s.put("r", 2, {"y": np.arange(400_000) + 1})
+    t.flip("r", 1, 80, idx=0)                          # inside listing 1's metadata
+    got = s.collect_garbage()
+    assert got.damaged == [s.ref("r", 1)] and got.deleted_chunks > 0 and got.listings == 1
+    np.testing.assert_array_equal(s.read("r", 2).state["y"], np.arange(400_000) + 1)
+    data = bytearray(t.chunk("r", 2, 0))
+    struct.pack_into("<I", data, 8, format.FLAG_CHUNKED | (1 << 14))   # a required flag of a newer agck
+    struct.pack_into("<Q", data, 56, format.digest(bytes(data[:56])))
+    t.set_chunk("r", 2, 0, bytes(data))
+    before = t.object_addresses()
+    with pytest.raises(StoreError, match="newer"):
+        s.collect_garbage()
+    assert t.object_addresses() == before
+
+
 def test_sql_standalone_checkpoints_keep_no_objects(db_spec):
     _, url, opts = db_spec
     s = open_store(url, incremental=False, **opts)
@@ -764,12 +784,53 @@ def test_sqlite_migrates_a_version_1_database(tmp_path):
     s = open_store(f"sqlite:///{path}", create=False)
     t = Tamper(("sqlite",), s)
     try:
-        assert t.sql("SELECT version FROM agck_schema_version") == [(SCHEMA_VERSION,)] and SCHEMA_VERSION == 2
+        assert t.sql("SELECT version FROM agck_schema_version") == [(SCHEMA_VERSION,)] and SCHEMA_VERSION == 3
         _check_migrated(s, t, old)
     finally:
         t.close()
         s.close()
     open_store(f"sqlite:///{path}").close()                  # opens again as it is
+
+
+def _check_v2_listings_kept(s, t, listed: dict, model) -> None:
+    """After migrating from schema 2: listings written under it keep their objects alive."""
+    got = s.collect_garbage()
+    assert got.listings == 2 and got.deleted_chunks == 0 and got.live_chunks == len(listed[1] | listed[2])
+    s.delete("r", 1)
+    s.collect_garbage()
+    assert t.object_addresses() == listed[2]
+    np.testing.assert_array_equal(s.read("r", 2).state["model"], model)
+
+
+def test_sqlite_migrates_a_version_2_database_with_chunked_checkpoints(tmp_path):
+    """Schema 2 kept a refs row per listed object; opening it as 3 flags listings and
+    drops refs, and listings written under 2 keep their objects alive."""
+    path = tmp_path / "v2.db"
+    s = open_store(f"sqlite:///{path}")
+    t = Tamper(("sqlite",), s)
+    model = np.random.default_rng(1).random(200_000)
+    try:
+        for k in (1, 2):
+            s.put("r", k, {"model": model, "k": k})
+        listed = {k: set(t.listed("r", k)) for k in (1, 2)}
+    finally:
+        s.close()
+    conn = sqlite3.connect(path, isolation_level=None)       # back to schema 2, as that agck left it
+    conn.execute("CREATE TABLE agck_refs (run TEXT NOT NULL, step INTEGER NOT NULL, address BLOB NOT NULL, "
+                 "PRIMARY KEY (run, step, address)) WITHOUT ROWID")
+    conn.executemany("INSERT INTO agck_refs VALUES (?, ?, ?)", [("r", k, a) for k in listed for a in listed[k]])
+    conn.execute("ALTER TABLE agck_manifest DROP COLUMN listing")
+    conn.execute("UPDATE agck_schema_version SET version = 2")
+    conn.close()
+    s = open_store(f"sqlite:///{path}")
+    t = Tamper(("sqlite",), s)
+    try:
+        assert t.sql("SELECT version FROM agck_schema_version") == [(3,)]
+        assert t.sql("SELECT count(*) FROM sqlite_master WHERE name = 'agck_refs'") == [(0,)]
+        _check_v2_listings_kept(s, t, listed, model)
+    finally:
+        t.close()
+        s.close()
 
 
 def test_pg_migrates_a_version_1_schema(pg_dsn, pg_schema):
@@ -837,12 +898,7 @@ def test_pg_migrates_a_version_2_schema_with_chunked_checkpoints(pg_dsn, pg_sche
     s = PostgresStore(pg_dsn, prefix=prefix, schema=pg_schema)
     try:
         assert t.sql(f"SELECT to_regclass('{pg_schema}.{prefix}_refs') IS NULL")[0][0]
-        got = s.collect_garbage()
-        assert got.listings == 2 and got.deleted_chunks == 0 and got.live_chunks == len(listed[1] | listed[2])
-        s.delete("r", 1)
-        s.collect_garbage()
-        assert t.object_addresses() == listed[2]
-        np.testing.assert_array_equal(s.read("r", 2).state["model"], model)
+        _check_v2_listings_kept(s, t, listed, model)
     finally:
         t.close()
         s.close()

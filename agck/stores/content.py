@@ -14,8 +14,8 @@ The rules every backend keeps, whatever its storage:
    never while a writer that may be about to list it is between checking that
    it exists and committing (file store: a shared lock held by writers, an
    exclusive one by the collector; Postgres: the same with a transaction
-   advisory lock; SQLite: a foreign key from the listing to the chunk, checked
-   by the database at commit).
+   advisory lock; SQLite: writers and the collector each in one BEGIN
+   IMMEDIATE transaction, which SQLite serialises).
 3. Deleting a checkpoint removes its chunked container first; its chunks are
    collected later (:meth:`Store.collect_garbage`), so a crash between the two
    leaves only unreferenced chunks, collected by the next run.
@@ -37,7 +37,7 @@ import msgpack
 
 from .. import checkpoint, chunking, codec, format, memory
 from ..checkpoint import Checkpoint
-from ..errors import CorruptCheckpointError, FormatError
+from ..errors import CorruptCheckpointError, FormatError, StoreError, UnsupportedVersionError
 
 
 @dataclass
@@ -311,6 +311,30 @@ def fetcher(found: dict, addresses: list[bytes]) -> Callable[[bytes, int], objec
         return found.pop(address, None)
 
     return fetch
+
+
+def live_chunks(listings: Iterable[tuple[str, Callable[[], object]]]) -> tuple[set[bytes], int, list[str]]:
+    """What a collector keeps: the addresses every readable listing lists, how many
+    listings, and the refs of damaged ones (which keep nothing alive: nothing
+    could ever rebuild their content). ``listings`` gives each checkpoint's ref
+    and a function returning its stored container (checked against the store's
+    own record of it); a standalone container lists nothing. One of a newer
+    format stops the collection (StoreError) before anything is deleted."""
+    live: set[bytes] = set()
+    count, damaged = 0, []
+    for ref, load in listings:
+        try:
+            addresses = listed_addresses(load(), verify=True, ref=ref)
+        except UnsupportedVersionError as e:
+            raise StoreError(f"a checkpoint of a newer format: {e.reason}", ref=ref,
+                             hint="collect garbage with the agck version that wrote it") from None
+        except (CorruptCheckpointError, FormatError):
+            damaged.append(ref)
+            continue
+        if addresses is not None:
+            live.update(addresses)
+            count += 1
+    return live, count, damaged
 
 
 def listed_addresses(buf, *, verify: bool, ref: str | None) -> list[bytes] | None:

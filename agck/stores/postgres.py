@@ -73,8 +73,8 @@ from psycopg2 import sql
 from .. import checkpoint, codec, failpoints
 from ..checkpoint import Checkpoint
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
-                      DurabilityError, FormatError, SchemaMismatchError, SchemaUninitializedError,
-                      StoreConnectionError, StoreError, UnsupportedVersionError)
+                      DurabilityError, SchemaMismatchError, SchemaUninitializedError, StoreConnectionError,
+                      StoreError)
 from ..memory import new_buffer
 from . import content
 from .base import CheckpointInfo, Store, check_identity, check_run, check_step
@@ -1047,29 +1047,20 @@ class PostgresStore(Store):
                     raise
 
     def _live_objects(self, cur) -> tuple[set[bytes], int, list[str]]:
-        """The addresses every readable listing lists, how many listings, and the refs
-        of damaged ones."""
+        """What every listing lists (:func:`content.live_chunks`), read in this transaction."""
         n = self.names
         cur.execute(f"SELECT run, step, checksum FROM {n.manifest} WHERE listing ORDER BY run, step")
-        live: set[bytes] = set()
-        listings, damaged = 0, []
-        for run, step, checksum in cur.fetchall():
-            ref = self.ref(run, step)
-            cur.execute(f"SELECT data FROM {n.chunks} WHERE run = %s AND step = %s ORDER BY idx", (run, step))
-            buf = b"".join(bytes(d) for (d,) in cur.fetchall())
-            try:
+
+        def loader(run, step, checksum, ref):
+            def load():
+                cur.execute(f"SELECT data FROM {n.chunks} WHERE run = %s AND step = %s ORDER BY idx", (run, step))
+                buf = b"".join(bytes(d) for (d,) in cur.fetchall())
                 check_checksum(buf, checksum, ref)
-                addresses = content.listed_addresses(buf, verify=True, ref=ref)
-            except UnsupportedVersionError as e:
-                raise StoreError(f"a checkpoint of a newer format: {e.reason}", ref=ref,
-                                 hint="collect garbage with the agck version that wrote it") from None
-            except (CorruptCheckpointError, FormatError):   # damaged: it lists nothing anyone can read
-                damaged.append(ref)
-                continue
-            if addresses is not None:
-                live.update(addresses)
-                listings += 1
-        return live, listings, damaged
+                return buf
+            return load
+
+        rows = cur.fetchall()
+        return content.live_chunks([(self.ref(r, s), loader(r, s, c, self.ref(r, s))) for r, s, c in rows])
 
     # -- housekeeping ------------------------------------------------------------------------
     def _orphan_where(self, run: str | None) -> tuple[str, tuple]:

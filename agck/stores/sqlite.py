@@ -8,30 +8,33 @@
 Tables (``prefix`` defaults to ``agck``)::
 
     {prefix}_schema_version(version)
-    {prefix}_manifest(run, step, parent, size, checksum, nchunks, created_at, meta, length)   PRIMARY KEY(run, step)
+    {prefix}_manifest(run, step, parent, size, checksum, nchunks, created_at, meta, length, listing)
+                                                               PRIMARY KEY(run, step)
     {prefix}_chunks(run, step, idx, data)                      PRIMARY KEY(run, step, idx)
     {prefix}_objects(address, size, data)                      PRIMARY KEY(address)
-    {prefix}_refs(run, step, address)                          PRIMARY KEY(run, step, address),
-        FOREIGN KEY (run, step) -> manifest ON DELETE CASCADE, FOREIGN KEY (address) -> objects
 
 Each checkpoint is one container kept as chunk rows: ``size`` is the
 container's bytes, ``checksum`` the xxh3-64 of its footer, ``length`` the
 checkpoint's own size (what :meth:`list` reports). By default
 (``incremental=True``) that container is a chunk listing (FORMAT.md, version
-1.1) and the checkpoint's content is kept in ``objects``, one row per distinct
-BLAKE3-256 address shared by every checkpoint holding those bytes; ``refs``
-says which checkpoint lists which object, so the database itself refuses to
-delete an object a committed listing needs (:mod:`agck.stores.content`, rule
-2). ``incremental=False`` stores standalone 1.0 containers.
+1.1; ``listing`` is 1) and the checkpoint's content is kept in ``objects``,
+one row per distinct BLAKE3-256 address shared by every checkpoint holding
+those bytes. ``incremental=False`` stores standalone 1.0 containers. Writers
+and the collector each run in one ``BEGIN IMMEDIATE`` transaction, which
+SQLite serialises: no collection runs between a put finding an object and
+its COMMIT (:mod:`agck.stores.content`, rule 2), and a collection reads
+every committed listing. Schema 2 kept a ``refs`` row per listed object per
+checkpoint; opening such a store migrates it to 3 (listings flagged, ``refs``
+dropped).
 
 A checkpoint is written in one ``BEGIN IMMEDIATE`` transaction: the objects
 the store lacks, then its chunk rows (each a BLOB of at most ``chunk_size``
 bytes, filled in place through the incremental blob API so the container is
-never assembled in memory), then the manifest row and its refs. WAL mode with
+never assembled in memory), then the manifest row. WAL mode with
 ``synchronous=FULL`` makes the COMMIT durable before ``put`` returns; a crash
 before it leaves nothing, not even objects. Objects no checkpoint refers to
 any more are deleted by :meth:`collect_garbage`. Opening a store of schema
-version 1 migrates it to 2 (its checkpoints stay standalone containers).
+version 1 or 2 migrates it to 3 (checkpoints stay as they were written).
 
 ``meta`` is kept twice: exactly, inside the container (``read().meta``), and
 as JSON text in the manifest for listing and querying (see :func:`meta_to_json`).
@@ -49,15 +52,14 @@ from typing import Any
 from .. import checkpoint, codec, failpoints
 from ..checkpoint import Checkpoint
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
-                      DurabilityError, SchemaMismatchError, StoreConnectionError,
-                      StoreError)
+                      DurabilityError, SchemaMismatchError, StoreConnectionError, StoreError)
 from ..memory import new_buffer
 from . import content
 from .base import CheckpointInfo, Store, check_identity, check_run, check_step
 from .sqlrows import (DEFAULT_CHUNK_SIZE, batches, check_checksum, check_chunk_size, check_identifier, chunk_plan,
                       container_checksum, manifest_checksum, meta_json_text, split_chunks, sql_row)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _IN_BATCH = 500       # addresses per IN (...) list: well under SQLite's bound on query parameters
 
 
@@ -130,7 +132,6 @@ class SqliteStore(Store):
         try:
             c = self._conn
             c.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
-            c.execute("PRAGMA foreign_keys = ON")   # refs -> objects: rule 2 of agck.stores.content
             if not create and self._version() is None:
                 raise StoreConnectionError(f"no agck tables with prefix {self.prefix!r} in this database",
                                            ref=self.path, hint="check the path and the prefix")
@@ -167,7 +168,7 @@ class SqliteStore(Store):
                 c.execute(f"""CREATE TABLE IF NOT EXISTS {self._t_manifest} (
                     run TEXT NOT NULL, step INTEGER NOT NULL, parent INTEGER, size INTEGER NOT NULL,
                     checksum TEXT NOT NULL, nchunks INTEGER NOT NULL, created_at REAL NOT NULL, meta TEXT,
-                    length INTEGER, PRIMARY KEY (run, step))""")
+                    length INTEGER, listing INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (run, step))""")
                 c.execute(f"""CREATE TABLE IF NOT EXISTS {self._t_chunks} (
                     run TEXT NOT NULL, step INTEGER NOT NULL, idx INTEGER NOT NULL, data BLOB NOT NULL,
                     PRIMARY KEY (run, step, idx))""")
@@ -175,8 +176,8 @@ class SqliteStore(Store):
                 if c.execute(f"SELECT count(*) FROM {self._t_version}").fetchone()[0] == 0:
                     c.execute(f"INSERT INTO {self._t_version} (version) VALUES (?)", (SCHEMA_VERSION,))
             v = self._version()
-        if v == 1:
-            self._migrate_1_to_2()
+        if v in (1, 2):
+            self._migrate()
             v = self._version()
         if v != SCHEMA_VERSION:
             raise SchemaMismatchError(f"schema version {v}, this agck uses {SCHEMA_VERSION}", ref=self.path,
@@ -185,31 +186,35 @@ class SqliteStore(Store):
     def _create_shared_tables(self, c: sqlite3.Connection) -> None:
         c.execute(f"""CREATE TABLE IF NOT EXISTS {self._t_objects} (
             address BLOB PRIMARY KEY NOT NULL, size INTEGER NOT NULL, data BLOB NOT NULL)""")
-        c.execute(f"""CREATE TABLE IF NOT EXISTS {self._t_refs} (
-            run TEXT NOT NULL, step INTEGER NOT NULL, address BLOB NOT NULL,
-            PRIMARY KEY (run, step, address),
-            FOREIGN KEY (run, step) REFERENCES {self._t_manifest} (run, step) ON DELETE CASCADE,
-            FOREIGN KEY (address) REFERENCES {self._t_objects} (address)) WITHOUT ROWID""")
-        # deleting an object looks up its refs by address
-        c.execute(f"CREATE INDEX IF NOT EXISTS {self._t_refs}_address ON {self._t_refs} (address)")
 
-    def _migrate_1_to_2(self) -> None:
-        """Version 2 adds shared content (objects, refs) and the checkpoint's own size
-        (manifest.length). Version 1 checkpoints are standalone containers and stay so."""
+    def _migrate(self) -> None:
+        """To version 3. From 1: shared content (objects), the checkpoint's own size
+        (manifest.length) and the listing flag; its checkpoints are standalone
+        containers and stay so. From 2: listings flagged from ``refs``, which is
+        dropped (a row per listed object per checkpoint, no longer needed)."""
         c = self._conn
         try:
             with _immediate(c):
-                if self._version() == 1:        # another process may have migrated meanwhile
+                v = self._version()            # another process may have migrated meanwhile
+                if v in (1, 2):
                     cols = [r[1] for r in c.execute(f"PRAGMA table_info({self._t_manifest})")]
                     if "length" not in cols:
                         c.execute(f"ALTER TABLE {self._t_manifest} ADD COLUMN length INTEGER")
+                    if "listing" not in cols:
+                        c.execute(f"ALTER TABLE {self._t_manifest} ADD COLUMN listing INTEGER NOT NULL DEFAULT 0")
                     self._create_shared_tables(c)
+                    if v == 2:
+                        m, r = self._t_manifest, self._t_refs
+                        c.execute(f"UPDATE {m} SET listing = 1 WHERE EXISTS "
+                                  f"(SELECT 1 FROM {r} WHERE {r}.run = {m}.run AND {r}.step = {m}.step)")
+                        c.execute(f"DROP TABLE {r}")
                     c.execute(f"DELETE FROM {self._t_version}")
                     c.execute(f"INSERT INTO {self._t_version} (version) VALUES (?)", (SCHEMA_VERSION,))
         except sqlite3.Error as e:
-            raise SchemaMismatchError(f"schema version 1 must be migrated to {SCHEMA_VERSION} and that failed: {e}",
-                                      ref=self.path, hint="open the store where the database file is writable "
-                                      "(the migration runs on open), or use an agck of schema version 1") from None
+            raise SchemaMismatchError(f"this store must be migrated to schema version {SCHEMA_VERSION} and that "
+                                      f"failed: {e}", ref=self.path,
+                                      hint="open the store where the database file is writable (the migration "
+                                      "runs on open), or use the agck version that created it") from None
 
     # -- refs --------------------------------------------------------------------
     def ref(self, run: str, step: int) -> str:
@@ -253,7 +258,6 @@ class SqliteStore(Store):
                 exists = c.execute(f"SELECT 1 FROM {self._t_manifest} WHERE run = ? AND step = ?", key).fetchone()
                 if exists and not overwrite:
                     raise CheckpointExistsError("a checkpoint already exists here", ref=ref)
-                c.execute(f"DELETE FROM {self._t_refs} WHERE run = ? AND step = ?", key)
                 c.execute(f"DELETE FROM {self._t_chunks} WHERE run = ? AND step = ?", key)
                 c.execute(f"DELETE FROM {self._t_manifest} WHERE run = ? AND step = ?", key)
                 failpoints.hit("sqlite.before_insert")
@@ -268,12 +272,9 @@ class SqliteStore(Store):
                     nchunks = self._write_chunks(c, run, step, [listing], total)
                     checksum, length = container_checksum(listing), plan.chunks.total
                 c.execute(f"INSERT INTO {self._t_manifest} (run, step, parent, size, checksum, nchunks, "
-                          f"created_at, meta, length) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                          f"created_at, meta, length, listing) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                           (run, step, parent, total, checksum, nchunks, w.header.created_at_ns / 1e9, meta_text,
-                           length))
-                if plan is not None:
-                    c.executemany(f"INSERT INTO {self._t_refs} (run, step, address) VALUES (?, ?, ?)",
-                                  ((run, step, a) for a in plan.distinct))
+                           length, int(plan is not None)))
                 failpoints.hit("sqlite.before_commit")
                 c.execute("COMMIT")
             except BaseException as e:
@@ -347,7 +348,6 @@ class SqliteStore(Store):
                     if n == 0:
                         raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref)
                     c.execute(f"DELETE FROM {self._t_chunks} WHERE run = ? AND step = ?", (run, step))
-                    c.execute(f"DELETE FROM {self._t_refs} WHERE run = ? AND step = ?", (run, step))
             except sqlite3.Error as e:
                 raise DurabilityError(f"delete failed: {e}", ref=ref) from None
 
@@ -444,24 +444,37 @@ class SqliteStore(Store):
 
     # -- shared content --------------------------------------------------------
     def collect_garbage(self) -> content.Collected:
-        """Delete the objects no checkpoint refers to, in one write transaction (so
-        no writer is between checking an object and committing its listing)."""
-        r, m, o = self._t_refs, self._t_manifest, self._t_objects
+        """Delete the objects no listing refers to, in one write transaction (so no
+        writer is between checking an object and committing its listing). A damaged
+        listing keeps nothing alive (nothing could ever rebuild its content); one
+        that cannot be read here (a newer format) stops the collection before
+        anything is deleted."""
+        m, o = self._t_manifest, self._t_objects
         with self._lock:
             c = self._db()
             try:
                 with _immediate(c):
-                    # refs of a vanished manifest: left only by a connection without foreign keys
-                    c.execute(f"DELETE FROM {r} WHERE NOT EXISTS "
-                              f"(SELECT 1 FROM {m} WHERE {m}.run = {r}.run AND {m}.step = {r}.step)")
-                    dead = f"NOT EXISTS (SELECT 1 FROM {r} WHERE {r}.address = {o}.address)"
+                    def loader(run, step, ref):
+                        def load():
+                            buf, checksum = self._read_locked(c, run, step, ref)
+                            check_checksum(buf, checksum, ref)
+                            return buf
+                        return load
+
+                    rows = c.execute(f"SELECT run, step FROM {m} WHERE listing ORDER BY run, step").fetchall()
+                    live, listings, damaged = content.live_chunks(
+                        [(self.ref(r, s), loader(r, s, self.ref(r, s))) for r, s in rows])
+                    c.execute("CREATE TEMP TABLE IF NOT EXISTS agck_live (address BLOB PRIMARY KEY)")
+                    c.execute("DELETE FROM agck_live")
+                    c.executemany("INSERT INTO agck_live (address) VALUES (?)", ((a,) for a in live))
+                    dead = f"NOT EXISTS (SELECT 1 FROM agck_live l WHERE l.address = {o}.address)"
                     n, nbytes = c.execute(f"SELECT count(*), coalesce(sum(size), 0) FROM {o} WHERE {dead}").fetchone()
                     c.execute(f"DELETE FROM {o} WHERE {dead}")
-                    listings = c.execute(f"SELECT count(*) FROM (SELECT DISTINCT run, step FROM {r})").fetchone()[0]
-                    live = c.execute(f"SELECT count(*) FROM {o}").fetchone()[0]
+                    c.execute("DELETE FROM agck_live")
             except sqlite3.Error as e:
                 raise DurabilityError(f"collecting garbage failed: {e}", ref=self.path) from None
-        return content.Collected(listings=listings, live_chunks=live, deleted_chunks=n, deleted_bytes=nbytes)
+        return content.Collected(listings=listings, live_chunks=len(live), deleted_chunks=n, deleted_bytes=nbytes,
+                                 damaged=damaged)
 
     # -- housekeeping ----------------------------------------------------------
     def _orphan_rows(self, c, run):
