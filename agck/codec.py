@@ -315,13 +315,16 @@ def _signature(x):
 _NP_META = attrgetter("dtype", "shape", "strides")
 
 
+def _all_numpy(xs: list) -> bool:
+    return list(map(type, xs)).count(np.ndarray) == len(xs)
+
+
 def _signatures(seg: list) -> list:
     """What :func:`_signature` depends on, for tensors it accepted, in bulk: in C
     (``map``) for a segment of numpy arrays, where it costs most per item."""
-    types = list(map(type, seg))
-    if types.count(np.ndarray) == len(types):
+    if _all_numpy(seg):
         return list(map(_NP_META, seg))
-    return [types] + list(map(_signature, seg))
+    return [list(map(type, seg))] + list(map(_signature, seg))
 
 
 def plain_packed(x) -> bytes | None:
@@ -650,7 +653,7 @@ class _Encoder:
         refs, known = self.refs, self.known
         keys = [_memory_key(x, i) if k is None else k.memory_key for i, (x, k) in enumerate(zip(refs, known))]
         if len(set(keys)) == len(keys):     # no two tensors share memory: blob i holds tensor i
-            return self._finish_unshared()
+            return self._finish_unshared(keys)
         by_key: dict[Any, list[int]] = {}
         for i, key in enumerate(keys):
             by_key.setdefault(key, []).append(i)
@@ -668,8 +671,8 @@ class _Encoder:
                 _shared_group(members, refs, self.paths, descs, views, owners)
         return descs, views, owners  # type: ignore[return-value]
 
-    def _finish_unshared(self) -> tuple[list[dict], list[memoryview], list]:
-        refs, known = self.refs, self.known
+    def _finish_unshared(self, keys: list) -> tuple[list[dict], list[memoryview], list]:
+        refs = self.refs
         n = len(refs)
         descs: list = [None] * n
         views: list = [None] * n
@@ -678,7 +681,7 @@ class _Encoder:
         spans = self.spans + [(n, None)]
         for first, run in spans:
             for i in range(pos, first):       # walked one by one
-                descs[i], views[i], owners[i] = self._one(i, i, None)
+                descs[i], views[i], owners[i] = self._one(i, i, keys[i])
             if run is None:
                 break
             m = len(run.descs)
@@ -692,7 +695,8 @@ class _Encoder:
         return descs, views, owners
 
     def _one(self, i: int, b: int, key) -> tuple[dict, memoryview, Any]:
-        """Descriptor (blob ``b``), bytes and owner of reference ``i`` stored alone."""
+        """Descriptor (blob ``b``), bytes and owner of reference ``i`` stored alone
+        (``key``: its memory group)."""
         x, k = self.refs[i], self.known[i]
         memo = self.memo.tensors if self.memo is not None else None
         if k is not None and k.desc["path"] == self.paths[i]:
@@ -704,8 +708,7 @@ class _Encoder:
             d = _descriptor(x, self.paths[i], b, 0, None)
             if memo is not None:
                 sig = _signature(x)
-                k = None if sig is None else _Known(weakref.ref(x), sig, _memory_key(x, i) if key is None else key,
-                                                    d)
+                k = None if sig is None else _Known(weakref.ref(x), sig, key, d)
                 self.known[i] = k
         if k is not None:
             k.desc = d
@@ -815,11 +818,11 @@ def _compact_bytes(x) -> tuple[memoryview, Any]:
 
 def _own_bytes_all(xs: list) -> list[memoryview]:
     """:func:`_own_bytes` of each, in C where every one is a numpy array with a buffer format."""
-    try:
-        if list(map(type, xs)).count(np.ndarray) == len(xs):
+    if _all_numpy(xs):
+        try:
             return list(map(_CAST_BYTES, map(memoryview, xs)))
-    except (ValueError, TypeError, NotImplementedError):
-        pass
+        except ValueError:       # datetime64 and timedelta64 have no buffer format
+            pass
     return list(map(_own_bytes, xs))
 
 
@@ -827,21 +830,14 @@ _CAST_BYTES = methodcaller("cast", "B")
 
 
 def _own_bytes(x) -> memoryview:
-    """The bytes of a tensor that :func:`_signature` accepts, in place."""
-    if type(x) is np.ndarray:
-        try:
-            return memoryview(x).cast("B")
-        except (ValueError, TypeError, NotImplementedError):   # no buffer format (datetime64, complex)
-            return memoryview(x.reshape(-1).view(np.uint8))
-    t = x.detach()
+    """The bytes of a tensor that :func:`_signature` accepts, in place: the view
+    :func:`_compact_bytes` gives, taken the short way where the buffer protocol can."""
     try:
-        return memoryview(t.numpy()).cast("B")
-    except (TypeError, ValueError, RuntimeError, NotImplementedError):   # dtypes numpy lacks (bfloat16)
-        pass
-    flat = t.reshape(-1)
-    if flat.numel() == 1:  # a one-element view may keep any stride; view(uint8) needs 1
-        flat = flat.as_strided((1,), (1,))
-    return memoryview(flat.view(torch.uint8).numpy())
+        if type(x) is np.ndarray:
+            return memoryview(x).cast("B")
+        return memoryview(x.detach().numpy()).cast("B")
+    except (ValueError, TypeError):   # numpy: datetime64 and timedelta64; torch: dtypes numpy lacks (bfloat16)
+        return _compact_bytes(x)[0]
 
 
 def _descriptor(x, path: str, blob: int, offset: int, strides) -> dict:

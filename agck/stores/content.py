@@ -246,12 +246,10 @@ def assemble(listed: format.ChunkedContainer, fetch: Callable[[bytes, int], obje
     for i, (a, n) in enumerate(zip(listed.addresses, listed.sizes)):
         data = fetch(a, n)
         if data is None:
-            raise CorruptCheckpointError(f"chunk {i} ({a.hex()[:16]}) is missing from the store", ref=ref,
-                                         section="chunk")
+            raise _chunk_error(i, a, "is missing from the store", ref)
         data = memoryview(data).cast("B")
         if data.nbytes != n:
-            raise CorruptCheckpointError(f"chunk {i} ({a.hex()[:16]}) does not match its address", ref=ref,
-                                         section="chunk")
+            raise _chunk_error(i, a, "does not match its address", ref)
         view[pos:pos + n] = data
         pos += n
     if pos != listed.length:
@@ -279,11 +277,9 @@ def _read_into(listed: format.ChunkedContainer, fetch_into, view: memoryview, re
             a, n = listed.addresses[i], listed.sizes[i]
             got = fetch_into(a, view[starts[i]:starts[i] + n])
             if got is None:
-                raise CorruptCheckpointError(f"chunk {i} ({a.hex()[:16]}) is missing from the store", ref=ref,
-                                             section="chunk")
+                raise _chunk_error(i, a, "is missing from the store", ref)
             if got != n:
-                raise CorruptCheckpointError(f"chunk {i} ({a.hex()[:16]}) does not match its address", ref=ref,
-                                             section="chunk")
+                raise _chunk_error(i, a, "does not match its address", ref)
 
     k = memory.threads() if listed.length >= _PARALLEL_READ_MIN and count > 1 else 1
     if k == 1:
@@ -360,10 +356,7 @@ def decode(buf, fetch: Callable[[bytes, int], object], *, verify: bool, map_loca
         # Many checkpoints verified together: each chunk is checked against its address
         # once; then the payload is what its writer checksummed (header, metadata and
         # footer are still checked, by loads).
-        bad = verify.first_mismatch(listed.addresses, listed.sizes, inner)
-        if bad is not None:
-            raise CorruptCheckpointError(f"chunk {bad} ({listed.addresses[bad].hex()[:16]}) does not match its "
-                                         "address", ref=ref, section="chunk")
+        _raise_mismatch(verify, listed, inner, ref)
         ck = checkpoint.loads(inner, verify=False, copy=False, map_location=map_location, ref=ref)
     else:
         # The inner container's checksums (XXH3 over every part) find damaged or wrong
@@ -372,7 +365,7 @@ def decode(buf, fetch: Callable[[bytes, int], object], *, verify: bool, map_loca
         try:
             ck = checkpoint.loads(inner, verify=verify, copy=False, map_location=map_location, ref=ref)
         except (CorruptCheckpointError, FormatError):   # (damage to the magic reads as "not a container")
-            _name_damaged_chunk(listed, inner, ref)
+            _raise_mismatch(chunking.CheckedChunks(), listed, inner, ref)   # to name the chunk
             raise
     for name in ("run", "step", "parent"):
         if getattr(ck, name) != getattr(listed, name):
@@ -383,16 +376,16 @@ def decode(buf, fetch: Callable[[bytes, int], object], *, verify: bool, map_loca
     return ck
 
 
-def _name_damaged_chunk(listed: format.ChunkedContainer, inner, ref: str | None) -> None:
+def _raise_mismatch(checked: chunking.CheckedChunks, listed: format.ChunkedContainer, inner, ref) -> None:
     """Raise the chunk-level error for the first chunk of ``inner`` whose bytes do not
-    match its address; return if every chunk matches (the damage is elsewhere)."""
-    view = memoryview(inner)
-    pos = 0
-    for i, (a, n) in enumerate(zip(listed.addresses, listed.sizes)):
-        if chunking.address(view[pos:pos + n]) != a:
-            raise CorruptCheckpointError(f"chunk {i} ({a.hex()[:16]}) does not match its address", ref=ref,
-                                         section="chunk")
-        pos += n
+    match its address (skipping those ``checked`` already knows); return if each does."""
+    bad = checked.first_mismatch(listed.addresses, listed.sizes, inner)
+    if bad is not None:
+        raise _chunk_error(bad, listed.addresses[bad], "does not match its address", ref)
+
+
+def _chunk_error(i: int, address: bytes, what: str, ref: str | None) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"chunk {i} ({address.hex()[:16]}) {what}", ref=ref, section="chunk")
 
 
 def _packed(value) -> bytes:

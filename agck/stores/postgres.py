@@ -63,6 +63,7 @@ import struct
 import threading
 import time
 from abc import ABC, abstractmethod
+from functools import partial
 from typing import Any, Callable
 
 import psycopg2
@@ -1051,16 +1052,14 @@ class PostgresStore(Store):
         n = self.names
         cur.execute(f"SELECT run, step, checksum FROM {n.manifest} WHERE listing ORDER BY run, step")
 
-        def loader(run, step, checksum, ref):
-            def load():
-                cur.execute(f"SELECT data FROM {n.chunks} WHERE run = %s AND step = %s ORDER BY idx", (run, step))
-                buf = b"".join(bytes(d) for (d,) in cur.fetchall())
-                check_checksum(buf, checksum, ref)
-                return buf
-            return load
+        def load(run, step, checksum, ref):
+            cur.execute(f"SELECT data FROM {n.chunks} WHERE run = %s AND step = %s ORDER BY idx", (run, step))
+            buf = b"".join(bytes(d) for (d,) in cur.fetchall())
+            check_checksum(buf, checksum, ref)
+            return buf
 
-        rows = cur.fetchall()
-        return content.live_chunks([(self.ref(r, s), loader(r, s, c, self.ref(r, s))) for r, s, c in rows])
+        refs = [(self.ref(r, s), r, s, c) for r, s, c in cur.fetchall()]
+        return content.live_chunks([(ref, partial(load, r, s, c, ref)) for ref, r, s, c in refs])
 
     # -- housekeeping ------------------------------------------------------------------------
     def _orphan_where(self, run: str | None) -> tuple[str, tuple]:

@@ -47,6 +47,7 @@ import os
 import sqlite3
 import urllib.parse
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from .. import checkpoint, codec, failpoints
@@ -454,16 +455,15 @@ class SqliteStore(Store):
             c = self._db()
             try:
                 with _immediate(c):
-                    def loader(run, step, ref):
-                        def load():
-                            buf, checksum = self._read_locked(c, run, step, ref)
-                            check_checksum(buf, checksum, ref)
-                            return buf
-                        return load
+                    def load(run, step, ref):
+                        buf, checksum = self._read_locked(c, run, step, ref)
+                        check_checksum(buf, checksum, ref)
+                        return buf
 
-                    rows = c.execute(f"SELECT run, step FROM {m} WHERE listing ORDER BY run, step").fetchall()
-                    live, listings, damaged = content.live_chunks(
-                        [(self.ref(r, s), loader(r, s, self.ref(r, s))) for r, s in rows])
+                    refs = [(self.ref(r, s), r, s) for r, s in
+                            c.execute(f"SELECT run, step FROM {m} WHERE listing ORDER BY run, step").fetchall()]
+                    live, listings, damaged = content.live_chunks([(ref, partial(load, r, s, ref))
+                                                                   for ref, r, s in refs])
                     c.execute("CREATE TEMP TABLE IF NOT EXISTS agck_live (address BLOB PRIMARY KEY)")
                     c.execute("DELETE FROM agck_live")
                     c.executemany("INSERT INTO agck_live (address) VALUES (?)", ((a,) for a in live))
