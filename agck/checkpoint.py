@@ -56,7 +56,7 @@ def encode(state: Any, *, run: str | None = None, step: int | None = None, paren
     codec.encode_plain(meta, "meta")
     enc = codec.encode_state(state, memo=memo)
     m = {"run": run, "step": step, "parent": parent, "meta": meta, "tensors": enc.tensors, "state": enc.tree}
-    w = format.ContainerWriter(m, enc.blobs, created_at_ns=created_at_ns)
+    w = format.ContainerWriter(m, enc.blobs, created_at_ns=created_at_ns, meta_cuts={"state": enc.cuts})
     w.keepalive = enc  # the blobs are views of the encoder's buffers
     return w
 

@@ -200,10 +200,17 @@ class Chunker:
         self.reused_bytes = 0        # bytes taken from remembered chunks, since the last done()
         self.cut_bytes = 0           # bytes cut and hashed afresh
 
-    def split_piece(self, key: Hashable, buffers: Sequence, sizes: tuple[int, int, int]
-                    ) -> tuple[PieceChunks, list[bool]]:
+    def split_piece(self, key: Hashable, buffers: Sequence, sizes: tuple[int, int, int], *,
+                    grows: bool = False) -> tuple[PieceChunks, list[bool]]:
         """The piece's chunks, and for each buffer whether all its bytes were found
-        unchanged at the same place of the last container's piece ``key``."""
+        unchanged at the same place of the last container's piece ``key``.
+
+        ``grows``: the piece usually grows at its end (the open end of a list that is
+        appended to). Its last chunk, cut by the piece's end rather than by content,
+        is kept when the same bytes are there again, and only what follows it is cut:
+        a checkpoint then writes what was appended, not the last chunk again. The
+        chunks then depend on how the piece grew, not on its bytes alone (any split
+        is valid); a piece that is not ``grows`` is always cut as a fresh split."""
         p = _Piece(buffers)
         out = PieceChunks(p)
         mem = self._last.get((key, sizes))
@@ -233,7 +240,7 @@ class Chunker:
             # by its content: it is the same chunk only if this piece ends there too.
             if i is not None:
                 end = mem.ends[i]
-                if (end <= p.length and (end < last_len or end == p.length)
+                if (end <= p.length and (end < last_len or end == p.length or grows)
                         and self._check(p, pos, end) == mem.checks[i]):
                     starts.append(pos)
                     ends.append(end)

@@ -28,7 +28,7 @@ import msgpack
 import numpy as np
 
 from .errors import AgckError, DependencyError, EncodeError, MalformedCheckpointError, UsageError
-from .format import MAX_DEPTH, MAX_SAME_HASH, TreeBuilder, crowded
+from .format import MAX_DEPTH, MAX_SAME_HASH, TreeBuilder, array_header, crowded, map_header
 
 # torch is optional and slow to import (about a second), so agck never imports it
 # to encode (a state can only hold torch values if the process already has torch)
@@ -188,11 +188,18 @@ class Encoded:
     """The result of :func:`encode_state`: the tree, the tensor descriptors, and per
     blob its bytes (``blobs``) and what keeps them alive (``owners``)."""
 
-    def __init__(self, tree: bytes, tensors: list[dict], blobs: list[memoryview], owners: list):
+    def __init__(self, tree: bytes, tensors: list[dict], blobs: list[memoryview], owners: list,
+                 cuts: list | None = None):
         self.tree = tree
         self.tensors = tensors
         self.blobs = blobs
         self.owners = owners
+        # Where the tree's bytes fall apart naturally, as (offset, key, kind), around the
+        # segments of a long list that were packed as a whole (their bytes stay put while the
+        # list grows after them): "segment" where one starts after other bytes, "joined" where
+        # one follows another, "tail" where the items after the last one start (the list's open
+        # end), "end" where the list ends. ``key`` names the place across encodes.
+        self.cuts = cuts if cuts is not None else []
 
     @property
     def payload_bytes(self) -> int:
@@ -216,7 +223,7 @@ class EncodeMemo:
 
     A list that only grew is walked only in its new tail."""
 
-    SEGMENT = 256
+    SEGMENT = 64
 
     def __init__(self):
         self._last: dict = {}
@@ -346,7 +353,11 @@ def encode_state(state: Any, *, root: str = "state", memo: EncodeMemo | None = N
     ok = False
     try:
         tree = enc.value(state, 0)
-        tree_bytes = msgpack.packb(tree, use_bin_type=True, unicode_errors="surrogatepass")
+        if type(tree) is _SplicedList or type(tree) is _SplicedMap:
+            packed = _TreeBytes(tree)
+            tree_bytes, cuts = b"".join(packed.parts), packed.cuts
+        else:
+            tree_bytes, cuts = msgpack.packb(tree, use_bin_type=True, unicode_errors="surrogatepass"), None
         tensors, blobs, owners = enc.finish()
         if memo is not None:
             enc.record_runs()
@@ -359,7 +370,7 @@ def encode_state(state: Any, *, root: str = "state", memo: EncodeMemo | None = N
     finally:
         if memo is not None:
             memo.done(ok)   # a failed encode leaves the memo as the last good one left it
-    return Encoded(tree_bytes, tensors, blobs, owners)
+    return Encoded(tree_bytes, tensors, blobs, owners, cuts)
 
 
 _PLAIN_KEYS = (type(None), bool, int, float, str, bytes)
@@ -413,6 +424,86 @@ def _check_plain(x, depth: int) -> None:
             raise
 
 
+class _Fragment:
+    """Items of a list already packed: a segment whose bytes the memo compared."""
+    __slots__ = ("data", "key")
+
+    def __init__(self, data: memoryview, key):
+        self.data, self.key = data, key
+
+
+class _SplicedList:
+    """A list of ``n`` items given as ``parts`` in order: :class:`_Fragment` s and
+    lists of encoded items still to pack. ``nested``: those items may hold spliced
+    containers themselves. ``tail``: the key of the place after the last fragment."""
+    __slots__ = ("n", "parts", "nested", "tail")
+
+    def __init__(self, n: int, parts: list, nested: bool, tail=None):
+        self.n, self.parts, self.nested, self.tail = n, parts, nested, tail
+
+
+class _SplicedMap:
+    """An encoded dict some of whose values are spliced."""
+    __slots__ = ("items",)
+
+    def __init__(self, items: dict):
+        self.items = items
+
+
+def _pack(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True, unicode_errors="surrogatepass")
+
+
+class _TreeBytes:
+    """The msgpack bytes of an encoded tree holding spliced containers, as parts (no
+    copy of a fragment), and where they fall apart (:attr:`Encoded.cuts`). The
+    bytes are those of packing the same tree with every fragment's items in place:
+    msgpack packs a container as its header then its members, one after another."""
+
+    def __init__(self, tree):
+        self.parts: list = []
+        self.cuts: list = []
+        self.pos = 0
+        self.add(tree)
+
+    def emit(self, b) -> None:
+        self.parts.append(b)
+        self.pos += len(b)
+
+    def add(self, x) -> None:
+        t = type(x)
+        if t is _SplicedList:
+            self.emit(array_header(x.n))
+            after = False     # the last part was a fragment
+            cut = False       # a fragment was cut at
+            for p in x.parts:
+                if type(p) is _Fragment:
+                    self.cuts.append((self.pos, p.key, "joined" if after else "segment"))
+                    self.emit(p.data)
+                    after = cut = True
+                    continue
+                if after:
+                    self.cuts.append((self.pos, x.tail, "tail"))
+                    after = False
+                if x.nested:
+                    for item in p:
+                        self.add(item)
+                else:
+                    b = _pack(p)
+                    self.emit(memoryview(b)[len(array_header(len(p))):])
+            if after:
+                self.cuts.append((self.pos, x.tail, "tail"))
+            if cut:
+                self.cuts.append((self.pos, (x.tail, "end"), "end"))
+        elif t is _SplicedMap:
+            self.emit(map_header(len(x.items)))
+            for k, v in x.items.items():
+                self.emit(_pack(k))
+                self.add(v)
+        else:
+            self.emit(_pack(x))
+
+
 class _Encoder:
     def __init__(self, memo: EncodeMemo | None = None):
         self.memo = memo
@@ -423,6 +514,7 @@ class _Encoder:
         self.known: list[_Known | None] = []   # per reference, what the memo knew of it
         self.new_runs: list[tuple] = []        # segments to remember once finish() knows their tensors
         self.spans: list[tuple[int, _TensorRun]] = []   # segments taken as remembered: (first reference, run)
+        self.spliced = 0                   # how many _SplicedList were made: a container holds one if it changed
 
     # The walker. Exact types first (the common case), then the rest.
     def value(self, x, depth):
@@ -452,7 +544,9 @@ class _Encoder:
             if crowded(items, len(items)):
                 raise _Unencodable(f"more than {MAX_SAME_HASH} items of the set share one hash (such a set "
                                    "cannot be loaded in linear time)")
-            out = self.seq(items, depth)
+            if depth >= MAX_DEPTH:
+                raise _Unencodable(f"nesting deeper than {MAX_DEPTH}")
+            out = self.items(items, depth, 0)     # hashable items: no list, so nothing spliced
             if len(set(out)) != len(out):  # items equal once encoded (str subclasses with their own ==)
                 raise _Unencodable("set items that differ only by their type would load back equal")
             return msgpack.ExtType(code, self.pack(out))
@@ -491,6 +585,8 @@ class _Encoder:
 
     @staticmethod
     def pack(obj) -> bytes:
+        if type(obj) is _SplicedList or type(obj) is _SplicedMap:
+            return b"".join(_TreeBytes(obj).parts)
         return msgpack.packb(obj, use_bin_type=True, unicode_errors="surrogatepass")
 
     def bigint(self, x: int):
@@ -502,7 +598,11 @@ class _Encoder:
             raise _Unencodable(f"nesting deeper than {MAX_DEPTH}")
         memo = self.memo
         if memo is None or type(xs) is not list or len(xs) < 2 * memo.SEGMENT:
-            return self.items(xs, depth, 0)
+            spliced = self.spliced
+            out = self.items(xs, depth, 0)
+            return out if self.spliced == spliced else _SplicedList(len(xs), [out], True)
+        spliced = self.spliced
+        parts: list = []         # _Fragment, or a list of items still to pack
         out: list = []
         n = memo.SEGMENT
         full = len(xs) // n * n
@@ -524,20 +624,40 @@ class _Encoder:
             else:
                 packed = plain_packed(seg)
                 if packed is not None and last == packed:
-                    out += seg
                     memo.reused_items += n
                     memo._next[key] = packed
+                    out = self._fragment(parts, out, packed, key, n)
                     continue
-            before = len(self.refs)
-            out += self.items(seg, depth, j)
+            before, inner = len(self.refs), self.spliced
+            walked = self.items(seg, depth, j)
             if packed is not None:
+                # plain data walks to itself: the bytes packed above are the segment's, checked now
                 memo._next[key] = packed
-            elif len(self.refs) == before + n and all(map(is_, self.refs[before:], seg)):
+                self.spliced = inner
+                out = self._fragment(parts, out, packed, key, n)
+                continue
+            out += walked
+            if len(self.refs) == before + n and all(map(is_, self.refs[before:], seg)):
                 if prefix is None:
                     prefix = self._path()
                 self.new_runs.append((key, seg, before, prefix, out[-n:]))
         out += self.items(xs[full:], depth, full)
-        return out
+        if not parts:
+            return out if self.spliced == spliced else _SplicedList(len(xs), [out], True)
+        if out:
+            parts.append(out)
+        nested = self.spliced != spliced
+        self.spliced += 1
+        return _SplicedList(len(xs), parts, nested, (path, "tail"))
+
+    @staticmethod
+    def _fragment(parts: list, out: list, packed: bytes, key, n: int) -> list:
+        """Add a segment of ``n`` items packed as a whole (an array) to ``parts``, after
+        the items gathered in ``out``; returns the list to gather the next items in."""
+        if out:
+            parts.append(out)
+        parts.append(_Fragment(memoryview(packed)[len(array_header(n)):], key))
+        return [] if out else out
 
     def _reuse_run(self, run: _TensorRun, seg: list, prefix: str, out: list) -> _TensorRun | None:
         """Take ``seg`` as ``run`` encoded it, if it holds the same tensors with the
@@ -593,6 +713,7 @@ class _Encoder:
                                "in linear time)")
         out = {}
         d = depth + 1
+        spliced = self.spliced
         for k, v in m.items():
             try:
                 kk = self.value(k, d)
@@ -608,7 +729,7 @@ class _Encoder:
                 raise
         if len(out) != len(m):  # keys equal once encoded (str subclasses with their own ==)
             raise _Unencodable("keys that differ only by their type would load back equal")
-        return out
+        return out if self.spliced == spliced else _SplicedMap(out)
 
     def np_scalar(self, x):
         name = np_dtype_name(x.dtype)

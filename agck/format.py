@@ -116,7 +116,7 @@ class ContainerWriter:
     """
 
     def __init__(self, meta: dict, blobs: Sequence[memoryview], *, created_at_ns: int | None = None,
-                 minor: int = MINOR, flags: int = 0):
+                 minor: int = MINOR, flags: int = 0, meta_cuts: dict | None = None):
         self.blobs = [b if type(b) is memoryview and b.format == "B" and b.ndim == 1
                       else memoryview(b).cast("B") for b in blobs]
         if len(self.blobs) > MAX_BLOBS:
@@ -131,7 +131,14 @@ class ContainerWriter:
         self.offsets = offsets = starts.tolist()
         full_meta = dict(meta)
         full_meta["blobs"] = np.stack([starts, sizes], axis=1).tolist()
-        self.meta_bytes = msgpack.packb(full_meta, use_bin_type=True, unicode_errors="surrogatepass")
+        self.meta_bytes, spans = _pack_map(full_meta)
+        # where each top-level value's bytes are in the container: (start, start of its
+        # members or content, after a list's or bin's header; end)
+        self.meta_spans = {k: (HEADER_SIZE + a, HEADER_SIZE + b, HEADER_SIZE + c) for k, (a, b, c) in spans.items()}
+        # places a writer that splits the container may cut it: (offset, key, kind), from
+        # offsets into a value's content (e.g. :attr:`agck.codec.Encoded.cuts` for the state)
+        self.meta_cuts = [(self.meta_spans[k][1] + off, key, kind)
+                          for k, cuts in (meta_cuts or {}).items() for off, key, kind in cuts]
         if len(self.meta_bytes) > MAX_META_LEN:
             raise ValueError(f"metadata is {len(self.meta_bytes)} bytes, over the {MAX_META_LEN} limit")
         payload_offset = align(HEADER_SIZE + len(self.meta_bytes))
@@ -201,6 +208,52 @@ class ContainerWriter:
                 digests.append(hasher.intdigest())
             pos = off + n
         yield self.finish(digests)
+
+
+def array_header(n: int) -> bytes:
+    """msgpack's header of an array of ``n`` items."""
+    if n < 16:
+        return bytes((0x90 | n,))
+    return b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdd" + n.to_bytes(4, "big")
+
+
+def map_header(n: int) -> bytes:
+    """msgpack's header of a map of ``n`` pairs."""
+    if n < 16:
+        return bytes((0x80 | n,))
+    return b"\xde" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdf" + n.to_bytes(4, "big")
+
+
+def bin_header(n: int) -> bytes:
+    """msgpack's header of a bin of ``n`` bytes."""
+    if n < 1 << 8:
+        return b"\xc4" + bytes((n,))
+    return b"\xc5" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xc6" + n.to_bytes(4, "big")
+
+
+def _pack_map(m: dict) -> tuple[bytes, dict]:
+    """``msgpack.packb(m)`` (a map is its header then each key and value, packed one
+    after another), and where each value is: key -> (start, start of its members or
+    content, end). A bytes value is copied once, into the result."""
+    parts = [map_header(len(m))]
+    spans = {}
+    pos = len(parts[0])
+    for k, v in m.items():
+        kb = msgpack.packb(k, use_bin_type=True, unicode_errors="surrogatepass")
+        parts.append(kb)
+        pos += len(kb)
+        if type(v) is bytes:
+            head = bin_header(len(v))
+            parts += (head, v)
+            n = len(head) + len(v)
+        else:
+            vb = msgpack.packb(v, use_bin_type=True, unicode_errors="surrogatepass")
+            parts.append(vb)
+            n = len(vb)
+            head = array_header(len(v)) if type(v) is list else b""
+        spans[k] = (pos, pos + len(head), pos + n)
+        pos += n
+    return b"".join(parts), spans
 
 
 def build_footer(header: Header, digests: Sequence[int]) -> bytes:

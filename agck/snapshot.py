@@ -627,7 +627,9 @@ class Snapshotter:
             self._start_over()
         state = self._state if state is None else state
         t0 = time.perf_counter()
-        tree = {"state": capture(state), "step": step}
+        # the step first: what changes at every checkpoint sits together, before the
+        # state, not between the end of a growing list and the RNG states (chunking)
+        tree = {"step": step, "state": capture(state)}
         if self.capture_rng:
             tree["rng"] = rng_state()
         if self._fingerprint is None:
@@ -689,7 +691,7 @@ class Snapshotter:
             return
         jobs: list = []     # (stager, buffers to make); every stager taken here goes back through the job
         try:
-            tree = {"state": capture(state), "step": 0}
+            tree = {"step": 0, "state": capture(state)}
             if self.capture_rng:
                 tree["rng"] = rng_state()
             if self._async is None and not _has_cuda(tree):

@@ -19,7 +19,9 @@ last window over the first; bytes written over the run against the bytes the
 pipeline produced (file store: the bytes this process sent to the disk,
 /proc/self/io write_bytes; Postgres: the WAL the server wrote plus nothing
 else, since table pages follow the WAL); of them the listings' bytes
-(metadata); for ``frozen`` the bytes each later checkpoint adds to the store
+(metadata), and the bytes of the new chunks the checkpoints added (what the
+store itself counted, before pages, file-system metadata or WAL records are
+added to it); for ``frozen`` the bytes each later checkpoint adds to the store
 against the state's size, and the time ``checkpoint_every`` blocked the
 pipeline. Then ``store.get`` and recovery of the last checkpoint, incremental
 against full.
@@ -113,7 +115,7 @@ def run_growth(target: Target, incremental: bool, kind: str, args) -> dict:
     width = args.item_kb * 1024 // 4
     steps = args.steps if kind == "arrays" else args.record_steps
     state: dict = {"out": []}
-    produced = listings = 0
+    produced = listings = chunk_bytes = 0
     windows: list[float] = []
     written0 = target.written()
     t_run = t_window = time.perf_counter()
@@ -130,6 +132,8 @@ def run_growth(target: Target, incremental: bool, kind: str, args) -> dict:
             snap.update(state)
             if (i + 1) % args.every == 0:
                 listings += _listing_bytes(store)
+                lp = getattr(store, "last_put", None)
+                chunk_bytes += 0 if lp is None else lp.new_bytes
             if (i + 1) % args.window == 0:
                 now = time.perf_counter()
                 windows.append(round(now - t_window, 3))
@@ -142,6 +146,8 @@ def run_growth(target: Target, incremental: bool, kind: str, args) -> dict:
             "windows_s": windows, "last_over_first": round(windows[-1] / windows[0], 2) if windows else None,
             "produced": produced, "written": written, "listings": listings,
             "written_over_produced": round(written / produced, 2),
+            "chunk_bytes": chunk_bytes if incremental else None,
+            "chunks_over_produced": round(chunk_bytes / produced, 2) if incremental else None,
             "get_s": get_s, "recover_s": rec_s}
 
 
@@ -191,13 +197,22 @@ def run_frozen(target: Target, incremental: bool, args) -> dict:
 
 
 def limits(root: str, args) -> dict:
-    """Raw write+fsync of one checkpoint's new bytes (the arrays workload)."""
+    """Raw write+fsync of one checkpoint's new bytes (the arrays workload), and what
+    the disk is sent for the smallest durable file: one record's worth of bytes
+    written, fsync'd, and its directory fsync'd (the floor of a store that keeps
+    each new piece of content as a file)."""
     os.makedirs(root, exist_ok=True)
     new = np.random.default_rng(1).random(args.item_kb * 256 * args.every, dtype=np.float32)
     t0 = time.perf_counter()
     for k in range(20):
         benchio.raw_write_fsync(os.path.join(root, f"raw{k}"), memoryview(new).cast("B"))
-    return {"raw_new_bytes_s": round((time.perf_counter() - t0) / 20, 5)}
+    raw_s = (time.perf_counter() - t0) / 20
+    small = os.urandom(200 * args.every)
+    w0 = _proc_written()
+    for k in range(50):
+        benchio.raw_write_fsync(os.path.join(root, f"small{k}"), small)
+    return {"raw_new_bytes_s": round(raw_s, 5), "small_file_bytes": (_proc_written() - w0) // 50,
+            "small_file_payload": len(small)}
 
 
 def _mib(n) -> str:
@@ -256,16 +271,20 @@ def report(out: dict, args) -> None:
     print(f"growth: {args.steps} steps appending {args.item_kb} KiB arrays, {args.record_steps} steps appending "
           f"~200-byte records; every {args.every}, sync")
     print(f"| workload | store | checkpoints | time per {args.window} steps (s) | last / first | total (s) | "
-          "written / produced (MiB) | of it listings (MiB) | get / recover last (ms) |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|")
+          "written / produced (MiB) | of it listings (MiB) | new chunks / produced | get / recover last (ms) |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|")
     for r in out["growth"]:
         name = "incremental" if r["incremental"] else "full"
         print(f"| {r['workload']} | {r['store']} | {name} | {', '.join(map(str, r['windows_s']))} | "
               f"{r['last_over_first']} | {r['checkpoint_s']} | {_mib(r['written'])} / {_mib(r['produced'])} "
               f"= {r['written_over_produced']}x | {_mib(r['listings'])} | "
-              f"{r['get_s'] * 1000:.1f} / {r['recover_s'] * 1000:.1f} |")
+              + (f"{r['chunks_over_produced']}x | " if r["incremental"] else "- | ")
+              + f"{r['get_s'] * 1000:.1f} / {r['recover_s'] * 1000:.1f} |")
     print(f"- physical limit: raw write+fsync of one checkpoint's new arrays ({args.every * args.item_kb} KiB) "
           f"{lim['raw_new_bytes_s'] * 1000:.1f} ms")
+    print(f"- one durable file of one checkpoint's new records ({lim['small_file_payload']} bytes: write, fsync, "
+          f"fsync of its directory) sends the disk {lim['small_file_bytes']:,} bytes "
+          f"({lim['small_file_bytes'] / lim['small_file_payload']:.1f}x): the floor per new file of the file store")
     if out["frozen"]:
         print(f"\nfrozen: {args.model_mb} MiB frozen base + 16 MiB part + its AdamW state, {args.frozen_steps} steps, "
               f"every {args.every}, async")

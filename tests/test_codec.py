@@ -716,10 +716,13 @@ def test_encode_memo_gives_the_bytes_of_a_fresh_encode(seed):
     rng = np.random.default_rng(seed)
     n = codec.EncodeMemo.SEGMENT
     records = [{"s": f"doc-{i}", "n": i % 3, "x": 0.0, "v": [float(i)] * 3} for i in range(int(rng.integers(2 * n, 5 * n)))]
-    state = {"records": records, "nested": {"deep": [list(range(4)) for _ in range(2 * n)]}}
+    state = {"records": records, "nested": {"deep": [list(range(4)) for _ in range(2 * n)]},
+             "in_records": [{"long": list(range(2 * n + i))} for i in range(2)],   # spliced inside a dict in a list
+             "in_tuple": (list(range(2 * n)), "x")}                                 # and inside a tuple
     memo = codec.EncodeMemo()
     for _ in range(5):
         assert _tree_bytes(state, memo) == _tree_bytes(state)
+        _check_cuts(codec.encode_state(state, memo=memo))
         for _ in range(int(rng.integers(0, 4))):
             kind = int(rng.integers(0, 4))
             if kind == 0:
@@ -732,6 +735,36 @@ def test_encode_memo_gives_the_bytes_of_a_fresh_encode(seed):
             else:
                 del records[int(rng.integers(0, len(records)))]    # everything after it shifts
     assert memo.reused_items > 0
+
+
+def _check_cuts(e) -> None:
+    """Every cut of an encode falls between two items of a list: the bytes from it to
+    the next cut (or the end) start with whole msgpack values."""
+    offsets = [off for off, _, _ in e.cuts]
+    assert offsets == sorted(offsets) and all(0 < off <= len(e.tree) for off in offsets)
+    for off, key, kind in e.cuts:
+        if off < len(e.tree):
+            u = msgpack.Unpacker(raw=False, strict_map_key=False)
+            u.feed(e.tree[off:])
+            next(u)                           # a whole value starts here
+
+
+def test_encode_memo_cuts_at_the_segments_of_a_list_that_grew():
+    n = codec.EncodeMemo.SEGMENT
+    records = [{"doc": f"d{i}", "x": float(i)} for i in range(3 * n + 10)]
+    memo = codec.EncodeMemo()
+    first = codec.encode_state({"out": records}, memo=memo)
+    records += [{"doc": "new", "x": 0.5}] * 7
+    again = codec.encode_state({"out": records}, memo=memo)
+    assert again.tree == codec.encode_state({"out": records}).tree
+    item = [len(msgpack.packb(r)) for r in records]
+    start = len(msgpack.packb({"out": []})) + 2          # the array header grew from 1 to 3 bytes
+    at = [start + sum(item[:j]) for j in (0, n, 2 * n, 3 * n, len(records))]
+    assert [off for off, _, _ in again.cuts] == at
+    assert [kind for _, _, kind in again.cuts] == ["segment", "joined", "joined", "tail", "end"]
+    assert [k for _, k, _ in again.cuts] == [k for _, k, _ in first.cuts]   # places keep their names
+    assert again.tree[at[0]:at[3]] == first.tree[at[0]:at[3]]              # the segments' bytes stay put
+    assert len(again.tree) == at[4]                                         # the list ends the tree
 
 
 def test_encode_memo_reports_a_changed_record_that_became_unencodable():

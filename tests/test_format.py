@@ -816,3 +816,23 @@ def test_unreadable_file_is_not_a_verdict(monkeypatch, tmp_path):
     with pytest.raises(AgckError) as ei:
         agck.load(path)
     assert not recovery.is_verdict(ei.value)
+
+
+_plain = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text()
+                      | st.binary(max_size=300),
+                      lambda inner: st.lists(inner, max_size=20) | st.dictionaries(st.text(max_size=5), inner, max_size=5),
+                      max_leaves=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), _plain, max_size=6), st.binary(max_size=70_000))
+def test_writer_metadata_is_msgpack_of_the_map_with_spans_of_each_value(meta, state):
+    meta = dict(meta, state=state)
+    w = format.ContainerWriter(meta, [])
+    full = dict(meta, blobs=[])
+    assert w.meta_bytes == msgpack.packb(full, use_bin_type=True)
+    for k, (start, inner, end) in w.meta_spans.items():
+        value = w.meta_bytes[start - format.HEADER_SIZE:end - format.HEADER_SIZE]
+        assert value == msgpack.packb(full[k], use_bin_type=True)
+        if type(full[k]) is bytes:     # the content, after the bin header
+            assert w.meta_bytes[inner - format.HEADER_SIZE:end - format.HEADER_SIZE] == full[k]

@@ -9,11 +9,12 @@ import subprocess
 import sys
 import threading
 
+import msgpack
 import numpy as np
 import pytest
 
 import agck
-from agck import chunking, errors, format
+from agck import chunking, codec, errors, format
 from agck.stores import content
 from agck.recovery import recover_run
 from agck.stores import open_store
@@ -117,6 +118,23 @@ def test_file_store_writes_what_changed(tmp_path):
     assert held < 1.25 * produced, (held, produced)
     assert max(written[1:]) < 10 * 65536 + 4 * chunking.SMALL[2]   # each checkpoint: its 10 new arrays and a little
     assert len(store.get("r", 200).state["out"]) == 200
+
+
+def test_a_growing_list_of_records_writes_the_pieces_around_its_end(store):
+    """Records appended to a long list: a checkpoint writes the small pieces that
+    changed (header, list length, the list's open end, footer), not the 4-64 KiB
+    chunks that would hold them if the metadata were cut by content alone."""
+    records, new = [], []
+    for step in range(1, 301):
+        records.append({"doc": f"document {step:08d} of the corpus", "tokens": step * 7, "scores": [0.5] * 12})
+        if step % 10 == 0:
+            store.put("r", step, {"out": records})
+            new.append(store.last_put.new_bytes)
+    produced = len(msgpack.packb(records[:10]))                  # what ten records add
+    seg = codec.EncodeMemo.SEGMENT * len(msgpack.packb(records[0]))
+    assert max(new[-10:]) < seg + 2 * produced, new           # at most a segment, when one fills up
+    assert sorted(new[-10:])[5] < 2 * produced, new            # usually the new records and a few small pieces
+    assert store.get("r", 300).state["out"] == records
 
 
 def test_frozen_model_is_stored_once(tmp_path):

@@ -129,7 +129,11 @@ def split_container(w: format.ContainerWriter, cache: WriteCache | None = None) 
     known = cache.digests if cache is not None else {}
     digests_now: dict = {}
     layout = w.layout()
-    out = [chunker.split_piece("head", [buf for _, buf, _ in layout[:3]], chunking.HEAD)[0]]
+    head = _head_pieces(w, layout[:3])
+    # with no payload the metadata's end and the footer are one piece: both change
+    # at every checkpoint, and a store pays per chunk as well as per byte
+    last = head.pop() if not w.blobs else None
+    out = [chunker.split_piece(key, bufs, chunking.HEAD, grows=grows)[0] for key, bufs, grows in head]
     rest = layout[3:]
     groups = [(key, [rest[i] for i in members], sizes)
               for key, members, sizes in chunking.pieces([buf.nbytes for _, buf, _ in rest])]
@@ -158,11 +162,47 @@ def split_container(w: format.ContainerWriter, cache: WriteCache | None = None) 
         digests.extend(d for d in ds if d is not None)
         digests_now[key] = _PieceDigests(bounds, ds)
     footer = w.finish(digests)
-    out.append(chunker.split_piece("footer", [footer], chunking.HEAD)[0])
+    if last is None:
+        out.append(chunker.split_piece("footer", [footer], chunking.HEAD)[0])
+    else:
+        out.append(chunker.split_piece(last[0], last[1] + [footer], chunking.HEAD)[0])
     chunker.done()
     if cache is not None:
         cache.digests = digests_now
     return out
+
+
+def _head_pieces(w: format.ContainerWriter, head: list) -> list[tuple]:
+    """The header, metadata and padding as pieces (key, buffers), cut where they
+    change apart: the header with the first keys (they change at every checkpoint),
+    the tensor descriptors, the state up to its first segment packed whole, each run
+    of such segments of at least ``chunking.HEAD[1]`` bytes, the items after the last
+    one, and the rest (the blob table). So a checkpoint of a list that only grew
+    rewrites the small pieces around what changed, not the chunks (4-64 KiB) that
+    happen to hold them. Each piece comes with whether it usually grows at its end
+    (descriptors, runs of segments, a list's open end: ``Chunker.split_piece``)."""
+    header, meta, pad = (buf for _, buf, _ in head)
+    base = format.HEADER_SIZE
+    cuts = []
+    spans = w.meta_spans
+    if "tensors" in spans and "state" in spans and spans["tensors"][1] < spans["tensors"][2]:
+        cuts += [(spans["tensors"][1], "tensors", True), (spans["tensors"][2], "state", False)]
+    last = cuts[-1][0] if cuts else base
+    for off, key, kind in w.meta_cuts:
+        if kind != "joined" or off - last >= chunking.HEAD[1]:
+            cuts.append((off, key, kind != "end"))
+            last = off
+    if cuts and "state" in spans:
+        cuts.append((spans["state"][2], "after state", False))
+    pieces, start, key, grows = [], base, "head", False
+    for off, nxt, nxt_grows in cuts:
+        if off > start:
+            pieces.append((key, [meta[start - base:off - base]], grows))
+            start = off
+        key, grows = nxt, nxt_grows
+    pieces.append((key, [meta[start - base:], pad], grows))
+    pieces[0][1].insert(0, header)
+    return pieces
 
 
 def store_chunks(w: format.ContainerWriter, has: Callable[[bytes], bool],
