@@ -178,3 +178,29 @@ def test_a_piece_that_only_grew_is_confirmed_in_one_pass(monkeypatch):
     assert not same[50] and all(same[:45])               # (a chunk may span the edge of item 50)
     want = chunking.Chunker(remember=False).split_piece("run", changed, chunking.SMALL)[0]
     assert got.addresses == want.addresses
+
+
+def test_a_growing_piece_keeps_its_last_chunk_and_cuts_only_what_was_appended():
+    """``grows``: the chunk that ended where the piece ended is kept when its bytes
+    are there again, so an append writes the appended bytes only; every chunk still
+    holds the bytes at its place."""
+    data = os.urandom(40_000)
+    c = chunking.Chunker()
+    first, _ = c.split_piece("tail", [data], chunking.HEAD, grows=True)
+    c.done()
+    more = data + os.urandom(2_000)
+    got, _ = c.split_piece("tail", [more], chunking.HEAD, grows=True)
+    assert got.addresses[:len(first)] == first.addresses          # all of the old chunks, the last one too
+    assert got.sizes[len(first):] == [2_000]                       # and one new chunk: the appended bytes
+    assert c.cut_bytes == 2_000
+    pos = 0
+    for a, n in zip(got.addresses, got.sizes):
+        assert chunking.address(more[pos:pos + n]) == a
+        pos += n
+    c.done()
+    fresh = chunking.Chunker()                                     # without grows: a fresh split, always
+    fresh.split_piece("tail", [data], chunking.HEAD)
+    fresh.done()
+    again, _ = fresh.split_piece("tail", [more], chunking.HEAD)
+    want = chunking.Chunker(remember=False).split_piece("tail", [more], chunking.HEAD)[0]
+    assert again.addresses == want.addresses
