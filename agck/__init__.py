@@ -6,7 +6,7 @@
 """
 
 from .checkpoint import Checkpoint, dumps, inspect, load, loads, save
-from .errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
+from .errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, ContentChangedError, CorruptCheckpointError,
                      DependencyError, DurabilityError, EncodeError, FormatError, InvalidRunNameError, MalformedCheckpointError,
                      NoValidCheckpointError, SchemaMismatchError, SchemaUninitializedError, SnapshotError,
                      StoreConnectionError, StoreError, UnsupportedVersionError, UsageError)
@@ -17,7 +17,7 @@ __all__ = [
     "Checkpoint", "dumps", "loads", "save", "load", "inspect",
     "AgckError", "DependencyError", "FormatError", "UnsupportedVersionError", "CorruptCheckpointError", "MalformedCheckpointError",
     "EncodeError", "StoreError", "StoreConnectionError", "SchemaUninitializedError", "SchemaMismatchError",
-    "CheckpointNotFoundError", "CheckpointExistsError", "DurabilityError", "InvalidRunNameError",
+    "CheckpointNotFoundError", "CheckpointExistsError", "ContentChangedError", "DurabilityError", "InvalidRunNameError",
     "NoValidCheckpointError", "SnapshotError", "UsageError",
 ]
 

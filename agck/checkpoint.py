@@ -56,7 +56,12 @@ def encode(state: Any, *, run: str | None = None, step: int | None = None, paren
     codec.encode_plain(meta, "meta")
     enc = codec.encode_state(state, memo=memo)
     m = {"run": run, "step": step, "parent": parent, "meta": meta, "tensors": enc.tensors, "state": enc.tree}
-    w = format.ContainerWriter(m, enc.blobs, created_at_ns=created_at_ns, meta_cuts={"state": enc.cuts})
+    keys: list = [None] * len(enc.blobs)
+    for d in enc.tensors:          # a blob is named by the path of the first tensor stored in it
+        if keys[d["blob"]] is None:
+            keys[d["blob"]] = d["path"]
+    w = format.ContainerWriter(m, enc.blobs, created_at_ns=created_at_ns, meta_cuts={"state": enc.cuts},
+                               blob_keys=keys)
     w.keepalive = enc  # the blobs are views of the encoder's buffers
     return w
 

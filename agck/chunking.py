@@ -120,11 +120,12 @@ class PieceChunk:
     (a view, or a copy where the chunk spans buffers: made only when asked, as
     a store asks only for the chunks it lacks)."""
 
-    __slots__ = ("address", "nbytes", "_piece", "_start", "_view")
+    __slots__ = ("address", "nbytes", "fresh", "_piece", "_start", "_view")
 
     def __init__(self, address: bytes, piece: _Piece, start: int, end: int, view: memoryview | None = None):
         self.address = address
         self.nbytes = end - start
+        self.fresh = view is not None   # cut, and its address computed, from these bytes this time
         self._piece, self._start, self._view = piece, start, view
 
     def view(self) -> memoryview:

@@ -131,6 +131,15 @@ class DurabilityError(StoreError):
     default_hint = "the previous checkpoint is untouched; fix the storage and retry"
 
 
+class ContentChangedError(StoreError):
+    """A put was told that some tensors were not copied because they had not changed
+    since the run's last checkpoint (``expect_unchanged``), and their bytes differ
+    from that checkpoint's: they changed without the signal that said they had
+    not, or while being written. Nothing was written."""
+
+    default_hint = "put the state again with its tensors copied (Snapshotter does so by itself)"
+
+
 class InvalidRunNameError(StoreError, ValueError):
     """A run name that could escape the store or is otherwise unusable."""
 

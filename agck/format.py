@@ -116,7 +116,8 @@ class ContainerWriter:
     """
 
     def __init__(self, meta: dict, blobs: Sequence[memoryview], *, created_at_ns: int | None = None,
-                 minor: int = MINOR, flags: int = 0, meta_cuts: dict | None = None):
+                 minor: int = MINOR, flags: int = 0, meta_cuts: dict | None = None,
+                 blob_keys: Sequence | None = None):
         self.blobs = [b if type(b) is memoryview and b.format == "B" and b.ndim == 1
                       else memoryview(b).cast("B") for b in blobs]
         if len(self.blobs) > MAX_BLOBS:
@@ -139,6 +140,9 @@ class ContainerWriter:
         # offsets into a value's content (e.g. :attr:`agck.codec.Encoded.cuts` for the state)
         self.meta_cuts = [(self.meta_spans[k][1] + off, key, kind)
                           for k, cuts in (meta_cuts or {}).items() for off, key, kind in cuts]
+        # what names each blob across the containers of one run (the path of its tensor), for
+        # writers that compare a container with the last one; by default its index
+        self.blob_keys = list(blob_keys) if blob_keys is not None else list(range(len(self.blobs)))
         if len(self.meta_bytes) > MAX_META_LEN:
             raise ValueError(f"metadata is {len(self.meta_bytes)} bytes, over the {MAX_META_LEN} limit")
         payload_offset = align(HEADER_SIZE + len(self.meta_bytes))

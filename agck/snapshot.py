@@ -52,6 +52,7 @@ import signal
 import threading
 import time
 import warnings
+import weakref
 from typing import Any, Callable, Iterator
 
 try:
@@ -61,9 +62,9 @@ except ImportError:  # pragma: no cover (not on Windows)
 
 import numpy as np
 
-from . import failpoints
+from . import chunking, failpoints
 from .codec import encode_plain, plain_packed
-from .errors import AgckError, SnapshotError, UsageError
+from .errors import AgckError, ContentChangedError, SnapshotError, UsageError
 from .names import check_run, check_step
 from .recovery import recover_run
 from .stores import Store, open_store
@@ -234,13 +235,25 @@ class _Stager:
     def __init__(self):
         self.pool: dict[tuple, Any] = {}
         self.dry = False
+        self.seen: dict | None = None
 
-    def stage(self, tree: Any) -> Any:
+    def stage(self, tree: Any, seen: dict | None = None) -> Any:
+        """Copy ``tree``'s tensors into staging buffers. With ``seen`` (what
+        :attr:`now` was at the last staging whose snapshot is durable), a CPU tensor
+        of ``LARGE_PART`` bytes or more that is the same object with the same
+        version counter, memory and layout as then is not copied: it goes into the
+        tree as itself, its address into :attr:`referenced`, and the store confirms
+        its bytes against that snapshot while it writes (``expect_unchanged``)."""
         self.memo: dict[int, Any] = {}
         self.n = 0
         self.cuda = False
         self.used: set = set()
+        self.seen = seen
+        self.now: dict[int, tuple] = {}
+        self.referenced: set[int] = set()
+        self.referenced_bytes = 0
         out = self._walk(tree)
+        self.seen = None
         if self.cuda:
             torch.cuda.synchronize()
         del self.memo
@@ -315,6 +328,17 @@ class _Stager:
                     self.missing.append((key, functools.partial(_host_tensor, tuple(x.shape), x.dtype, pin, True)))
                 self.memo[id(x)] = x
                 return x
+            if self.seen is not None and not pin and _referable(x):
+                sig = _version_signature(x)
+                if sig is not None:
+                    self.now[id(x)] = (weakref.ref(x), sig)
+                    last = self.seen.get(id(x))
+                    if last is not None and last[0]() is x and last[1] == sig:
+                        self.used.add(key)       # its buffer stays for when it changes
+                        self.referenced.add(x.data_ptr())
+                        self.referenced_bytes += x.nbytes
+                        self.memo[id(x)] = x
+                        return x
             buf = self._buffer(key, lambda: _host_tensor(x.shape, x.dtype, pin))
             src = x.detach()
             if src.is_conj():
@@ -364,6 +388,26 @@ def _host_tensor(shape, dtype, pin: bool, touch: bool = False):
 def _stageable(x) -> bool:
     return (type(x) in (torch.Tensor, torch.nn.Parameter) and x.layout == torch.strided and not x.is_nested
             and not x.is_quantized and x.device.type != "meta")
+
+
+def _referable(x) -> bool:
+    """A tensor that can go into a snapshot uncopied: its memory is exactly its bytes
+    (contiguous, the whole of its storage), large enough to be a chunked piece of
+    its own, so the store can confirm it as a whole (``expect_unchanged``)."""
+    if x.device.type != "cpu" or x.is_conj() or x.is_neg() or not x.is_contiguous() or x.storage_offset():
+        return False
+    n = x.numel() * x.element_size()
+    return n >= chunking.LARGE_PART and x.untyped_storage().nbytes() == n
+
+
+def _version_signature(x) -> tuple | None:
+    """What changes when a tensor's bytes may have: autograd's version counter (every
+    in-place op, ``optimizer.step()``, ``load_state_dict``), its memory and layout.
+    Not sound alone (``.data`` and numpy views write without it), hence confirmed."""
+    try:
+        return (x._version, x.data_ptr(), x.dtype, tuple(x.shape), x.stride())
+    except RuntimeError:     # inference tensors keep no version counter
+        return None
 
 
 def _with_flags_of(buf, src):
@@ -507,6 +551,9 @@ class Snapshotter:
         self._async: bool | None = None if mode == "auto" else mode == "async"
         self._fingerprint: dict | None = None
         self._prepared = False                    # staging buffers made ahead of the first snapshot
+        # the large CPU tensors of the last durable async snapshot, by id: (weakref, version signature)
+        self._seen: dict[int, tuple] = {}
+        self.dropped_steps: list[int] = []        # snapshots not written: a tensor taken uncopied changed
         if handle_signals:
             self._install_signals()
         atexit.register(self._close_at_exit)
@@ -647,7 +694,9 @@ class Snapshotter:
         self._start_worker()
         stager = self._free_stagers.get()          # backpressure: waits while max_in_flight are pending
         self.raise_pending()
-        staged = stager.stage(tree)
+        # ({} still notes this staging's tensors, for the snapshot after it)
+        seen = self._seen if self._seen and self.store.can_confirm_unchanged(self.run) else {}
+        staged = stager.stage(tree, seen)
         failpoints.hit("snapshot.after_stage")
         with self._cv:
             self._pending += 1
@@ -655,13 +704,15 @@ class Snapshotter:
         self._taken = step
         self.blocked_seconds.append(time.perf_counter() - t0)
 
-    def _persist(self, step, tree, meta, parent) -> str:
+    def _persist(self, step, tree, meta, parent, stager: _Stager | None = None) -> str:
         t0, (u0, s0) = time.perf_counter(), _thread_cpu()
-        ref = self.store.put(self.run, step, tree, meta=meta, parent=parent)
+        referenced = stager.referenced if stager is not None else ()
+        ref = self.store.put(self.run, step, tree, meta=meta, parent=parent, expect_unchanged=referenced)
         u1, s1 = _thread_cpu()
         self.write_stats.append({"step": step, "thread": threading.current_thread().name, "start": t0,
                                  "end": time.perf_counter(), "cpu_user_s": u1 - u0,
-                                 "cpu_sys_s": None if s0 is None else s1 - s0})
+                                 "cpu_sys_s": None if s0 is None else s1 - s0,
+                                 "referenced_bytes": stager.referenced_bytes if stager is not None else 0})
         return ref
 
     def _acknowledge(self, step: int, ref: str) -> None:
@@ -731,9 +782,19 @@ class Snapshotter:
             step, staged, meta, stager = item
             try:
                 if self._error is None:
-                    ref = self._persist(step, staged, meta, self.last_durable_step)
+                    ref = self._persist(step, staged, meta, self.last_durable_step, stager)
+                    self._seen = stager.now
                     self._acknowledge(step, ref)
+            except ContentChangedError as e:
+                # A tensor taken uncopied changed without its version counter saying so, or
+                # while it was read: this snapshot cannot hold the step's state, so it is not
+                # written; the next one copies every tensor.
+                self._seen = {}
+                self.dropped_steps.append(step)
+                log.warning("agck: step %d of run %r was not checkpointed (%s); the next checkpoint copies every "
+                            "tensor", step, self.run, e)
             except BaseException as e:  # surfaced to the pipeline thread, never swallowed
+                self._seen = {}
                 self._error = e
             finally:
                 del staged

@@ -688,3 +688,86 @@ def test_sigterm_takes_a_final_checkpoint(tmp_path):
     assert proc.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM), proc.stderr.read()
     assert steps[-1] < 400 and steps[-1] % 50 != 0  # taken because of the signal, not the schedule
     assert acked[-1] == steps[-1]  # and acknowledged before exit
+
+
+# --- async snapshots take a large tensor that did not change uncopied, and the store confirms it ---
+
+_BIG = 1 << 21     # float32 elements: 8 MiB, a chunked piece of its own
+
+
+def _frozen_run(store, steps, every, on_step=None):
+    """An async run over a frozen 8 MiB tensor and a small part changing every step;
+    returns the snapshotter and, per step, the state's bytes at that step."""
+    torch.manual_seed(0)
+    base = torch.randn(_BIG)
+    part = torch.zeros(1000)
+    at: dict = {}
+    with Snapshotter(store, "f", every=every, mode="async", resume=False, capture_rng=False) as snap:
+        for i in snap.steps(steps):
+            part += 1
+            if on_step is not None:
+                on_step(i, base)
+            at[i + 1] = (base.clone(), part.clone())
+            snap.update({"base": base, "part": part})
+        snap.flush()
+    return snap, at
+
+
+def _assert_each_checkpoint_holds_its_step(store, at):
+    for step in store.steps("f"):
+        st = store.get("f", step).state["state"]
+        assert torch.equal(st["base"], at[step][0]) and torch.equal(st["part"], at[step][1]), step
+
+
+def test_async_snapshots_take_an_unchanged_large_tensor_uncopied(store):
+    snap, at = _frozen_run(store, 30, 5)
+    referenced = [w["referenced_bytes"] for w in snap.write_stats]
+    assert referenced[0] == 0 and all(r == _BIG * 4 for r in referenced[1:]), referenced
+    assert snap.dropped_steps == []
+    _assert_each_checkpoint_holds_its_step(store, at)
+
+
+def test_a_change_the_version_counter_misses_drops_that_snapshot_only(store):
+    """Written through a numpy view, the tensor's version counter does not move: the
+    store finds its bytes differ from the last checkpoint's, the snapshot is not
+    written, and the next one copies it again."""
+    def touch(i, base):
+        if i == 12:
+            base.numpy()[7] += 1.0
+    snap, at = _frozen_run(store, 30, 5, touch)
+    assert snap.dropped_steps == [15]
+    assert 15 not in store.steps("f") and {20, 25, 30} <= set(store.steps("f"))
+    _assert_each_checkpoint_holds_its_step(store, at)
+
+
+def test_a_change_while_the_snapshot_is_written_is_caught(store, monkeypatch):
+    """The pipeline changes the uncopied tensor right after the step boundary, before
+    the writer reads it: the checkpoint would hold the next step's bytes, so it is
+    not written."""
+    from agck import snapshot as snapshot_mod
+    hits = []
+
+    def after_stage(name):
+        if name == "snapshot.after_stage":
+            hits.append(name)
+            if len(hits) == 3:
+                holder["base"].add_(1.0)        # in place, version counter and all: after staging
+    holder: dict = {}
+    monkeypatch.setattr(snapshot_mod.failpoints, "hit", after_stage)
+    snap, at = _frozen_run(store, 30, 5, lambda i, base: holder.setdefault("base", base))
+    assert snap.dropped_steps == [15]
+    _assert_each_checkpoint_holds_its_step(store, at)     # (``at`` saw the change from step 16 on)
+
+
+def test_a_put_refuses_unchanged_tensors_it_cannot_confirm(store):
+    big = torch.randn(_BIG)
+    ptr = {big.data_ptr()}
+    with pytest.raises(agck.ContentChangedError, match="no earlier checkpoint"):
+        store.put("p", 1, {"big": big}, expect_unchanged=ptr)
+    store.put("p", 1, {"big": big})
+    store.put("p", 2, {"big": big}, expect_unchanged=ptr)
+    big[5] += 1
+    with pytest.raises(agck.ContentChangedError, match="differs from the run's last checkpoint"):
+        store.put("p", 3, {"big": big}, expect_unchanged=ptr)
+    assert store.steps("p") == [1, 2]
+    assert torch.equal(store.get("p", 2).state["big"][:5], big[:5])

@@ -15,7 +15,7 @@ import numbers
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 from .. import recovery
 from ..checkpoint import Checkpoint
@@ -83,8 +83,26 @@ class Store(ABC):
     # -- writing ---------------------------------------------------------------
     @abstractmethod
     def put(self, run: str, step: int, state: Any, *, meta: Any = None, parent: int | None = None,
-            overwrite: bool = True) -> str:
-        """Write a checkpoint durably; returns its ref."""
+            overwrite: bool = True, expect_unchanged: Collection[int] = ()) -> str:
+        """Write a checkpoint durably; returns its ref.
+
+        ``expect_unchanged``: memory addresses (``data_ptr()``) of tensors in
+        ``state`` that the caller did not copy because they have not changed since
+        the run's last put through this store object (see
+        :meth:`can_confirm_unchanged`). Their bytes are confirmed against that put's
+        while they are split (one XXH3 pass, which the split makes anyway); if any
+        differs, :class:`ContentChangedError` is raised and nothing is written."""
+
+    def can_confirm_unchanged(self, run: str) -> bool:
+        """Whether the next put of ``run`` can confirm ``expect_unchanged`` tensors:
+        it will be chunked, and this store object holds the run's last checkpoint
+        as it split it."""
+        if not self.incremental:
+            return False
+        cache = self._caches.peek(run)
+        if cache is None or not cache.split:
+            return False
+        return self.full_every is None or cache.puts % self.full_every != 0
 
     @abstractmethod
     def delete(self, run: str, step: int) -> None:

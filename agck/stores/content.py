@@ -31,13 +31,14 @@ from bisect import bisect_left
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Callable, Iterable
+from typing import Callable, Collection, Iterable
 
 import msgpack
+import numpy as np
 
 from .. import checkpoint, chunking, codec, format, memory
 from ..checkpoint import Checkpoint
-from ..errors import CorruptCheckpointError, FormatError, StoreError, UnsupportedVersionError
+from ..errors import ContentChangedError, CorruptCheckpointError, FormatError, StoreError, UnsupportedVersionError
 
 
 @dataclass
@@ -82,6 +83,7 @@ class WriteCache:
         self.digests: dict = {}       # piece key -> _PieceDigests, the blob digests found there
         self.encoding = codec.EncodeMemo()
         self.puts = 0                 # puts of the run through this store object (full_every)
+        self.split = False            # the chunker and digests hold a checkpoint's (see split_container)
 
 
 class WriteCaches:
@@ -95,6 +97,9 @@ class WriteCaches:
 
     def take(self, run: str) -> WriteCache:
         return self._by_run.pop(run, None) or WriteCache()
+
+    def peek(self, run: str) -> WriteCache | None:
+        return self._by_run.get(run)
 
     def give(self, run: str, cache: WriteCache) -> None:
         if len(self._by_run) >= self._MAX_RUNS:
@@ -118,13 +123,61 @@ class _PieceDigests:
         return self._by_place.get((start, end))
 
 
-def split_container(w: format.ContainerWriter, cache: WriteCache | None = None) -> list[chunking.PieceChunks]:
+def cannot_confirm(ref: str | None) -> ContentChangedError:
+    """For a put given ``expect_unchanged`` tensors with nothing to confirm them against."""
+    return ContentChangedError("tensors were passed as unchanged, but this put has no earlier checkpoint of the "
+                               "run to confirm them against (a standalone put, or the first of this store "
+                               "object)", ref=ref)
+
+
+def _address(buf: memoryview) -> int:
+    return np.frombuffer(buf, dtype=np.uint8).ctypes.data
+
+
+def _large_key(w: format.ContainerWriter, blob_at: dict, entry) -> tuple:
+    """The piece key of a blob cut on its own: the blob's key (its tensor's path) and
+    size, which stay the same from one checkpoint to the next whether its bytes are
+    a staging copy or the tensor itself (an index would shift whenever a piece
+    before it came or went). A key found again with other bytes costs a fresh cut,
+    never a wrong chunk: bytes are always confirmed."""
+    offset, buf, _ = entry
+    i = blob_at.get(offset)
+    return ("large", None if i is None else w.blob_keys[i], buf.nbytes)
+
+
+def _private(a: bytes, c: chunking.PieceChunk, expect: Collection[int], ref: str | None) -> memoryview:
+    """The bytes to write for chunk ``c``. Chunks cut this time hold bytes that were
+    hashed into their address; with tensors passed as unchanged (live memory that
+    the pipeline may be writing to by now), a chunk taken from the last checkpoint
+    but missing from the store is copied and its address checked before it is written."""
+    view = c.view()
+    if not expect or c.fresh:
+        return view
+    copy = memoryview(bytes(view))
+    if chunking.address(copy) != a:
+        raise ContentChangedError("a chunk of a tensor passed as unchanged changed while it was written", ref=ref)
+    return copy
+
+
+def split_container(w: format.ContainerWriter, cache: WriteCache | None = None, *,
+                    expect_unchanged: Collection[int] = (), ref: str | None = None) -> list[chunking.PieceChunks]:
     """The container ``w`` as chunks, in order, computing the blobs' digests and
     its footer on the way. Pieces, each cut on its own (:mod:`agck.chunking`):
     the header, metadata and padding; each run of blobs under ``LARGE_PART``
     bytes with the padding between them; each larger blob; the footer. A blob
     whose bytes the chunker found unchanged at the same place of the same piece
-    keeps its digest from last time."""
+    keeps its digest from last time.
+
+    ``expect_unchanged``: the memory addresses of blobs the caller did not copy
+    because a cheap signal said they had not changed since the run's last put
+    (:class:`agck.snapshot.Snapshotter`). Each must be found with the bytes of that
+    put's blob at the same place (the chunker's pass, or else its XXH3 against the
+    digest kept from then), or :class:`ContentChangedError` is raised before
+    anything is written."""
+    if expect_unchanged and (cache is None or not cache.split):
+        raise cannot_confirm(ref)
+    expect = set(expect_unchanged)
+    confirmed: set[int] = set()
     chunker = cache.chunker if cache is not None else chunking.Chunker(remember=False)
     known = cache.digests if cache is not None else {}
     digests_now: dict = {}
@@ -135,7 +188,9 @@ def split_container(w: format.ContainerWriter, cache: WriteCache | None = None) 
     last = head.pop() if not w.blobs else None
     out = [chunker.split_piece(key, bufs, chunking.HEAD, grows=grows)[0] for key, bufs, grows in head]
     rest = layout[3:]
-    groups = [(key, [rest[i] for i in members], sizes)
+    blob_at = {w.header.payload_offset + off: i for i, off in enumerate(w.offsets)}
+    groups = [(_large_key(w, blob_at, rest[members[0]]) if key[0] == "large" else key, [rest[i] for i in members],
+               sizes)
               for key, members, sizes in chunking.pieces([buf.nbytes for _, buf, _ in rest])]
     digests: list[int] = []
     for key, entries, sizes in groups:
@@ -157,10 +212,23 @@ def split_container(w: format.ContainerWriter, cache: WriteCache | None = None) 
         for i, (_, buf, is_blob) in enumerate(entries):
             if not is_blob:
                 ds[i] = None
-            elif ds[i] is None:
+                continue
+            if ds[i] is None:
                 ds[i] = format.digest(buf)
+            if expect and key[0] == "large" and _address(buf) in expect:
+                # its bytes were all found in chunks of the last checkpoint, confirmed by
+                # XXH3-128 as they were read; nothing of it is cut afresh from live memory
+                if not unchanged[i]:
+                    raise ContentChangedError(
+                        f"a tensor of {buf.nbytes} bytes passed as unchanged differs from the run's last checkpoint",
+                        ref=ref)
+                confirmed.add(_address(buf))
         digests.extend(d for d in ds if d is not None)
         digests_now[key] = _PieceDigests(bounds, ds)
+    if expect - confirmed:
+        raise ContentChangedError(f"{len(expect - confirmed)} tensor(s) passed as unchanged are not blobs of "
+                                  f"{chunking.LARGE_PART} bytes or more of their own in this checkpoint, so they "
+                                  "cannot be confirmed", ref=ref)
     footer = w.finish(digests)
     if last is None:
         out.append(chunker.split_piece("footer", [footer], chunking.HEAD)[0])
@@ -169,6 +237,7 @@ def split_container(w: format.ContainerWriter, cache: WriteCache | None = None) 
     chunker.done()
     if cache is not None:
         cache.digests = digests_now
+        cache.split = True
     return out
 
 
@@ -206,13 +275,14 @@ def _head_pieces(w: format.ContainerWriter, head: list) -> list[tuple]:
 
 
 def store_chunks(w: format.ContainerWriter, has: Callable[[bytes], bool],
-                 add: Callable[[bytes, memoryview], None], cache: WriteCache | None = None) -> Chunks:
+                 add: Callable[[bytes, memoryview], None], cache: WriteCache | None = None, *,
+                 expect_unchanged: Collection[int] = (), ref: str | None = None) -> Chunks:
     """Split the container ``w`` into chunks, and ``add`` each one ``has`` says is
     missing (once, even if it occurs twice). The caller makes the added chunks
     durable before committing the listing."""
     out = Chunks([], [])
     seen: set[bytes] = set()
-    for piece in split_container(w, cache):
+    for piece in split_container(w, cache, expect_unchanged=expect_unchanged, ref=ref):
         out.addresses += piece.addresses
         out.sizes += piece.sizes
         for i, a in enumerate(piece.addresses):
@@ -221,7 +291,7 @@ def store_chunks(w: format.ContainerWriter, has: Callable[[bytes], bool],
             seen.add(a)
             if not has(a):
                 c = piece.chunk(i)
-                add(a, c.view())
+                add(a, _private(a, c, expect_unchanged, ref))
                 out.new_bytes += c.nbytes
                 out.new_chunks += 1
     return out
@@ -237,6 +307,8 @@ class Plan:
 
     chunks: Chunks
     distinct: dict[bytes, tuple[chunking.PieceChunks, int]]
+    expect_unchanged: Collection[int] = ()
+    ref: str | None = None
 
     def chunk(self, address: bytes) -> chunking.PieceChunk:
         piece, i = self.distinct[address]
@@ -245,16 +317,18 @@ class Plan:
     def missing(self, present) -> list[tuple[bytes, memoryview]]:
         """The chunks not in ``present`` (a set of addresses), in order, with their
         bytes; also counted in ``chunks.new_chunks`` and ``chunks.new_bytes``."""
-        out = [(a, self.chunk(a).view()) for a in self.distinct if a not in present]
+        out = [(a, _private(a, self.chunk(a), self.expect_unchanged, self.ref)) for a in self.distinct
+               if a not in present]
         self.chunks.new_chunks = len(out)
         self.chunks.new_bytes = sum(v.nbytes for _, v in out)
         return out
 
 
-def plan_chunks(w: format.ContainerWriter, cache: WriteCache | None = None) -> Plan:
+def plan_chunks(w: format.ContainerWriter, cache: WriteCache | None = None, *,
+                expect_unchanged: Collection[int] = (), ref: str | None = None) -> Plan:
     """Split the container ``w`` into chunks; the store then sends only :meth:`Plan.missing`."""
-    out = Plan(Chunks([], []), {})
-    for piece in split_container(w, cache):
+    out = Plan(Chunks([], []), {}, expect_unchanged, ref)
+    for piece in split_container(w, cache, expect_unchanged=expect_unchanged, ref=ref):
         out.chunks.addresses += piece.addresses
         out.chunks.sizes += piece.sizes
         # a repeated address keeps its first place; any occurrence has the same bytes

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
-from typing import Any
+from typing import Any, Collection
 
 from .. import checkpoint, durable, format
 from ..checkpoint import Checkpoint
@@ -80,13 +80,15 @@ class FileStore(Store):
 
     # -- writing ---------------------------------------------------------------
     def put(self, run: str, step: int, state: Any, *, meta: Any = None, parent: int | None = None,
-            overwrite: bool = True) -> str:
+            overwrite: bool = True, expect_unchanged: Collection[int] = ()) -> str:
         step = check_step(step)
         if parent is not None:
             parent = check_step(parent, "parent")
         path = self.path(run, step)
         cache = self._write_cache(run)
         if cache is None:
+            if expect_unchanged:
+                raise content.cannot_confirm(path)
             w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta)
             self._ensure_run_dir(os.path.dirname(path))
             durable.write_atomic(path, checkpoint.stream(w), overwrite=overwrite, size=w.total_len, fs=self.fs)
@@ -98,7 +100,8 @@ class FileStore(Store):
             raise CheckpointExistsError("a checkpoint already exists here", ref=path)
         with self.objects.locked():   # no chunk we rely on can be collected until the listing is durable
             batch = self.objects.batch()
-            chunks = content.store_chunks(w, batch.has, batch.add, cache)
+            chunks = content.store_chunks(w, batch.has, batch.add, cache, expect_unchanged=expect_unchanged,
+                                          ref=path)
             batch.sync()
             listing = content.listing(w, chunks, run=run, step=step, parent=parent, meta=meta)
             durable.write_atomic(path, [listing], overwrite=overwrite, size=len(listing), fs=self.fs)

@@ -64,7 +64,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import psycopg2
 import psycopg2.errors
@@ -750,7 +750,7 @@ class PostgresStore(Store):
 
     # -- writing ---------------------------------------------------------------------------
     def put(self, run: str, step: int, state: Any, *, meta: Any = None, parent: int | None = None,
-            overwrite: bool = True) -> str:
+            overwrite: bool = True, expect_unchanged: Collection[int] = ()) -> str:
         """Write a checkpoint in one transaction (see the module docstring).
 
         The manifest's ``meta`` column is the JSONB form of ``meta`` described in
@@ -766,12 +766,14 @@ class PostgresStore(Store):
         meta_text = meta_json_text(meta)
         ref = self.ref(run, step)
         if cache is None:
+            if expect_unchanged:
+                raise content.cannot_confirm(ref)
             with self._lock:
                 self._put_once(run, step, parent, meta_text, w, None, None, ref, overwrite)
                 self.last_put = None
             failpoints.hit("pg.after_commit")
             return ref
-        plan = content.plan_chunks(w, cache)     # splitting and hashing: before the transaction
+        plan = content.plan_chunks(w, cache, expect_unchanged=expect_unchanged, ref=ref)   # before the transaction
         listing = content.listing(w, plan.chunks, run=run, step=step, parent=parent, meta=meta)
         with self._lock:
             for attempt in range(PUT_RETRIES + 1):

@@ -48,7 +48,7 @@ import sqlite3
 import urllib.parse
 from contextlib import contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, Collection
 
 from .. import checkpoint, codec, failpoints
 from ..checkpoint import Checkpoint
@@ -234,7 +234,7 @@ class SqliteStore(Store):
 
     # -- writing ---------------------------------------------------------------
     def put(self, run: str, step: int, state: Any, *, meta: Any = None, parent: int | None = None,
-            overwrite: bool = True) -> str:
+            overwrite: bool = True, expect_unchanged: Collection[int] = ()) -> str:
         check_run(run)
         step = check_step(step)
         if parent is not None:
@@ -245,8 +245,10 @@ class SqliteStore(Store):
         meta_text = meta_json_text(meta)
         ref = self.ref(run, step)
         plan = listing = None
+        if cache is None and expect_unchanged:
+            raise content.cannot_confirm(ref)
         if cache is not None:   # splitting and hashing: before taking the database's write lock
-            plan = content.plan_chunks(w, cache)
+            plan = content.plan_chunks(w, cache, expect_unchanged=expect_unchanged, ref=ref)
             listing = content.listing(w, plan.chunks, run=run, step=step, parent=parent, meta=meta)
         with self._lock:
             c = self._db()
