@@ -8,7 +8,7 @@
 from .checkpoint import Checkpoint, dumps, inspect, load, loads, save
 from .errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, ContentChangedError, CorruptCheckpointError,
                      DependencyError, DurabilityError, EncodeError, FormatError, InvalidRunNameError, MalformedCheckpointError,
-                     NoValidCheckpointError, SchemaMismatchError, SchemaUninitializedError, SnapshotError,
+                     NoValidCheckpointError, SchemaMismatchError, SchemaUninitializedError, SnapshotError, StaleEpochError,
                      StoreConnectionError, StoreError, UnsupportedVersionError, UsageError)
 
 from .version import __version__  # noqa: E402
@@ -18,7 +18,7 @@ __all__ = [
     "AgckError", "DependencyError", "FormatError", "UnsupportedVersionError", "CorruptCheckpointError", "MalformedCheckpointError",
     "EncodeError", "StoreError", "StoreConnectionError", "SchemaUninitializedError", "SchemaMismatchError",
     "CheckpointNotFoundError", "CheckpointExistsError", "ContentChangedError", "DurabilityError", "InvalidRunNameError",
-    "NoValidCheckpointError", "SnapshotError", "UsageError",
+    "NoValidCheckpointError", "SnapshotError", "StaleEpochError", "UsageError",
 ]
 
 from .recovery import Recovery  # noqa: E402

@@ -140,6 +140,14 @@ class ContentChangedError(StoreError):
     default_hint = "put the state again with its tensors copied (Snapshotter does so by itself)"
 
 
+class StaleEpochError(StoreError):
+    """A writer of an older incarnation of a run tried to commit a checkpoint after a
+    newer incarnation began (:meth:`Store.begin_epoch`): a job left running after the
+    run was restarted elsewhere. Nothing was committed."""
+
+    default_hint = "another process has taken this run over; stop this one"
+
+
 class InvalidRunNameError(StoreError, ValueError):
     """A run name that could escape the store or is otherwise unusable."""
 

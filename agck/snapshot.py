@@ -554,6 +554,7 @@ class Snapshotter:
         # the large CPU tensors of the last durable async snapshot, by id: (weakref, version signature)
         self._seen: dict[int, tuple] = {}
         self.dropped_steps: list[int] = []        # snapshots not written: a tensor taken uncopied changed
+        self.epoch: int | None = None              # this incarnation of the run (_incarnate)
         if handle_signals:
             self._install_signals()
         atexit.register(self._close_at_exit)
@@ -574,6 +575,7 @@ class Snapshotter:
         boundary state to resume from, and the run is left as it is."""
         self._check_open()
         self._restored = True
+        self._incarnate()
         if not self.resume:
             self._start_over()
             self._state = state
@@ -612,6 +614,15 @@ class Snapshotter:
         self._state = restored
         log.info("agck: run %r resumed at step %d from %s", self.run, ck.step, ck.ref)
         return restored
+
+    def _incarnate(self) -> None:
+        """Once, before this snapshotter restores or writes anything: begin a new epoch
+        of the run (:meth:`Store.begin_epoch`). Every put carries it, so a snapshotter
+        of an earlier incarnation still running somewhere (a job restarted elsewhere
+        while the old one hung) can no longer commit: its puts fail with
+        :class:`StaleEpochError`, raised as a :class:`SnapshotError` in its pipeline."""
+        if self.epoch is None:
+            self.epoch = self.store.begin_epoch(self.run)
 
     def _start_over(self) -> None:
         """resume=False: delete the run's old checkpoints, once, before anything new is written."""
@@ -670,6 +681,7 @@ class Snapshotter:
         self._check_open()
         step = check_step(step)
         self.raise_pending()
+        self._incarnate()
         if not self.resume:
             self._start_over()
         state = self._state if state is None else state
@@ -707,7 +719,8 @@ class Snapshotter:
     def _persist(self, step, tree, meta, parent, stager: _Stager | None = None) -> str:
         t0, (u0, s0) = time.perf_counter(), _thread_cpu()
         referenced = stager.referenced if stager is not None else ()
-        ref = self.store.put(self.run, step, tree, meta=meta, parent=parent, expect_unchanged=referenced)
+        ref = self.store.put(self.run, step, tree, meta=meta, parent=parent, expect_unchanged=referenced,
+                             epoch=self.epoch)
         u1, s1 = _thread_cpu()
         self.write_stats.append({"step": step, "thread": threading.current_thread().name, "start": t0,
                                  "end": time.perf_counter(), "cpu_user_s": u1 - u0,

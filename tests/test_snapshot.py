@@ -771,3 +771,25 @@ def test_a_put_refuses_unchanged_tensors_it_cannot_confirm(store):
         store.put("p", 3, {"big": big}, expect_unchanged=ptr)
     assert store.steps("p") == [1, 2]
     assert torch.equal(store.get("p", 2).state["big"][:5], big[:5])
+
+
+def test_a_restarted_run_fences_the_snapshotter_it_replaced(store):
+    """Two snapshotters of one run: the second begins a new epoch, after which the
+    first one's snapshots fail (SnapshotError caused by StaleEpochError) and commit
+    nothing, while the second one's land."""
+    old = Snapshotter(store, "f", every=1, mode="sync", handle_signals=False, capture_rng=False)
+    old.restore({"x": 0})
+    old.completed(1, {"x": 1})
+    new = Snapshotter(store, "f", every=1, mode="sync", handle_signals=False, capture_rng=False)
+    assert new.restore({"x": 0}) == {"x": 1} and new.start_step == 1
+    assert new.epoch == old.epoch + 1
+    with pytest.raises(agck.StaleEpochError):
+        old.completed(2, {"x": "zombie"})
+    new.completed(2, {"x": 2})
+    assert store.get("f", 2).state["state"] == {"x": 2}
+    new.close()
+    try:
+        old.close()          # whatever it still tries to write is refused the same way
+    except agck.StaleEpochError:
+        pass
+    assert store.get("f", 2).state["state"] == {"x": 2} and store.steps("f") == [1, 2]

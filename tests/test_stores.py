@@ -13,6 +13,8 @@ import time
 import numpy as np
 import pytest
 
+import agck
+
 from agck import failpoints
 from agck.errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                          DurabilityError, InvalidRunNameError, SchemaMismatchError, SchemaUninitializedError,
@@ -1335,3 +1337,74 @@ def test_pg_schema_hint_is_a_command_that_runs(pg_dsn, pg_schema):
     argv = shlex.split(hint.split("`")[1])
     assert argv[:3] == ["agck", "db", "init"] and main(argv[1:]) == 0
     PostgresStore(kv, prefix=prefix, schema=pg_schema).close()
+
+
+# --- fencing: a writer of an older incarnation of a run cannot commit ---
+
+def test_a_stale_epoch_cannot_commit(store):
+    assert store.epoch("r") is None
+    old = store.begin_epoch("r")
+    store.put("r", 1, {"x": 1}, epoch=old)
+    new = store.begin_epoch("r")
+    assert new == old + 1 and store.epoch("r") == new
+    with pytest.raises(agck.StaleEpochError, match=f"epoch {new}, this writer's epoch is {old}"):
+        store.put("r", 2, {"x": 2}, epoch=old)
+    assert store.steps("r") == [1]
+    store.put("r", 2, {"x": 2}, epoch=new)
+    store.put("r", 3, {"x": 3})                      # unfenced puts are not checked
+    assert store.steps("r") == [1, 2, 3]
+    other = store.begin_epoch("other")               # epochs are per run
+    assert other == 1 and store.epoch("r") == new
+
+
+def _zombie(spec, epoch, steps, out):
+    """A writer of the run's first incarnation that keeps going."""
+    from agck.stores import open_store
+    _, url, opts = spec
+    opts = {k: v for k, v in opts.items() if k != "init"}
+    s = open_store(url, **opts)
+    results = []
+    for step in steps:
+        try:
+            s.put("r", step, {"who": "zombie", "step": step}, epoch=epoch)
+            results.append((step, "ok"))
+        except agck.StaleEpochError:
+            results.append((step, "stale"))
+        time.sleep(0.02)
+    s.close()
+    out.put(results)
+
+
+def test_two_processes_that_both_believe_they_own_the_run(store_spec, store):
+    """The first incarnation keeps writing from another process while a second one
+    begins: once begin_epoch has returned, no commit of the first lands."""
+    import multiprocessing as mp
+    first = store.begin_epoch("r")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    p = ctx.Process(target=_zombie, args=(store_spec, first, range(1, 200), out))
+    p.start()
+    while not store.steps("r"):
+        time.sleep(0.01)
+    second = store.begin_epoch("r")
+    taken_over = max(store.steps("r"))               # every zombie commit is at or before this step
+    store.put("r", 1000, {"who": "new"}, epoch=second)
+    results = out.get(timeout=120)
+    p.join(timeout=60)
+    ok = [s for s, r in results if r == "ok"]
+    stale = [s for s, r in results if r == "stale"]
+    assert ok and stale and max(ok) < min(stale)
+    assert max(ok) <= taken_over                     # begin_epoch waited for the commit in flight
+    assert [s for s in store.steps("r") if s < 1000] == ok
+    assert store.get("r", 1000).state == {"who": "new"}
+
+
+def test_readme_fencing_example_runs(tmp_path, monkeypatch, capsys):
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = open(os.path.join(root, "README.md")).read()
+    [example] = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "begin_epoch" in b]
+    monkeypatch.chdir(tmp_path)
+    exec(example, {"agck": agck})
+    assert capsys.readouterr().out.startswith("refused: ")
+    assert open_store(str(tmp_path / "ckpts")).steps("doc-pipeline") == [130]

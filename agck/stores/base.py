@@ -19,7 +19,7 @@ from typing import Any, Collection, Iterable
 
 from .. import recovery
 from ..checkpoint import Checkpoint
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StaleEpochError, UsageError
 from ..recovery import Rejection  # noqa: F401  (re-exported: agck.stores.Rejection)
 from ..names import check_run, check_step
 from .content import WriteCache, WriteCaches
@@ -83,8 +83,12 @@ class Store(ABC):
     # -- writing ---------------------------------------------------------------
     @abstractmethod
     def put(self, run: str, step: int, state: Any, *, meta: Any = None, parent: int | None = None,
-            overwrite: bool = True, expect_unchanged: Collection[int] = ()) -> str:
+            overwrite: bool = True, expect_unchanged: Collection[int] = (), epoch: int | None = None) -> str:
         """Write a checkpoint durably; returns its ref.
+
+        ``epoch``: the writer's incarnation (:meth:`begin_epoch`); the put commits only
+        while it is the run's newest, checked in the commit itself, else
+        :class:`StaleEpochError`.
 
         ``expect_unchanged``: memory addresses (``data_ptr()``) of tensors in
         ``state`` that the caller did not copy because they have not changed since
@@ -92,6 +96,25 @@ class Store(ABC):
         :meth:`can_confirm_unchanged`). Their bytes are confirmed against that put's
         while they are split (one XXH3 pass, which the split makes anyway); if any
         differs, :class:`ContentChangedError` is raised and nothing is written."""
+
+    # -- fencing -----------------------------------------------------------------
+    @abstractmethod
+    def begin_epoch(self, run: str) -> int:
+        """Begin a new incarnation of ``run`` and return its epoch (1, 2, ...), made
+        durable before it is returned. From then on a put given an older epoch is
+        refused with :class:`StaleEpochError` and commits nothing, so a writer left
+        over from an earlier incarnation (a job that kept running after the run was
+        restarted elsewhere) can never commit over this one. Puts given no epoch are
+        not fenced."""
+
+    @abstractmethod
+    def epoch(self, run: str) -> int | None:
+        """The epoch of ``run``'s newest incarnation, None if none began."""
+
+    @staticmethod
+    def _stale(run: str, epoch: int, current: int | None, ref: str) -> StaleEpochError:
+        return StaleEpochError(f"run {run!r} is at epoch {current}, this writer's epoch is {epoch}: a newer "
+                               "incarnation of the run began", ref=ref)
 
     def can_confirm_unchanged(self, run: str) -> bool:
         """Whether the next put of ``run`` can confirm ``expect_unchanged`` tensors:

@@ -18,15 +18,17 @@ Other files (another spelling of a step's name, notes, other tools' files) are i
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shlex
+from contextlib import contextmanager
 from typing import Any, Collection
 
 from .. import checkpoint, durable, format
 from ..checkpoint import Checkpoint
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
-                      FormatError, InvalidRunNameError, StoreConnectionError, StoreError, UnsupportedVersionError)
+                      DurabilityError, FormatError, InvalidRunNameError, StoreConnectionError, StoreError, UnsupportedVersionError)
 from ..names import MAX_STEP
 from . import content
 from .base import CheckpointInfo, Store, check_identity, check_run, check_step
@@ -80,7 +82,7 @@ class FileStore(Store):
 
     # -- writing ---------------------------------------------------------------
     def put(self, run: str, step: int, state: Any, *, meta: Any = None, parent: int | None = None,
-            overwrite: bool = True, expect_unchanged: Collection[int] = ()) -> str:
+            overwrite: bool = True, expect_unchanged: Collection[int] = (), epoch: int | None = None) -> str:
         step = check_step(step)
         if parent is not None:
             parent = check_step(parent, "parent")
@@ -91,7 +93,8 @@ class FileStore(Store):
                 raise content.cannot_confirm(path)
             w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta)
             self._ensure_run_dir(os.path.dirname(path))
-            durable.write_atomic(path, checkpoint.stream(w), overwrite=overwrite, size=w.total_len, fs=self.fs)
+            with self._fenced(run, epoch, path):
+                durable.write_atomic(path, checkpoint.stream(w), overwrite=overwrite, size=w.total_len, fs=self.fs)
             self.last_put = None
             return path
         w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta, memo=cache.encoding)
@@ -104,10 +107,64 @@ class FileStore(Store):
                                           ref=path)
             batch.sync()
             listing = content.listing(w, chunks, run=run, step=step, parent=parent, meta=meta)
-            durable.write_atomic(path, [listing], overwrite=overwrite, size=len(listing), fs=self.fs)
+            with self._fenced(run, epoch, path):
+                durable.write_atomic(path, [listing], overwrite=overwrite, size=len(listing), fs=self.fs)
         self._caches.give(run, cache)
         self.last_put = chunks
         return path
+
+    # -- fencing: <run>/.epoch, under a flock on <run>/.lock --------------------
+    def begin_epoch(self, run: str) -> int:
+        d = self._run_dir(run)
+        self._ensure_run_dir(d)
+        with self._run_locked(run, exclusive=True):
+            epoch = (self._read_epoch(run) or 0) + 1
+            durable.write_atomic(os.path.join(d, ".epoch"), [b"%d\n" % epoch], fs=self.fs)
+        return epoch
+
+    def epoch(self, run: str) -> int | None:
+        return self._read_epoch(check_run(run))
+
+    def _read_epoch(self, run: str) -> int | None:
+        path = os.path.join(self._run_dir(run), ".epoch")
+        try:
+            with open(path, "rb") as f:
+                text = f.read(64)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StoreError(f"cannot read the run's epoch: {e.strerror}", ref=path) from None
+        if not re.fullmatch(rb"[1-9][0-9]{0,18}\n", text):
+            raise StoreError(f"the run's epoch file holds {text[:20]!r}, not a number", ref=path,
+                             hint="another tool wrote it; begin a new epoch (Snapshotter does) to replace it")
+        return int(text)
+
+    @contextmanager
+    def _run_locked(self, run: str, exclusive: bool):
+        d = self._run_dir(run)
+        try:
+            fd = os.open(os.path.join(d, ".lock"), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as e:
+            raise DurabilityError(f"cannot open the run's lock: {e.strerror}", ref=d) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            yield
+        finally:
+            os.close(fd)   # releases the lock
+
+    @contextmanager
+    def _fenced(self, run: str, epoch: int | None, path: str):
+        """Commit (the rename of ``path`` into place) only while ``epoch`` is the run's
+        newest: the check and the rename happen under the run's lock, which
+        :meth:`begin_epoch` takes exclusively. (flock: on a local file system.)"""
+        if epoch is None:
+            yield
+            return
+        with self._run_locked(run, exclusive=False):
+            current = self._read_epoch(run)
+            if current != epoch:
+                raise self._stale(run, epoch, current, path)
+            yield
 
     def _ensure_run_dir(self, d: str) -> None:
         durable.make_dir(self.fs, d, self.root, "run directory")

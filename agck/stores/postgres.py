@@ -482,6 +482,7 @@ class _Names:
         self.objects = ident(f"{prefix}_objects")
         self.refs = ident(f"{prefix}_refs")          # schema 2 only (migrate drops it)
         self.gc = ident(f"{prefix}_gc")
+        self.epochs = ident(f"{prefix}_epochs")      # made by the first begin_epoch
         self.meta_index = sql.Identifier(f"{prefix}_manifest_meta").as_string(conn)
         self.schema_sql = sql.Identifier(schema).as_string(conn) if schema else None
         dot = f"{schema}." if schema else ""
@@ -750,7 +751,7 @@ class PostgresStore(Store):
 
     # -- writing ---------------------------------------------------------------------------
     def put(self, run: str, step: int, state: Any, *, meta: Any = None, parent: int | None = None,
-            overwrite: bool = True, expect_unchanged: Collection[int] = ()) -> str:
+            overwrite: bool = True, expect_unchanged: Collection[int] = (), epoch: int | None = None) -> str:
         """Write a checkpoint in one transaction (see the module docstring).
 
         The manifest's ``meta`` column is the JSONB form of ``meta`` described in
@@ -769,7 +770,7 @@ class PostgresStore(Store):
             if expect_unchanged:
                 raise content.cannot_confirm(ref)
             with self._lock:
-                self._put_once(run, step, parent, meta_text, w, None, None, ref, overwrite)
+                self._put_once(run, step, parent, meta_text, w, None, None, ref, overwrite, epoch)
                 self.last_put = None
             failpoints.hit("pg.after_commit")
             return ref
@@ -778,7 +779,7 @@ class PostgresStore(Store):
         with self._lock:
             for attempt in range(PUT_RETRIES + 1):
                 try:
-                    self._put_once(run, step, parent, meta_text, w, plan, listing, ref, overwrite)
+                    self._put_once(run, step, parent, meta_text, w, plan, listing, ref, overwrite, epoch)
                     break
                 except _Refused as e:
                     if attempt == PUT_RETRIES:
@@ -791,7 +792,7 @@ class PostgresStore(Store):
         return ref
 
     def _put_once(self, run: str, step: int, parent, meta_text: str, w, plan: "content.Plan | None",
-                  listing: bytes | None, ref: str, overwrite: bool) -> None:
+                  listing: bytes | None, ref: str, overwrite: bool, epoch: int | None = None) -> None:
         """One write transaction: a standalone container (``plan`` None), or the objects
         ``plan`` lacks and ``listing``. Raises _Refused when the database refused it
         for a reason another attempt can get past."""
@@ -827,6 +828,12 @@ class PostgresStore(Store):
                         f"length, listing) VALUES (%s, %s, %s, %s, %s, %s, to_timestamp(%s), %s::jsonb, %s, %s)",
                         (run, step, parent, total, checksum, nchunks, w.header.created_at_ns / 1e9, meta_text,
                          length, plan is not None))
+            if epoch is not None:
+                # the row stays share-locked until COMMIT: begin_epoch's update waits for it
+                cur.execute(f"SELECT epoch FROM {n.epochs} WHERE run = %s FOR SHARE", (run,))
+                row = cur.fetchone()
+                if row is None or row[0] != epoch:
+                    raise self._stale(run, epoch, None if row is None else row[0], ref)
             failpoints.hit("pg.before_commit")
             try:
                 cur.execute("COMMIT")
@@ -916,6 +923,40 @@ class PostgresStore(Store):
             f"DELETE FROM {n.manifest} WHERE run = %s AND step = %s RETURNING 1",
             (self._row_lock_key(run, step), run, step, run, step))
         return cur.fetchone() is not None
+
+    # -- fencing: a row per run in <prefix>_epochs ---------------------------------
+    def begin_epoch(self, run: str) -> int:
+        check_run(run)
+        n = self.names
+        with self._lock:
+            for attempt in range(2):     # two first begin_epochs may race to create the table
+                cur = self._cursor()
+                try:
+                    cur.execute("BEGIN; SET LOCAL synchronous_commit = on; "
+                                f"CREATE TABLE IF NOT EXISTS {n.epochs} (run text PRIMARY KEY, epoch bigint NOT NULL); "
+                                f"INSERT INTO {n.epochs} AS e (run, epoch) VALUES (%s, 1) "
+                                "ON CONFLICT (run) DO UPDATE SET epoch = e.epoch + 1 RETURNING epoch", (run,))
+                    epoch = cur.fetchone()[0]
+                    cur.execute("COMMIT")
+                    return epoch
+                except BaseException as e:
+                    self._abort(cur)
+                    if isinstance(e, psycopg2.errors.UniqueViolation) and attempt == 0:
+                        continue
+                    if isinstance(e, psycopg2.Error):
+                        raise self._db_error(e, f"cannot begin a new epoch of run {run!r}", n.label,
+                                             DurabilityError) from None
+                    raise
+        raise AssertionError("unreachable")
+
+    def epoch(self, run: str) -> int | None:
+        check_run(run)
+        n = self.names
+        rows = self._query("SELECT to_regclass(%s) IS NOT NULL", (n.epochs,))
+        if not rows[0][0]:
+            return None
+        rows = self._query(f"SELECT epoch FROM {n.epochs} WHERE run = %s", (run,))
+        return rows[0][0] if rows else None
 
     def delete(self, run: str, step: int) -> None:
         step = check_step(step)

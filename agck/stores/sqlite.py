@@ -118,6 +118,7 @@ class SqliteStore(Store):
         p = self.prefix
         self._t_version, self._t_manifest, self._t_chunks = f"{p}_schema_version", f"{p}_manifest", f"{p}_chunks"
         self._t_objects, self._t_refs = f"{p}_objects", f"{p}_refs"
+        self._t_epochs = f"{p}_epochs"   # made by the first begin_epoch
         self._owner_pid = os.getpid()
         target, uri = self.path, False
         if not create and self.path != ":memory:":
@@ -234,7 +235,7 @@ class SqliteStore(Store):
 
     # -- writing ---------------------------------------------------------------
     def put(self, run: str, step: int, state: Any, *, meta: Any = None, parent: int | None = None,
-            overwrite: bool = True, expect_unchanged: Collection[int] = ()) -> str:
+            overwrite: bool = True, expect_unchanged: Collection[int] = (), epoch: int | None = None) -> str:
         check_run(run)
         step = check_step(step)
         if parent is not None:
@@ -257,6 +258,10 @@ class SqliteStore(Store):
             except sqlite3.Error as e:
                 raise DurabilityError(f"cannot start the write transaction: {e}", ref=ref) from None
             try:
+                if epoch is not None:     # BEGIN IMMEDIATE holds begin_epoch off until COMMIT
+                    current = self._current_epoch(c, run)
+                    if current != epoch:
+                        raise self._stale(run, epoch, current, ref)
                 key = (run, step)
                 exists = c.execute(f"SELECT 1 FROM {self._t_manifest} WHERE run = ? AND step = ?", key).fetchone()
                 if exists and not overwrite:
@@ -295,6 +300,36 @@ class SqliteStore(Store):
             self._caches.give(run, cache)
         failpoints.hit("sqlite.after_commit")
         return ref
+
+    # -- fencing: a row per run in <prefix>_epochs ---------------------------------
+    def begin_epoch(self, run: str) -> int:
+        check_run(run)
+        with self._lock:
+            c = self._db()
+            try:
+                with _immediate(c):
+                    c.execute(f"CREATE TABLE IF NOT EXISTS {self._t_epochs} "
+                              f"(run TEXT PRIMARY KEY, epoch INTEGER NOT NULL)")
+                    c.execute(f"INSERT INTO {self._t_epochs} (run, epoch) VALUES (?, 1) "
+                              f"ON CONFLICT (run) DO UPDATE SET epoch = epoch + 1", (run,))
+                    return self._current_epoch(c, run)
+            except sqlite3.Error as e:
+                raise DurabilityError(f"cannot begin a new epoch of run {run!r}: {e}", ref=self.path) from None
+
+    def epoch(self, run: str) -> int | None:
+        check_run(run)
+        with self._lock:
+            try:
+                return self._current_epoch(self._db(), run)
+            except sqlite3.Error as e:
+                raise StoreError(f"cannot read the epoch of run {run!r}: {e}", ref=self.path) from None
+
+    def _current_epoch(self, c: sqlite3.Connection, run: str) -> int | None:
+        if not c.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+                         (self._t_epochs,)).fetchone():
+            return None
+        row = c.execute(f"SELECT epoch FROM {self._t_epochs} WHERE run = ?", (run,)).fetchone()
+        return None if row is None else row[0]
 
     def _write_objects(self, c: sqlite3.Connection, plan: content.Plan) -> None:
         """Insert the chunks the store lacks. The write transaction is open: nothing
