@@ -134,7 +134,7 @@ def newest_valid(store, run: str) -> tuple[int | None, list[Rejection]]:
 
 
 def prune(store, run: str, *, keep_last: int | None = None, keep_every: int | None = None,
-          before: int | None = None) -> list[int]:
+          before: int | None = None, epoch: int | None = None) -> list[int]:
     """Delete old checkpoints of ``run``; returns the deleted steps, ascending.
 
     Keeps the newest ``keep_last``, every step divisible by ``keep_every``, and
@@ -142,7 +142,8 @@ def prune(store, run: str, *, keep_last: int | None = None, keep_every: int | No
     Always keeps the newest checkpoint that verifies. Deletes nothing when that
     checkpoint cannot be found: when no checkpoint verifies
     (NoValidCheckpointError), or when one cannot be judged here (a missing
-    torch, an unreachable server: that error is raised)."""
+    torch, an unreachable server: that error is raised). ``epoch`` fences each
+    delete (:meth:`agck.stores.Store.begin_epoch`)."""
     check_run(run)
     for name, v, lo in (("keep_last", keep_last, 0), ("keep_every", keep_every, 1), ("before", before, 0)):
         if v is not None and (type(v) is not int or v < lo):
@@ -170,7 +171,10 @@ def prune(store, run: str, *, keep_last: int | None = None, keep_every: int | No
         if s == valid:
             continue
         try:
-            store.delete(run, s)
+            if epoch is None:
+                store.delete(run, s)
+            else:
+                store.delete(run, s, epoch=epoch)
         except CheckpointNotFoundError:
             continue  # removed by someone else meanwhile
         deleted.append(s)

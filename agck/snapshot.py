@@ -634,7 +634,7 @@ class Snapshotter:
             log.warning("agck: resume=False: deleting %d old checkpoints of run %r (steps %d..%d)",
                         len(old), self.run, old[0], old[-1])
             for s in old:
-                self.store.delete(self.run, s)
+                self.store.delete(self.run, s, epoch=self.epoch)
 
     # -- the loop form ---------------------------------------------------------
     def steps(self, total: int | None = None) -> Iterator[int]:

@@ -1408,3 +1408,18 @@ def test_readme_fencing_example_runs(tmp_path, monkeypatch, capsys):
     exec(example, {"agck": agck})
     assert capsys.readouterr().out.startswith("refused: ")
     assert open_store(str(tmp_path / "ckpts")).steps("doc-pipeline") == [130]
+
+
+def test_a_stale_epoch_cannot_delete_or_prune(store):
+    old = store.begin_epoch("r")
+    for step in (1, 2, 3):
+        store.put("r", step, {"x": step}, epoch=old)
+    new = store.begin_epoch("r")
+    with pytest.raises(agck.StaleEpochError):
+        store.delete("r", 3, epoch=old)
+    with pytest.raises(agck.StaleEpochError):
+        store.prune("r", keep_last=1, epoch=old)
+    assert store.steps("r") == [1, 2, 3]
+    store.delete("r", 1, epoch=new)
+    assert store.prune("r", keep_last=1, epoch=new) == [2]
+    assert store.steps("r") == [3]

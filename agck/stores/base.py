@@ -128,8 +128,10 @@ class Store(ABC):
         return self.full_every is None or cache.puts % self.full_every != 0
 
     @abstractmethod
-    def delete(self, run: str, step: int) -> None:
-        """Remove one checkpoint (CheckpointNotFoundError if absent)."""
+    def delete(self, run: str, step: int, *, epoch: int | None = None) -> None:
+        """Remove one checkpoint (CheckpointNotFoundError if absent). ``epoch``: fenced
+        like a put, so a writer of an older incarnation cannot delete what the
+        newer one relies on (StaleEpochError, nothing deleted)."""
 
     # -- reading ---------------------------------------------------------------
     @abstractmethod
@@ -176,14 +178,14 @@ class Store(ABC):
         return []
 
     def prune(self, run: str, *, keep_last: int | None = None, keep_every: int | None = None,
-              before: int | None = None) -> list[int]:
+              before: int | None = None, epoch: int | None = None) -> list[int]:
         """Delete old checkpoints of ``run``; returns the deleted steps.
 
         Keeps the newest ``keep_last``, every step divisible by ``keep_every``,
         and all steps >= ``before`` (when given, only steps below it are
         candidates). Never deletes the newest checkpoint that verifies, and
         deletes nothing when it cannot find one (see :func:`agck.recovery.prune`)."""
-        deleted = recovery.prune(self, run, keep_last=keep_last, keep_every=keep_every, before=before)
+        deleted = recovery.prune(self, run, keep_last=keep_last, keep_every=keep_every, before=before, epoch=epoch)
         if deleted:
             self.collect_garbage()
         return deleted

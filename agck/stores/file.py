@@ -169,14 +169,15 @@ class FileStore(Store):
     def _ensure_run_dir(self, d: str) -> None:
         durable.make_dir(self.fs, d, self.root, "run directory")
 
-    def delete(self, run: str, step: int) -> None:
+    def delete(self, run: str, step: int, *, epoch: int | None = None) -> None:
         step = check_step(step)
         path = self.path(run, step)
-        try:
-            self.fs.unlink(path)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=path) from None
-        self.fs.fsync_dir(os.path.dirname(path))
+        with self._fenced(run, epoch, path):
+            try:
+                self.fs.unlink(path)
+            except FileNotFoundError:
+                raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=path) from None
+            self.fs.fsync_dir(os.path.dirname(path))
 
     # -- reading ---------------------------------------------------------------
     def runs(self) -> list[str]:

@@ -829,11 +829,7 @@ class PostgresStore(Store):
                         (run, step, parent, total, checksum, nchunks, w.header.created_at_ns / 1e9, meta_text,
                          length, plan is not None))
             if epoch is not None:
-                # the row stays share-locked until COMMIT: begin_epoch's update waits for it
-                cur.execute(f"SELECT epoch FROM {n.epochs} WHERE run = %s FOR SHARE", (run,))
-                row = cur.fetchone()
-                if row is None or row[0] != epoch:
-                    raise self._stale(run, epoch, None if row is None else row[0], ref)
+                self._check_epoch(cur, run, epoch, ref)
             failpoints.hit("pg.before_commit")
             try:
                 cur.execute("COMMIT")
@@ -949,6 +945,14 @@ class PostgresStore(Store):
                     raise
         raise AssertionError("unreachable")
 
+    def _check_epoch(self, cur, run: str, epoch: int, ref: str) -> None:
+        """In a write transaction, before COMMIT: refuse unless ``epoch`` is the run's
+        newest. The row stays share-locked until COMMIT, so begin_epoch waits for it."""
+        cur.execute(f"SELECT epoch FROM {self.names.epochs} WHERE run = %s FOR SHARE", (run,))
+        row = cur.fetchone()
+        if row is None or row[0] != epoch:
+            raise self._stale(run, epoch, None if row is None else row[0], ref)
+
     def epoch(self, run: str) -> int | None:
         check_run(run)
         n = self.names
@@ -958,7 +962,7 @@ class PostgresStore(Store):
         rows = self._query(f"SELECT epoch FROM {n.epochs} WHERE run = %s", (run,))
         return rows[0][0] if rows else None
 
-    def delete(self, run: str, step: int) -> None:
+    def delete(self, run: str, step: int, *, epoch: int | None = None) -> None:
         step = check_step(step)
         ref = self.ref(run, step)
         with self._lock:
@@ -966,6 +970,8 @@ class PostgresStore(Store):
             try:
                 if not self._begin_and_delete(cur, run, step):
                     raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref)
+                if epoch is not None:
+                    self._check_epoch(cur, run, epoch, ref)
                 cur.execute("COMMIT")
             except BaseException as e:
                 self._abort(cur)

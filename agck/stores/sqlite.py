@@ -375,13 +375,17 @@ class SqliteStore(Store):
                 blob.close()
         return cur_idx + 1
 
-    def delete(self, run: str, step: int) -> None:
+    def delete(self, run: str, step: int, *, epoch: int | None = None) -> None:
         step = check_step(step)
         ref = self.ref(run, step)
         with self._lock:
             c = self._db()
             try:
                 with _immediate(c):
+                    if epoch is not None:
+                        current = self._current_epoch(c, run)
+                        if current != epoch:
+                            raise self._stale(run, epoch, current, ref)
                     n = c.execute(f"DELETE FROM {self._t_manifest} WHERE run = ? AND step = ?", (run, step)).rowcount
                     if n == 0:
                         raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref)
