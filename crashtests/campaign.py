@@ -10,7 +10,10 @@ Fault kinds (each trial gets its own run name, so trials never disturb each othe
 * ``powerloss``  file store on :class:`crashtests.simfs.SimFS`, power cut at operation
                  N (moved forward trial by trial), unsynced operations partly applied;
 * ``corrupt``    a stored checkpoint damaged (:mod:`crashtests.corrupt`); recovery must
-                 reject it and walk back to the newest intact one.
+                 reject it and walk back to the newest intact one;
+* ``stale``      the workload stopped (SIGSTOP) while a second one takes the run over and
+                 finishes it, then let go: it must commit nothing after the takeover
+                 (fencing), and the run must end bit-identical to the reference.
 
 One uninterrupted reference run of the workload gives the per-step hashes and the
 final hash every trial is compared with.
@@ -36,7 +39,7 @@ from . import checker, corrupt, pgcluster
 from .checker import OUTCOMES, Trial
 
 STORES = ("file", "sqlite", "postgres")
-FAULTS = ("kill", "failpoint", "pgkill", "powerloss", "corrupt")
+FAULTS = ("kill", "failpoint", "pgkill", "powerloss", "corrupt", "stale")
 PREFIX = {"file": "file.", "sqlite": "sqlite.", "postgres": "pg."}
 REPO = checker.REPO
 
@@ -329,6 +332,98 @@ class Campaign:
                 return
             _log(cfg, f"topping up SIGKILLs: {len(extra)} more workload processes")
             self._pool(lambda j: self.kill_trial(*j), extra)
+
+    # -- stale writers: the run is taken over while its old writer hangs ------------------------
+    def stale_trials(self) -> None:
+        cfg = self.cfg
+        if "stale" not in cfg.faults or not self.ref:
+            return
+        jobs = [(self._new_trial(store, "stale", "s", self.urls[store]), self.rng.choice(("sync", "async")))
+                for store in cfg.stores for _ in range(cfg.n(store, "stale"))]
+        if jobs:
+            _log(cfg, f"stale-writer trials: {len(jobs)}, two workload processes each")
+            self._pool(lambda j: self.stale_trial(*j), jobs)
+
+    def stale_trial(self, t: Trial, mode: str) -> None:
+        """A workload (the old incarnation) is stopped (SIGSTOP) at a random instant after
+        its first acknowledged checkpoint, as a hung node is; a second one resumes the
+        run to the end, taking a new epoch; then the old one is let go (SIGCONT). The
+        old one must acknowledge nothing more (its next put is refused: StaleEpochError),
+        and the run must end bit-identical to the uninterrupted one. If the old one
+        was stopped inside its commit, the takeover waits for it (safety before
+        liveness): it is let go after a while, finishes that one commit, and then
+        stops being able to commit."""
+        from crashtests.workload import read_acks   # (imports torch: only in the workers' parent when needed)
+        base = os.path.join(self.work, "t", str(t.id))
+        d_old, d_new = os.path.join(base, "old"), os.path.join(base, "new")
+        os.makedirs(d_old)
+        os.makedirs(d_new)
+        url = self._client_url(t)
+        old = self._spawn(self._workload_cmd(url, t.run, d_old, mode), d_old)
+        new = None
+        try:
+            acks = os.path.join(d_old, "acks")
+            deadline = time.monotonic() + 300
+            while old.poll() is None and time.monotonic() < deadline and not read_acks(acks):
+                time.sleep(0.005)
+            time.sleep(self.rng.uniform(0, self.ref["seconds"] - self.ref["first_ack"]) / 2)
+            if old.poll() is not None:
+                t.detail = "finished before the fault"
+                self._check(t, d_old)
+                return
+            old.send_signal(signal.SIGSTOP)
+            t.reached = True
+            before = read_acks(acks)
+            new = self._spawn(self._workload_cmd(url, t.run, d_new, mode), d_new)
+            waited = False
+            try:
+                new.wait(timeout=max(10.0, 3 * self.ref["seconds"]))
+            except subprocess.TimeoutExpired:
+                waited = True      # the old one holds the commit the takeover waits for
+            old.send_signal(signal.SIGCONT)
+            new.wait(timeout=300)
+            old.wait(timeout=300)
+        finally:
+            for p in (old, new):
+                if p is not None and p.poll() is None:
+                    p.send_signal(signal.SIGCONT)
+                    p.kill()
+                    p.wait()
+        after = read_acks(acks)
+        late = after[len(before):]
+        t.point = "stopped inside a commit" if waited else f"stopped after ack {before[-1] if before else None}"
+        err = self._stderr(d_old)
+        if old.returncode != 0 and "StaleEpochError" not in err and "epoch" not in err:
+            t.reasons.append(f"the old writer failed otherwise (exit {old.returncode}): {err.strip()[-300:]}")
+            t.recovered = "raised"
+        if new.returncode != 0:
+            t.reasons.append(f"the new incarnation failed (exit {new.returncode}): {self._stderr(d_new)[-300:]}")
+            t.recovered = "raised"
+            return
+        with open(os.path.join(d_new, "out.json")) as f:
+            out = json.load(f)
+        ok = out["final_hash"] == self.ref["final_hash"]
+        t.resume = {"ok": ok, "from": out["resumed_from"],
+                    "why": None if ok else f"final hash {out['final_hash']} (uninterrupted {self.ref['final_hash']})"}
+        if t.store == "postgres":
+            self._wait_backend_gone(t)
+        # Every acknowledged checkpoint of the run, old writer's and new's, must be covered.
+        t.acked = sorted(set(after) | set(read_acks(os.path.join(d_new, "acks"))))
+        store = self._open(t.url)
+        try:
+            checker.check_library(store, t, self.ref["full"])
+        finally:
+            store.close()
+        # An old writer may log, once let go, the ack of a commit it made before it was
+        # stopped or while the takeover waited for it: the new incarnation, which begins
+        # its epoch before it recovers, then resumed from that step or a later one. A
+        # step acknowledged by the old writer past that point was committed after the
+        # takeover: fencing failed.
+        stale = [k for k in late if k > (out["resumed_from"] or 0)]
+        if stale:
+            t.hash_ok = False
+            t.reasons.append(f"the old writer committed steps {stale} after the run was taken over "
+                             f"(the new incarnation resumed from {out['resumed_from']})")
 
     def _pool(self, fn, items) -> None:
         def guarded(item):
@@ -721,9 +816,10 @@ class Campaign:
         t0 = time.monotonic()
         try:
             self.setup()
-            if set(cfg.faults) & {"kill", "failpoint", "pgkill"}:
+            if set(cfg.faults) & {"kill", "failpoint", "pgkill", "stale"}:
                 self.reference()
             self.kill_trials()
+            self.stale_trials()
             self.pgkill_trials()
             self.powerloss_trials()
             self.corrupt_trials()

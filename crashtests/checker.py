@@ -37,7 +37,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class Trial:
     id: int
     store: str                      # file | sqlite | postgres
-    fault: str                      # kill | failpoint | pgkill | powerloss | corrupt
+    fault: str                      # kill | failpoint | pgkill | powerloss | corrupt | stale
     run: str
     url: str
     point: str = ""                 # the crash point reached (label), "" when none was
