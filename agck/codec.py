@@ -357,7 +357,7 @@ def encode_state(state: Any, *, root: str = "state", memo: EncodeMemo | None = N
             packed = _TreeBytes(tree)
             tree_bytes, cuts = b"".join(packed.parts), packed.cuts
         else:
-            tree_bytes, cuts = msgpack.packb(tree, use_bin_type=True, unicode_errors="surrogatepass"), None
+            tree_bytes, cuts = _pack(tree), None
         tensors, blobs, owners = enc.finish()
         if memo is not None:
             enc.record_runs()
@@ -587,7 +587,7 @@ class _Encoder:
     def pack(obj) -> bytes:
         if type(obj) is _SplicedList or type(obj) is _SplicedMap:
             return b"".join(_TreeBytes(obj).parts)
-        return msgpack.packb(obj, use_bin_type=True, unicode_errors="surrogatepass")
+        return _pack(obj)
 
     def bigint(self, x: int):
         n = (x.bit_length() + 8) // 8

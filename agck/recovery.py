@@ -171,10 +171,7 @@ def prune(store, run: str, *, keep_last: int | None = None, keep_every: int | No
         if s == valid:
             continue
         try:
-            if epoch is None:
-                store.delete(run, s)
-            else:
-                store.delete(run, s, epoch=epoch)
+            store.delete(run, s, epoch=epoch)
         except CheckpointNotFoundError:
             continue  # removed by someone else meanwhile
         deleted.append(s)

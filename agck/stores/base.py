@@ -22,7 +22,7 @@ from ..checkpoint import Checkpoint
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StaleEpochError, UsageError
 from ..recovery import Rejection  # noqa: F401  (re-exported: agck.stores.Rejection)
 from ..names import check_run, check_step
-from .content import WriteCache, WriteCaches
+from .content import WriteCache, WriteCaches, cannot_confirm
 
 @dataclass
 class CheckpointInfo:
@@ -67,9 +67,14 @@ class Store(ABC):
         self.incremental = incremental
         self.full_every = None if full_every is None else int(full_every)
 
-    def _write_cache(self, run: str) -> WriteCache | None:
+    def _write_cache(self, run: str, expect_unchanged: Collection[int] = (), ref: str | None = None
+                     ) -> WriteCache | None:
         """The run's write cache for a chunked put (give it back with
-        ``self._caches.give`` once the put succeeded), or None: write this one standalone."""
+        ``self._caches.give`` once the put succeeded), or None: write this one standalone.
+        A standalone put cannot confirm ``expect_unchanged`` tensors: refused, before
+        anything counts as a put."""
+        if expect_unchanged and not self.can_confirm_unchanged(run):
+            raise cannot_confirm(ref)
         if not self.incremental:
             return None
         cache = self._caches.take(run)

@@ -163,17 +163,18 @@ def split_container(w: format.ContainerWriter, cache: WriteCache | None = None, 
                     expect_unchanged: Collection[int] = (), ref: str | None = None) -> list[chunking.PieceChunks]:
     """The container ``w`` as chunks, in order, computing the blobs' digests and
     its footer on the way. Pieces, each cut on its own (:mod:`agck.chunking`):
-    the header, metadata and padding; each run of blobs under ``LARGE_PART``
-    bytes with the padding between them; each larger blob; the footer. A blob
+    the header, metadata and padding (:func:`_head_pieces`); each run of blobs
+    under ``LARGE_PART`` bytes with the padding between them; each larger blob;
+    the footer (joined with the metadata's end when there is no payload). A blob
     whose bytes the chunker found unchanged at the same place of the same piece
     keeps its digest from last time.
 
     ``expect_unchanged``: the memory addresses of blobs the caller did not copy
     because a cheap signal said they had not changed since the run's last put
-    (:class:`agck.snapshot.Snapshotter`). Each must be found with the bytes of that
-    put's blob at the same place (the chunker's pass, or else its XXH3 against the
-    digest kept from then), or :class:`ContentChangedError` is raised before
-    anything is written."""
+    (:class:`agck.snapshot.Snapshotter`). Each must be a large blob whose bytes the
+    chunker's pass found, all of them, in chunks of that put (XXH3-128 against
+    what it remembered), or :class:`ContentChangedError` is raised before anything
+    is written."""
     if expect_unchanged and (cache is None or not cache.split):
         raise cannot_confirm(ref)
     expect = set(expect_unchanged)
@@ -215,14 +216,14 @@ def split_container(w: format.ContainerWriter, cache: WriteCache | None = None, 
                 continue
             if ds[i] is None:
                 ds[i] = format.digest(buf)
-            if expect and key[0] == "large" and _address(buf) in expect:
+            if expect and key[0] == "large" and (addr := _address(buf)) in expect:
                 # its bytes were all found in chunks of the last checkpoint, confirmed by
                 # XXH3-128 as they were read; nothing of it is cut afresh from live memory
                 if not unchanged[i]:
                     raise ContentChangedError(
                         f"a tensor of {buf.nbytes} bytes passed as unchanged differs from the run's last checkpoint",
                         ref=ref)
-                confirmed.add(_address(buf))
+                confirmed.add(addr)
         digests.extend(d for d in ds if d is not None)
         digests_now[key] = _PieceDigests(bounds, ds)
     if expect - confirmed:

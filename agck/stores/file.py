@@ -87,10 +87,8 @@ class FileStore(Store):
         if parent is not None:
             parent = check_step(parent, "parent")
         path = self.path(run, step)
-        cache = self._write_cache(run)
+        cache = self._write_cache(run, expect_unchanged, path)
         if cache is None:
-            if expect_unchanged:
-                raise content.cannot_confirm(path)
             w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta)
             self._ensure_run_dir(os.path.dirname(path))
             with self._fenced(run, epoch, path):

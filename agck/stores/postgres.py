@@ -761,14 +761,12 @@ class PostgresStore(Store):
         step = check_step(step)
         if parent is not None:
             parent = check_step(parent, "parent")
-        cache = self._write_cache(run)
+        ref = self.ref(run, step)
+        cache = self._write_cache(run, expect_unchanged, ref)
         w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta,
                               memo=cache.encoding if cache else None)
         meta_text = meta_json_text(meta)
-        ref = self.ref(run, step)
         if cache is None:
-            if expect_unchanged:
-                raise content.cannot_confirm(ref)
             with self._lock:
                 self._put_once(run, step, parent, meta_text, w, None, None, ref, overwrite, epoch)
                 self.last_put = None

@@ -240,14 +240,12 @@ class SqliteStore(Store):
         step = check_step(step)
         if parent is not None:
             parent = check_step(parent, "parent")
-        cache = self._write_cache(run)
+        ref = self.ref(run, step)
+        cache = self._write_cache(run, expect_unchanged, ref)
         w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta,
                               memo=cache.encoding if cache else None)
         meta_text = meta_json_text(meta)
-        ref = self.ref(run, step)
         plan = listing = None
-        if cache is None and expect_unchanged:
-            raise content.cannot_confirm(ref)
         if cache is not None:   # splitting and hashing: before taking the database's write lock
             plan = content.plan_chunks(w, cache, expect_unchanged=expect_unchanged, ref=ref)
             listing = content.listing(w, plan.chunks, run=run, step=step, parent=parent, meta=meta)
@@ -258,10 +256,8 @@ class SqliteStore(Store):
             except sqlite3.Error as e:
                 raise DurabilityError(f"cannot start the write transaction: {e}", ref=ref) from None
             try:
-                if epoch is not None:     # BEGIN IMMEDIATE holds begin_epoch off until COMMIT
-                    current = self._current_epoch(c, run)
-                    if current != epoch:
-                        raise self._stale(run, epoch, current, ref)
+                if epoch is not None:
+                    self._check_epoch(c, run, epoch, ref)
                 key = (run, step)
                 exists = c.execute(f"SELECT 1 FROM {self._t_manifest} WHERE run = ? AND step = ?", key).fetchone()
                 if exists and not overwrite:
@@ -324,6 +320,13 @@ class SqliteStore(Store):
             except sqlite3.Error as e:
                 raise StoreError(f"cannot read the epoch of run {run!r}: {e}", ref=self.path) from None
 
+    def _check_epoch(self, c: sqlite3.Connection, run: str, epoch: int, ref: str) -> None:
+        """In a write transaction: refuse unless ``epoch`` is the run's newest
+        (BEGIN IMMEDIATE holds begin_epoch off until COMMIT)."""
+        current = self._current_epoch(c, run)
+        if current != epoch:
+            raise self._stale(run, epoch, current, ref)
+
     def _current_epoch(self, c: sqlite3.Connection, run: str) -> int | None:
         if not c.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
                          (self._t_epochs,)).fetchone():
@@ -383,9 +386,7 @@ class SqliteStore(Store):
             try:
                 with _immediate(c):
                     if epoch is not None:
-                        current = self._current_epoch(c, run)
-                        if current != epoch:
-                            raise self._stale(run, epoch, current, ref)
+                        self._check_epoch(c, run, epoch, ref)
                     n = c.execute(f"DELETE FROM {self._t_manifest} WHERE run = ? AND step = ?", (run, step)).rowcount
                     if n == 0:
                         raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref)
