@@ -21,7 +21,7 @@ import re
 import sys
 from datetime import datetime, timezone
 
-from . import checkpoint, format
+from . import checkpoint, format, sharded
 from .errors import (AgckError, CorruptCheckpointError, DependencyError, FormatError, InvalidRunNameError,
                      NoValidCheckpointError, StoreError, UsageError)
 from .names import check_run
@@ -247,11 +247,19 @@ def _format_show(info: dict) -> str:
 def cmd_ls(args) -> int:
     with _open(args.store) as store:
         infos = store.list(args.run)
+        partial = sharded.partial_parts(store, args.run)
     rows = [{**i.as_dict(), "meta": _meta(i.meta)} for i in infos]
+    # parts of multi-rank steps that no commit record binds: never resumed, listed apart
+    rows += [{"run": p.run, "step": p.step, "partial": p.as_dict()} for p in partial]
 
     def text():
         out = ["run  step  parent  size  created  meta"] if rows else ["(no checkpoints)"]
         for r in rows:
+            if "partial" in r:
+                p = r["partial"]
+                out.append(f"{r['run']}  {r['step']}  partial: rank {p['rank']}'s part (epoch {p['epoch']}), "
+                           f"not committed: {p['reason']}")
+                continue
             meta = _json(r["meta"]) if r["meta"] is not None else ""
             out.append(f"{r['run']}  {r['step']}  {'-' if r['parent'] is None else r['parent']}  "
                        f"{_size(r['size'])}  {_time(r['created_at'])}  {meta}")
@@ -289,24 +297,30 @@ def cmd_verify(args) -> int:
 def cmd_recover(args) -> int:
     from .recovery import recover_run
     with _open(args.store) as store:
-        runs = [check_run(args.run)] if args.run is not None else store.runs()
-        if args.run is not None and not store.steps(args.run):
+        runs = [check_run(args.run)] if args.run is not None else \
+            sorted(set(store.runs()) | {r for _, r, _, _ in sharded.part_runs(store)})
+        if args.run is not None and not store.steps(args.run) and not sharded.part_runs(store, args.run):
             raise _Exit(EXIT_UNAVAILABLE, f"agck recover: no run {args.run!r} with checkpoints in {store.url} "
                                           f"(runs: {', '.join(store.runs()) or 'none'})")
         results = []
         with _progress(None, "recover", args.quiet) as bar:
             for r in runs:
                 results.append(recover_run(store, r, on_candidate=lambda s: bar.update(1)))
+        partial = {r: sharded.partial_parts(store, r) for r in runs}
         cleaned = []
         if args.clean:
             for r in runs:
                 cleaned += store.clean_orphans(r)
+                cleaned += sharded.clean_partial(store, r)
             cleaned += store.clean_orphans(None) if not args.run else []
     if args.restore_to:
         if len(results) != 1 or results[0].checkpoint is None:
             raise _Exit(EXIT_USAGE if len(results) != 1 else EXIT_NOTHING_VALID,
                         "agck recover: --restore-to needs exactly one run with a valid checkpoint (use --run)")
         ck = results[0].checkpoint
+        if sharded.is_commit(ck):
+            raise _Exit(EXIT_USAGE, f"agck recover: run {ck.run!r} step {ck.step} is a multi-rank checkpoint "
+                                    "(one part per rank): --restore-to writes single-process checkpoints only")
         checkpoint.save(args.restore_to, ck.state, run=ck.run, step=ck.step, parent=ck.parent, meta=ck.meta)
     lines = []
     for rec in results:
@@ -319,9 +333,13 @@ def cmd_recover(args) -> int:
             lines.append(f"  rejected step {rj.step} ({rj.ref}): {rj.reason}")
         for o in rec.orphans:
             lines.append(f"  orphan {o}{' (removed)' if o in cleaned else ''}")
+        for p in partial[rec.run]:
+            state = " (removed)" if p.ref in cleaned else "" if p.removable else " (may be in flight: kept)"
+            lines.append(f"  partial step {p.step}: rank {p.rank}'s part (epoch {p.epoch}), {p.reason}{state}")
     if args.restore_to:
         lines.append(f"restored to {args.restore_to}")
-    out = {"runs": [r.as_dict() for r in results], "cleaned": cleaned, "restored_to": args.restore_to}
+    out = {"runs": [{**r.as_dict(), "partial": [p.as_dict() for p in partial[r.run]]} for r in results],
+           "cleaned": cleaned, "restored_to": args.restore_to}
     _emit(args, out, lambda: "\n".join(lines) or "(no runs)")
     if any(r.checkpoint is None and r.candidates for r in results) or not results:
         return EXIT_NOTHING_VALID
@@ -428,7 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("store", help="store URL or directory")
     sp.add_argument("--run", help="only this run")
     sp.add_argument("--restore-to", metavar="FILE", help="write the recovered checkpoint as a standalone .agck")
-    sp.add_argument("--clean", action="store_true", help="remove temp files left by interrupted writes")
+    sp.add_argument("--clean", action="store_true",
+                    help="remove temp files left by interrupted writes and uncommitted multi-rank parts")
     common(sp)
     sp.set_defaults(func=cmd_recover)
 

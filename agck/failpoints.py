@@ -24,6 +24,7 @@ POINTS = (
     "sqlite.before_insert", "sqlite.after_objects", "sqlite.before_commit", "sqlite.after_commit",
     "pg.before_copy", "pg.mid_copy", "pg.after_objects", "pg.before_manifest", "pg.before_commit", "pg.after_commit",
     "snapshot.after_stage", "snapshot.before_ack",
+    "dist.after_part", "dist.before_commit", "dist.after_commit",
 )
 
 

@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from . import sharded
 from .checkpoint import Checkpoint
 from .chunking import CheckedChunks
 from .errors import (AgckError, CheckpointNotFoundError, CorruptCheckpointError, FormatError,
@@ -94,9 +95,14 @@ def _reject(store, run: str, step: int, e: AgckError) -> Rejection:
 def _judge(store, run: str, step: int, *, map_location=None, verify=True
            ) -> tuple[Checkpoint | None, Rejection | None]:
     """(checkpoint, None) if it verifies, (None, rejection) on a verdict; raises
-    anything else. A checkpoint deleted while we look is rejected as gone."""
+    anything else. A checkpoint deleted while we look is rejected as gone. A
+    multi-rank commit record verifies only with every part it binds."""
     try:
-        return store.read(run, step, verify=verify, map_location=map_location), None
+        ck = store.read(run, step, verify=verify, map_location=map_location)
+        commit = sharded.as_commit(ck)
+        if commit is not None and verify is not False:   # a multi-rank step verifies with all its parts
+            sharded.verify_parts(store, commit)
+        return ck, None
     except AgckError as e:
         if is_verdict(e) or isinstance(e, CheckpointNotFoundError):
             return None, _reject(store, run, step, e)

@@ -66,7 +66,9 @@ from . import chunking, failpoints
 from .codec import encode_plain, plain_packed
 from .errors import AgckError, ContentChangedError, SnapshotError, UsageError
 from .names import check_run, check_step
-from .recovery import recover_run
+from .distributed import Group, ShardedRun, active as dist_active
+from .recovery import Recovery, recover_run
+from .sharded import is_commit
 from .stores import Store, open_store
 from .version import __version__
 
@@ -472,13 +474,15 @@ def _count(value: Any, name: str) -> int:
 
 def _options(every: int, *, resume: bool = True, mode: str = "auto", max_in_flight: int = 1,
              on_durable: Callable[[int, str], Any] | None = None, meta: Any = None,
-             handle_signals: bool = True, capture_rng: bool = True) -> dict:
+             handle_signals: bool = True, capture_rng: bool = True, distributed: bool | None = None) -> dict:
     """The Snapshotter's options, checked and normalized before anything is opened."""
     if not isinstance(mode, str) or mode not in ("auto", "async", "sync"):
         raise UsageError(f"mode must be 'auto', 'async' or 'sync', not {mode!r}")
     for name, flag in (("resume", resume), ("handle_signals", handle_signals), ("capture_rng", capture_rng)):
         if not isinstance(flag, bool):
             raise UsageError(f"{name} must be True or False, not {flag!r}")
+    if distributed is not None and not isinstance(distributed, bool):
+        raise UsageError(f"distributed must be True, False or None, not {distributed!r}")
     if on_durable is not None and not callable(on_durable):
         raise UsageError(f"on_durable must be callable or None, not {on_durable!r}")
     # Checked here, not in the background write, nested as snapshot() writes it (the
@@ -487,7 +491,7 @@ def _options(every: int, *, resume: bool = True, mode: str = "auto", max_in_flig
     meta = copy.deepcopy(meta)
     return {"every": _count(every, "every"), "resume": resume, "mode": mode,
             "max_in_flight": _count(max_in_flight, "max_in_flight"), "on_durable": on_durable, "meta": meta,
-            "handle_signals": handle_signals, "capture_rng": capture_rng}
+            "handle_signals": handle_signals, "capture_rng": capture_rng, "distributed": distributed}
 
 
 _OPTION_NAMES = frozenset(inspect.signature(_options).parameters) - {"every"}
@@ -504,6 +508,16 @@ class Snapshotter:
     ``meta`` (plain data, checked and copied here) goes into every checkpoint as
     its ``meta['user']``.
 
+    ``distributed``: under torch.distributed (None, the default: whenever a default
+    process group of more than one rank is initialized), every rank makes its own
+    Snapshotter of the same run at the same point of its program, each rank's state
+    is written as its own part in parallel, and a step becomes visible only when
+    every part is durable, through one commit record (README, "Multi-rank
+    checkpoints"). Restore then takes the newest step whose every part verifies,
+    on every rank alike. A signal does not add an out-of-cadence checkpoint there
+    (the ranks would not agree on its step): pending ones are flushed and the
+    process exits.
+
     Arguments are checked before the store is opened: a bad one raises
     :class:`UsageError` naming it (a bad run name :class:`InvalidRunNameError`,
     unencodable meta :class:`EncodeError`). After :meth:`close`, every method
@@ -512,9 +526,10 @@ class Snapshotter:
 
     def __init__(self, store: Store | str, run: str, *, every: int = 10, resume: bool = True,
                  mode: str = "auto", max_in_flight: int = 1, on_durable: Callable[[int, str], Any] | None = None,
-                 meta: Any = None, handle_signals: bool = True, capture_rng: bool = True):
+                 meta: Any = None, handle_signals: bool = True, capture_rng: bool = True,
+                 distributed: bool | None = None):
         opts = _options(every, resume=resume, mode=mode, max_in_flight=max_in_flight, on_durable=on_durable,
-                        meta=meta, handle_signals=handle_signals, capture_rng=capture_rng)
+                        meta=meta, handle_signals=handle_signals, capture_rng=capture_rng, distributed=distributed)
         self.run = check_run(run)
         self._own_store = not isinstance(store, Store)
         self.store = open_store(store)
@@ -555,6 +570,10 @@ class Snapshotter:
         self._seen: dict[int, tuple] = {}
         self.dropped_steps: list[int] = []        # snapshots not written: a tensor taken uncopied changed
         self.epoch: int | None = None              # this incarnation of the run (_incarnate)
+        # under torch.distributed: this rank's side of the run's collective checkpoints
+        self._dist: ShardedRun | None = None
+        if distributed or (distributed is None and dist_active()):
+            self._dist = ShardedRun(self.store, self.run, Group())
         if handle_signals:
             self._install_signals()
         atexit.register(self._close_at_exit)
@@ -580,19 +599,28 @@ class Snapshotter:
             self._start_over()
             self._state = state
             return state
-        rec = recover_run(self.store, self.run)
-        self.recovery = rec
+        if self._dist is not None:
+            commit, ck, rejected, candidates = self._dist.find()
+            self.recovery = Recovery(run=self.run, checkpoint=ck, rejected=rejected, candidates=candidates)
+            meta_source = commit
+        else:
+            self.recovery = recover_run(self.store, self.run)
+            ck = meta_source = self.recovery.checkpoint
+            if ck is not None and is_commit(ck):
+                raise UsageError(f"run {self.run!r}: step {ck.step} was checkpointed by several ranks under "
+                                 "torch.distributed; this process is not one of them", ref=ck.ref,
+                                 hint="restore it under torch.distributed with the same world size")
+        rec = self.recovery
         for rj in rec.rejected:
             log.warning("agck: run %r: skipped step %d (%s): %s", self.run, rj.step, rj.ref, rj.reason)
-        if rec.checkpoint is None:
+        if ck is None:
             if rec.candidates:
                 log.warning("agck: run %r: none of %d checkpoints verifies; starting over",
                             self.run, rec.candidates)
             self._state = state
             return state
-        ck = rec.checkpoint
         saved = ck.state
-        meta = ck.meta if isinstance(ck.meta, dict) else {}
+        meta = meta_source.meta if isinstance(meta_source.meta, dict) else {}
         if meta.get("snapshot") is not True or not isinstance(saved, dict) or "state" not in saved:
             raise UsageError(f"run {self.run!r}: the newest valid checkpoint (step {ck.step}) was not written by "
                              "a snapshotter, so there is no step boundary to resume from", ref=ck.ref,
@@ -610,7 +638,7 @@ class Snapshotter:
         restored = restore_into(state, saved["state"])
         self.start_step = ck.step
         self.last_durable_step = ck.step
-        self.last_durable_ref = ck.ref
+        self.last_durable_ref = meta_source.ref
         self._state = restored
         log.info("agck: run %r resumed at step %d from %s", self.run, ck.step, ck.ref)
         return restored
@@ -622,13 +650,20 @@ class Snapshotter:
         while the old one hung) can no longer commit: its puts fail with
         :class:`StaleEpochError`, raised as a :class:`SnapshotError` in its pipeline."""
         if self.epoch is None:
-            self.epoch = self.store.begin_epoch(self.run)
+            if self._dist is None:
+                self.epoch = self.store.begin_epoch(self.run)
+            else:
+                self.epoch = self._dist.begin_epoch()
+                self._dist.clean_partial()   # earlier incarnations' uncommitted parts can never commit now
 
     def _start_over(self) -> None:
         """resume=False: delete the run's old checkpoints, once, before anything new is written."""
         if self._started_over:
             return
         self._started_over = True
+        if self._dist is not None:
+            self._dist.delete_all(self.epoch)
+            return
         old = self.store.steps(self.run)
         if old:
             log.warning("agck: resume=False: deleting %d old checkpoints of run %r (steps %d..%d)",
@@ -668,7 +703,8 @@ class Snapshotter:
         self._check_open()
         steps_done = check_step(steps_done, "steps_done")
         self._state = state
-        if force or steps_done % self.every == 0 or self._stop_signal is not None:
+        # (under torch.distributed every rank must take the same steps: no extra one on a signal)
+        if force or steps_done % self.every == 0 or (self._stop_signal is not None and self._dist is None):
             self.snapshot(steps_done, state)
         elif not self._prepared:
             self._prepare_staging(state)
@@ -707,7 +743,7 @@ class Snapshotter:
         stager = self._free_stagers.get()          # backpressure: waits while max_in_flight are pending
         self.raise_pending()
         # ({} still notes this staging's tensors, for the snapshot after it)
-        seen = self._seen if self._seen and self.store.can_confirm_unchanged(self.run) else {}
+        seen = self._seen if self._seen and self._can_confirm_unchanged() else {}
         staged = stager.stage(tree, seen)
         failpoints.hit("snapshot.after_stage")
         with self._cv:
@@ -719,14 +755,23 @@ class Snapshotter:
     def _persist(self, step, tree, meta, parent, stager: _Stager | None = None) -> str:
         t0, (u0, s0) = time.perf_counter(), _thread_cpu()
         referenced = stager.referenced if stager is not None else ()
-        ref = self.store.put(self.run, step, tree, meta=meta, parent=parent, expect_unchanged=referenced,
-                             epoch=self.epoch)
+        if self._dist is not None:
+            ref = self._dist.write(step, tree, meta=meta, parent=parent, epoch=self.epoch,
+                                   expect_unchanged=referenced)
+        else:
+            ref = self.store.put(self.run, step, tree, meta=meta, parent=parent, expect_unchanged=referenced,
+                                 epoch=self.epoch)
         u1, s1 = _thread_cpu()
         self.write_stats.append({"step": step, "thread": threading.current_thread().name, "start": t0,
                                  "end": time.perf_counter(), "cpu_user_s": u1 - u0,
                                  "cpu_sys_s": None if s0 is None else s1 - s0,
                                  "referenced_bytes": stager.referenced_bytes if stager is not None else 0})
         return ref
+
+    def _can_confirm_unchanged(self) -> bool:
+        if self._dist is not None:
+            return self._dist.parts.can_confirm_unchanged(self._dist.part_run(self.epoch))
+        return self.store.can_confirm_unchanged(self.run)
 
     def _acknowledge(self, step: int, ref: str) -> None:
         failpoints.hit("snapshot.before_ack")

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from typing import Any, Collection, Iterable
 
-from .. import recovery
+from .. import recovery, sharded
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StaleEpochError, UsageError
 from ..recovery import Rejection  # noqa: F401  (re-exported: agck.stores.Rejection)
@@ -52,6 +52,7 @@ class Store(ABC):
     def __init__(self):
         self._lock = threading.RLock()
         self._caches = WriteCaches()   # what the last put of each run found, for incremental puts
+        self._parts: Store | None = None
 
     def _set_policy(self, incremental, full_every) -> None:
         """``incremental``: keep checkpoints as chunk listings sharing content.
@@ -101,6 +102,20 @@ class Store(ABC):
         :meth:`can_confirm_unchanged`). Their bytes are confirmed against that put's
         while they are split (one XXH3 pass, which the split makes anyway); if any
         differs, :class:`ContentChangedError` is raised and nothing is written."""
+
+    # -- multi-rank parts -------------------------------------------------------
+    def parts_store(self, create: bool = True) -> "Store | None":
+        """The store that holds the per-rank parts of multi-rank checkpoints
+        (:mod:`agck.sharded`): the same backend and location in a namespace of its
+        own, so parts never appear among the runs. With ``create=False``, None when
+        no part was ever written here."""
+        with self._lock:
+            if self._parts is None:
+                self._parts = self._open_parts(create)
+            return self._parts
+
+    def _open_parts(self, create: bool) -> "Store | None":
+        raise UsageError(f"{type(self).__name__} cannot hold multi-rank checkpoints", ref=self.url)
 
     # -- fencing -----------------------------------------------------------------
     @abstractmethod
@@ -193,6 +208,7 @@ class Store(ABC):
         deleted = recovery.prune(self, run, keep_last=keep_last, keep_every=keep_every, before=before, epoch=epoch)
         if deleted:
             self.collect_garbage()
+            sharded.clean_partial(self, run)   # the parts of pruned multi-rank steps
         return deleted
 
     def collect_garbage(self):
@@ -202,7 +218,11 @@ class Store(ABC):
         return None
 
     def close(self) -> None:
-        pass
+        """Release what the store holds (its parts namespace included); stores that
+        hold more override this and call it."""
+        parts, self._parts = self._parts, None
+        if parts is not None:
+            parts.close()
 
     def __enter__(self):
         return self

@@ -71,6 +71,12 @@ class FileStore(Store):
             except OSError as e:
                 raise StoreConnectionError(f"cannot create the store directory: {e.strerror}", ref=self.root) from None
 
+    def _open_parts(self, create: bool) -> "FileStore | None":
+        path = os.path.join(self.root, ".parts")   # not a run name: never listed as a run
+        if not create and not os.path.isdir(path):
+            return None
+        return FileStore(path, fs=self.fs, incremental=self.incremental, full_every=self.full_every)
+
     def _run_dir(self, run: str) -> str:
         return os.path.join(self.root, check_run(run))
 

@@ -594,7 +594,18 @@ class PostgresStore(Store):
         text = f"run `{cmd}`" + (" with the password added" if self._secrets else "")
         return f"{text}, {alternative}" if alternative else text
 
+    def _open_parts(self, create: bool) -> "PostgresStore | None":
+        try:
+            return PostgresStore(self._dsn, prefix=f"{self.prefix}_parts", schema=self.schema,
+                                 chunk_size=self.chunk_size, init=create, connect_timeout=self._connect_timeout,
+                                 incremental=self.incremental, full_every=self.full_every)
+        except SchemaUninitializedError:
+            if create:
+                raise
+            return None
+
     def close(self) -> None:
+        super().close()
         with self._lock:
             self._closed = True
             if self._conn is not None and self._pid == os.getpid():

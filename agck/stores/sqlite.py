@@ -45,6 +45,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import time
 import urllib.parse
 from contextlib import contextmanager
 from functools import partial
@@ -53,7 +54,8 @@ from typing import Any, Collection
 from .. import checkpoint, codec, failpoints
 from ..checkpoint import Checkpoint
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
-                      DurabilityError, SchemaMismatchError, StoreConnectionError, StoreError)
+                      DurabilityError, SchemaMismatchError, StoreConnectionError, StoreError,
+                      UsageError)
 from ..memory import new_buffer
 from . import content
 from .base import CheckpointInfo, Store, check_identity, check_run, check_step
@@ -96,6 +98,20 @@ def _immediate(c: sqlite3.Connection):
     c.execute("COMMIT")
 
 
+def _journal_mode_wal(c: sqlite3.Connection, busy_timeout: float) -> str:
+    """Switch to WAL. SQLite does not call the busy handler for a journal mode change, so
+    processes opening one new database at once (the ranks of a job) would get "database is
+    locked": retried here within the busy timeout."""
+    deadline = time.monotonic() + busy_timeout
+    while True:
+        try:
+            return c.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
 class SqliteStore(Store):
     """Checkpoints in one SQLite database file; safe to share between threads and processes."""
 
@@ -113,6 +129,7 @@ class SqliteStore(Store):
         self.url = "sqlite:///:memory:" if self.path == ":memory:" else "sqlite:///" + self.path
         self.prefix = check_identifier(prefix, "table prefix")
         self.chunk_size = check_chunk_size(chunk_size)
+        self._busy_timeout = busy_timeout
         self._set_policy(incremental, full_every)
         self.last_put: content.Chunks | None = None
         p = self.prefix
@@ -138,7 +155,7 @@ class SqliteStore(Store):
                 raise StoreConnectionError(f"no agck tables with prefix {self.prefix!r} in this database",
                                            ref=self.path, hint="check the path and the prefix")
             if self.path != ":memory:":
-                mode = c.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+                mode = _journal_mode_wal(c, busy_timeout)
                 if str(mode).lower() != "wal":
                     raise StoreConnectionError(f"cannot switch the database to WAL mode (it stays {mode})",
                                                ref=self.path)
@@ -546,7 +563,21 @@ class SqliteStore(Store):
                 raise DurabilityError(f"cleaning orphans failed: {e}", ref=self.path) from None
         return [f"{self.path}::{self._t_chunks}(run='{r}', step={s})" for r, s in rows]
 
+    def _open_parts(self, create: bool) -> "SqliteStore | None":
+        if self.path == ":memory:":
+            raise UsageError("an in-memory SQLite store cannot hold multi-rank checkpoints: each rank opens "
+                             "its own", ref=self.url, hint="use a database file")
+        try:
+            return SqliteStore(self.url, prefix=f"{self.prefix}_parts", chunk_size=self.chunk_size,
+                               busy_timeout=self._busy_timeout, create=create, incremental=self.incremental,
+                               full_every=self.full_every)
+        except StoreConnectionError:
+            if create:
+                raise
+            return None
+
     def close(self) -> None:
+        super().close()
         with self._lock:
             if self._conn is not None:
                 try:

@@ -1,0 +1,257 @@
+"""Collective checkpoints under torch.distributed: every rank writes its part, one commit.
+
+:class:`ShardedRun` runs the protocol of :mod:`agck.sharded` over a process group:
+
+write step k (every rank, same order)
+    1. write this rank's part (durable when ``put`` returns), or note why it failed;
+    2. all-gather every rank's outcome (the part's nonce, or the error);
+    3. rank 0, only if every part is durable: put the commit record (fenced by the
+       epoch), then broadcast the outcome; every rank acknowledges the step, or
+       raises the same failure, together.
+
+restore (every rank)
+    walk back from the newest committed step; at each one every rank reads the
+    commit record and verifies its own part, and an all-gather decides: the step is
+    taken only if every rank's part verifies, else every rank rejects it with the
+    same reasons and goes one step back.
+
+Ranks talk through a gloo group of agck's own (made collectively when the
+ShardedRun is made), so the pipeline's collectives on its default group (NCCL
+all-reduces) never interleave with ours, and what travels is msgpack bytes in
+uint8 tensors: nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Collection
+
+import msgpack
+
+from . import failpoints, sharded
+from .checkpoint import Checkpoint
+from .errors import (AgckError, CheckpointNotFoundError, ContentChangedError, SnapshotError, StaleEpochError,
+                     UsageError)
+from .recovery import Rejection, is_verdict
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def active() -> bool:
+    """Whether a torch.distributed default process group with more than one rank is up."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class Group:
+    """A gloo process group of agck's own over the default group's ranks. Made
+    collectively: every rank must make it at the same point of its program."""
+
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT_S):
+        import torch
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()):
+            raise UsageError("no torch.distributed process group is initialized",
+                             hint="call torch.distributed.init_process_group first, in every rank")
+        self._torch, self._dist = torch, dist
+        self.rank = dist.get_rank()
+        self.size = dist.get_world_size()
+        self.pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+
+    def broadcast(self, value: Any = None, src: int = 0) -> Any:
+        """``value`` of rank ``src`` (plain data), on every rank."""
+        torch, dist = self._torch, self._dist
+        data = msgpack.packb(value, use_bin_type=True) if self.rank == src else b""
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(n, src=src, group=self.pg)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == src and data else \
+            torch.empty(int(n.item()), dtype=torch.uint8)
+        if int(n.item()):
+            dist.broadcast(buf, src=src, group=self.pg)
+        return msgpack.unpackb(buf.numpy().tobytes(), raw=False)
+
+    def all_gather(self, value: Any) -> list:
+        """Every rank's ``value`` (plain data), by rank, on every rank."""
+        torch, dist = self._torch, self._dist
+        data = msgpack.packb(value, use_bin_type=True)
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.empty(1, dtype=torch.int64) for _ in range(self.size)]
+        dist.all_gather(sizes, n, group=self.pg)
+        longest = max(int(s.item()) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
+        dist.all_gather(bufs, mine, group=self.pg)
+        return [msgpack.unpackb(b[:int(s.item())].numpy().tobytes(), raw=False) for b, s in zip(bufs, sizes)]
+
+    def barrier(self) -> None:
+        self._dist.barrier(group=self.pg)
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+class ShardedRun:
+    """One run's multi-rank checkpoints, seen from one rank of ``group``."""
+
+    def __init__(self, store, run: str, group: Group):
+        self.store, self.run, self.group = store, run, group
+        self.rank, self.world_size = group.rank, group.size
+        # rank 0 makes the parts namespace (tables, a directory) before the others open it
+        if self.rank == 0:
+            self.parts = store.parts_store()
+        group.barrier()
+        if self.rank != 0:
+            self.parts = store.parts_store()
+
+    def part_run(self, epoch: int) -> str:
+        return sharded.part_run(self.run, epoch, self.rank)
+
+    def begin_epoch(self) -> int:
+        """Rank 0 begins a new incarnation of the run; every rank gets its epoch."""
+        out = None
+        if self.rank == 0:
+            try:
+                out = {"epoch": self.store.begin_epoch(self.run)}
+            except Exception as e:
+                out = {"error": _describe(e)}
+        out = self.group.broadcast(out)
+        if "error" in out:
+            raise SnapshotError(f"run {self.run!r}: rank 0 could not begin a new epoch: {out['error']}",
+                                ref=self.store.url)
+        return out["epoch"]
+
+    def clean_partial(self) -> list[str]:
+        """Rank 0 removes the parts no commit record binds and none can any more
+        (earlier incarnations'); every rank waits for it."""
+        removed: list[str] = []
+        if self.rank == 0:
+            try:
+                removed = sharded.clean_partial(self.store, self.run)
+            except AgckError:
+                removed = []    # only housekeeping: `agck recover --clean` reports what is left
+        self.group.barrier()
+        return removed
+
+    def delete_all(self, epoch: int) -> None:
+        """resume=False: rank 0 deletes the run's commit records and their parts."""
+        err = None
+        if self.rank == 0:
+            try:
+                for s in self.store.steps(self.run):
+                    self.store.delete(self.run, s, epoch=epoch)
+                sharded.clean_partial(self.store, self.run)
+            except Exception as e:
+                err = _describe(e)
+        err = self.group.broadcast(err)
+        if err is not None:
+            raise SnapshotError(f"run {self.run!r}: deleting the old checkpoints failed on rank 0: {err}",
+                                ref=self.store.url)
+
+    # -- write ---------------------------------------------------------------------
+    def write(self, step: int, state: Any, *, meta: Any, parent: int | None, epoch: int,
+              expect_unchanged: Collection[int] = ()) -> str:
+        """Write this rank's part of ``step`` and take part in its commit; returns the
+        commit record's ref once the step is committed, on every rank. Raises on every
+        rank alike when it is not: :class:`ContentChangedError` when a rank's
+        uncopied tensor changed (the step is dropped), :class:`StaleEpochError` when a
+        newer incarnation fenced this one, else :class:`SnapshotError` naming the
+        ranks that failed and why."""
+        nonce = sharded.new_nonce()
+        pr = self.part_run(epoch)
+        try:
+            self.parts.put(pr, step, state, parent=parent, expect_unchanged=expect_unchanged,
+                           meta=sharded.part_meta(self.run, step, epoch, self.rank, self.world_size, nonce))
+            mine = {"ok": True, "nonce": nonce}
+        except ContentChangedError as e:
+            mine = {"ok": False, "changed": True, "error": _describe(e)}
+        except Exception as e:   # reported to every rank: none may wait in the gather for this one
+            mine = {"ok": False, "error": _describe(e)}
+        failpoints.hit("dist.after_part")
+        outcomes = self.group.all_gather(mine)
+        failed = {r: o for r, o in enumerate(outcomes) if not o["ok"]}
+        if failed:
+            why = "; ".join(f"rank {r}: {o['error']}" for r, o in sorted(failed.items()))
+            if all(o.get("changed") for o in failed.values()):
+                raise ContentChangedError(f"step {step} of run {self.run!r} was not committed: {why}",
+                                          ref=self.store.ref(self.run, step))
+            raise SnapshotError(f"step {step} of run {self.run!r} was not committed: {why}",
+                                ref=self.store.ref(self.run, step), hint="the previous checkpoint is untouched")
+        result = None
+        if self.rank == 0:
+            commit = sharded.Commit(run=self.run, step=step, epoch=epoch, world_size=self.world_size,
+                                    parts=[sharded.PartRef(r, sharded.part_run(self.run, epoch, r), o["nonce"])
+                                           for r, o in enumerate(outcomes)])
+            failpoints.hit("dist.before_commit")
+            try:
+                result = {"ref": self.store.put(self.run, step, commit.state(), meta=meta, parent=parent,
+                                                epoch=epoch)}
+            except StaleEpochError as e:
+                result = {"stale": str(e)}
+            except Exception as e:
+                result = {"error": _describe(e)}
+            failpoints.hit("dist.after_commit")
+        result = self.group.broadcast(result)
+        if "stale" in result:
+            raise StaleEpochError(result["stale"], ref=self.store.ref(self.run, step))
+        if "error" in result:
+            raise SnapshotError(f"step {step} of run {self.run!r}: every part is durable but the commit "
+                                f"failed on rank 0: {result['error']}", ref=self.store.ref(self.run, step),
+                                hint="the previous checkpoint is untouched")
+        return result["ref"]
+
+    # -- restore -------------------------------------------------------------------
+    def find(self, *, map_location=None) -> tuple[sharded.Commit | None, Checkpoint | None, list[Rejection], int]:
+        """The newest step every rank can restore: (commit, this rank's part, the newer
+        steps rejected (newest first, each naming the ranks whose part failed), the
+        number of candidates). (None, None, rejected, n) when none can."""
+        steps = self.group.broadcast(self.store.steps(self.run) if self.rank == 0 else None)
+        rejected: list[Rejection] = []
+        for step in reversed(steps):
+            commit = part = None
+            try:
+                commit = sharded.as_commit(self.store.read(self.run, step))
+                if commit is None:
+                    mine = {"fatal": f"step {step} of run {self.run!r} is a single-process checkpoint, not a "
+                                     f"multi-rank one", "usage": True}
+                elif commit.world_size != self.world_size:
+                    mine = {"fatal": f"run {self.run!r} step {step} was checkpointed by {commit.world_size} ranks "
+                                     f"and this job has {self.world_size}: a snapshot's per-rank state (its "
+                                     "values and RNG states) cannot be resharded", "usage": True}
+                else:
+                    part = sharded.read_part(self.store, commit, self.rank, map_location=map_location)
+                    mine = {"ok": True}
+            except AgckError as e:
+                if is_verdict(e) or isinstance(e, CheckpointNotFoundError):
+                    mine = {"reject": getattr(e, "reason", str(e)), "ref": getattr(e, "ref", None),
+                            "section": getattr(e, "section", None)}
+                else:
+                    mine = {"fatal": _describe(e), "local": e}
+            except Exception as e:
+                mine = {"fatal": _describe(e), "local": e}
+            local = mine.pop("local", None)
+            outcomes = self.group.all_gather(mine)
+            fatal = [(r, o) for r, o in enumerate(outcomes) if "fatal" in o]
+            if fatal:
+                if local is not None:
+                    raise local
+                r, o = fatal[0]
+                if o.get("usage"):
+                    raise UsageError(o["fatal"], ref=self.store.ref(self.run, step),
+                                     hint="restore with the world size the run was checkpointed with, or save "
+                                          "resharding-capable state (DTensor) through agck.dcp")
+                raise SnapshotError(f"rank {r} cannot judge step {step} of run {self.run!r}: {o['fatal']}",
+                                    ref=self.store.ref(self.run, step))
+            bad = [(r, o) for r, o in enumerate(outcomes) if "reject" in o]
+            if not bad:
+                return commit, part, rejected, len(steps)
+            r, o = bad[0]
+            rejected.append(Rejection(run=self.run, step=step, ref=o.get("ref") or self.store.ref(self.run, step),
+                                      reason="; ".join(f"rank {r}: {o['reject']}" for r, o in bad),
+                                      section=o.get("section")))
+        return None, None, rejected, len(steps)
+

@@ -1,0 +1,259 @@
+"""Multi-rank snapshots under torch.distributed, on real processes (gloo, 2 and 4 ranks).
+
+Each test launches its ranks with :func:`crashtests.ranks.launch`; the ranks write
+what they saw to files the test then checks. States are small: this is about the
+protocol (parts, one commit, agreement on restore), not throughput.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import msgpack
+import pytest
+
+import agck
+from agck import sharded
+from agck.stores import open_store
+from crashtests.ranks import launch
+
+torch = pytest.importorskip("torch")
+if not torch.distributed.is_available():  # pragma: no cover
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+HERE = __name__
+
+
+def _target(fn) -> str:
+    return f"{HERE}:{fn.__name__}"
+
+
+# -- what the ranks run --------------------------------------------------------------
+
+def loop(rank, world, url, opts, run, total, every, out, mode="sync", resume=True):
+    """A pipeline whose every step draws from the global RNG and accumulates into
+    rank-specific state; writes what it ended with to out/rank<r>.bin."""
+    torch.manual_seed(1000 + rank)
+    store = open_store(url, **opts)
+    state = {"rank": rank, "x": torch.full((256,), float(rank)), "log": []}
+    snap = agck.Snapshotter(store, run, every=every, mode=mode, resume=resume)
+    state = snap.restore(state)
+    started = snap.start_step
+    rejected = [r.as_dict() for r in snap.recovery.rejected] if snap.recovery else []
+    for i in snap.steps(total):
+        noise = torch.rand(4)
+        state["x"] += noise.sum()
+        state["log"].append([i, float(noise[0])])
+    snap.close()
+    store.close()
+    result = {"started": started, "durable": snap.last_durable_step, "x": state["x"].numpy().tobytes(),
+              "log": state["log"], "rejected": rejected, "epoch": snap.epoch}
+    pathlib.Path(out, f"rank{rank}.bin").write_bytes(msgpack.packb(result))
+
+
+def restore_only(rank, world, url, opts, run, out):
+    store = open_store(url, **opts)
+    snap = agck.Snapshotter(store, run, every=1)
+    try:
+        snap.restore({"rank": rank, "x": torch.zeros(256), "log": []})
+        result = {"ok": True, "step": snap.start_step}
+    except agck.AgckError as e:
+        result = {"ok": False, "type": type(e).__name__, "message": str(e)}
+    snap.close()
+    pathlib.Path(out, f"rank{rank}.bin").write_bytes(msgpack.packb(result))
+
+
+def _results(out, world) -> list[dict]:
+    return [msgpack.unpackb(pathlib.Path(out, f"rank{r}.bin").read_bytes()) for r in range(world)]
+
+
+@pytest.fixture
+def out(tmp_path):
+    d = tmp_path / "out"
+    d.mkdir()
+    return d
+
+
+def _clear(out):
+    for f in pathlib.Path(out).iterdir():
+        f.unlink()
+
+
+def _reference(spec, out, world, total, every, run="reference"):
+    """The uninterrupted run's final per-rank results."""
+    _, url, opts = spec
+    assert launch(_target(loop), world, (url, opts, run, total, every, str(out))) == [0] * world
+    ref = _results(out, world)
+    _clear(out)
+    return ref
+
+
+# -- tests ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_two_ranks_commit_each_step_once_and_resume_bit_exactly(store_spec, out, mode):
+    _, url, opts = store_spec
+    assert launch(_target(loop), 2, (url, opts, "r", 7, 3, str(out), mode)) == [0, 0]
+    first = _results(out, 2)
+    assert [r["durable"] for r in first] == [7, 7]
+    store = open_store(url, **opts)
+    try:
+        assert store.steps("r") == [3, 6, 7]                 # commit records only: parts are elsewhere
+        assert store.runs() == ["r"]
+        commit = sharded.as_commit(store.read("r", 7))
+        assert commit.world_size == 2 and [p.rank for p in commit.parts] == [0, 1]
+        for rank in (0, 1):
+            part = sharded.read_part(store, commit, rank)
+            assert part.state["state"]["rank"] == rank
+        rec = agck.recover(store, "r")
+        assert rec.step == 7 and not rec.rejected
+        assert sharded.partial_parts(store, "r") == []
+    finally:
+        store.close()
+    # a second job continues the run from its last step, each rank from its own part
+    _clear(out)
+    assert launch(_target(loop), 2, (url, opts, "r", 12, 3, str(out), mode)) == [0, 0]
+    resumed = _results(out, 2)
+    assert [r["started"] for r in resumed] == [7, 7]
+    assert [r["epoch"] for r in resumed] == [2, 2]
+    ref = _reference(store_spec, out, 2, 12, 3)
+    for r in range(2):
+        assert resumed[r]["x"] == ref[r]["x"]                # bit-exact, RNG included
+        assert resumed[r]["log"] == ref[r]["log"]
+
+
+def test_four_ranks(tmp_path, out):
+    url = str(tmp_path / "store")
+    assert launch(_target(loop), 4, (url, {}, "r", 4, 2, str(out)), timeout=180) == [0] * 4
+    res = _results(out, 4)
+    assert len({r["x"] for r in res}) == 4                   # four different states, one per rank
+    with open_store(url) as store:
+        commit = sharded.as_commit(store.read("r", 4))
+        assert commit.world_size == 4
+        assert agck.recover(store, "r").step == 4
+    # restored by 2 ranks: refused, naming both world sizes
+    _clear(out)
+    assert launch(_target(restore_only), 2, (url, {}, "r", str(out))) == [0, 0]
+    for r in _results(out, 2):
+        assert not r["ok"] and r["type"] == "UsageError"
+        assert "checkpointed by 4 ranks" in r["message"] and "this job has 2" in r["message"]
+
+
+def test_a_single_process_cannot_resume_a_multi_rank_run(tmp_path, out):
+    url = str(tmp_path / "store")
+    assert launch(_target(loop), 2, (url, {}, "r", 2, 2, str(out))) == [0, 0]
+    snap = agck.Snapshotter(url, "r", every=1, handle_signals=False)
+    with pytest.raises(agck.UsageError, match="several ranks"):
+        snap.restore({})
+    snap.close()
+
+
+@pytest.mark.parametrize("point", ["dist.before_commit", "dist.after_part"])
+def test_a_rank_killed_before_the_commit_leaves_no_step(store_spec, out, point):
+    """Rank 0 killed between the parts and the commit, or rank 1 right after its
+    part: the step is not visible; the next job resumes from the step before,
+    removes the dead incarnation's parts, and ends bit-identical to an
+    uninterrupted run."""
+    _, url, opts = store_spec
+    victim = 0 if point == "dist.before_commit" else 1
+    codes = launch(_target(loop), 2, (url, opts, "r", 9, 3, str(out)),
+                   env={victim: {"AGCK_FAILPOINTS": f"{point}=kill@2"}}, kill_rest_after=3)
+    assert codes[victim] == -9 and codes[1 - victim] != 0
+    with open_store(url, **opts) as store:
+        assert store.steps("r") == [3]                        # step 6 never became visible
+        partial = sharded.partial_parts(store, "r")
+        assert {(p.step, p.epoch) for p in partial} == {(6, 1)}
+        assert not any(p.removable for p in partial)         # epoch 1 is still the newest: 6 may be in flight
+    _clear(out)
+    assert launch(_target(loop), 2, (url, opts, "r", 9, 3, str(out))) == [0, 0]
+    resumed = _results(out, 2)
+    assert [r["started"] for r in resumed] == [3, 3]
+    with open_store(url, **opts) as store:
+        assert sharded.partial_parts(store, "r") == []        # the new incarnation removed them
+        assert store.steps("r") == [3, 6, 9]
+    ref = _reference(store_spec, out, 2, 9, 3)
+    assert [r["x"] for r in resumed] == [r["x"] for r in ref]
+
+
+def test_a_damaged_part_walks_every_rank_back(tmp_path, out):
+    url = str(tmp_path / "store")
+    assert launch(_target(loop), 2, (url, {}, "r", 6, 3, str(out)), env={}) == [0, 0]
+    with open_store(url, incremental=False) as store:
+        commit = sharded.as_commit(store.read("r", 6))
+        path = store.parts_store().ref(commit.parts[1].run, 6)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x40
+    open(path, "wb").write(bytes(data))
+    with open_store(url) as store:
+        rec = agck.recover(store, "r")
+        assert rec.step == 3 and rec.rejected[0].step == 6 and "rank 1" in rec.rejected[0].reason
+    _clear(out)
+    assert launch(_target(loop), 2, (url, {}, "r", 6, 3, str(out))) == [0, 0]
+    res = _results(out, 2)
+    assert [r["started"] for r in res] == [3, 3]              # rank 0's part of 6 was fine: both go back
+    assert all(r["rejected"][0]["step"] == 6 and "rank 1" in r["rejected"][0]["reason"] for r in res)
+
+
+def test_a_fenced_incarnation_commits_nothing(tmp_path, out):
+    url = str(tmp_path / "store")
+    assert launch(_target(loop), 2, (url, {}, "r", 3, 3, str(out))) == [0, 0]
+    with open_store(url) as store:
+        store.begin_epoch("r")        # as a newer job would, while the old ranks keep going
+    assert launch(_target(stale_writer), 2, (url, "r", str(out))) == [0, 0]
+    assert [r["error"] for r in _results(out, 2)] == ["StaleEpochError"] * 2
+    with open_store(url) as store:
+        assert store.steps("r") == [3]
+
+
+def stale_writer(rank, world, url, run, out):
+    from agck.distributed import Group, ShardedRun
+    store = open_store(url)
+    sr = ShardedRun(store, run, Group())
+    try:
+        sr.write(10, {"rank": rank}, meta=None, parent=3, epoch=1)
+        err = None
+    except agck.AgckError as e:
+        err = type(e).__name__
+    pathlib.Path(out, f"rank{rank}.bin").write_bytes(msgpack.packb({"error": err}))
+    store.close()
+
+
+def test_cli_lists_and_cleans_partial_steps(tmp_path, out):
+    from agck.cli import main
+    url = str(tmp_path / "store")
+    launch(_target(loop), 2, (url, {}, "r", 6, 3, str(out)), env={0: {"AGCK_FAILPOINTS": "dist.before_commit=kill@2"}},
+           kill_rest_after=3)
+    with open_store(url) as store:
+        store.begin_epoch("r")         # the dead job's incarnation is over: its parts can never commit
+    import io
+    import contextlib
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["ls", url]) == 0
+    assert "partial" in buf.getvalue() and "6" in buf.getvalue()
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        main(["recover", url, "--clean"])
+    assert "partial" in buf.getvalue()
+    with open_store(url) as store:
+        assert sharded.partial_parts(store, "r") == []
+        assert agck.recover(store, "r").step == 3
+
+
+def test_part_run_names_round_trip():
+    assert sharded.parse_part_run(sharded.part_run("a.e1.r2", 3, 4)) == ("a.e1.r2", 3, 4)
+    assert sharded.parse_part_run("plain") is None
+    with pytest.raises(agck.UsageError, match="too long"):
+        sharded.part_run("a" * 195, 1, 0)
+
+
+def test_a_malformed_commit_record_is_a_verdict(tmp_path):
+    with open_store(str(tmp_path / "s")) as store:
+        store.put("r", 1, {"x": 1})
+        store.put("r", 2, {sharded.COMMIT_KEY: {"version": 1, "kind": "snapshot", "epoch": 1, "world_size": 2,
+                                                "parts": [["r.e1.r0", "aa"]]}})
+        rec = agck.recover(store, "r")
+        assert rec.step == 1 and rec.rejected[0].section == "commit"
+        assert "1 parts for 2 ranks" in rec.rejected[0].reason
+    assert os.path.isdir(tmp_path / "s")
