@@ -14,6 +14,13 @@ Fault kinds (each trial gets its own run name, so trials never disturb each othe
 * ``stale``      the workload stopped (SIGSTOP) while a second one takes the run over and
                  finishes it, then let go: it must commit nothing after the takeover
                  (fencing), and the run must end bit-identical to the reference.
+* ``dist``       the workload as a job of ``ranks`` processes under torch.distributed
+                 (gloo): one rank SIGKILLed at a random instant, every rank at once, or
+                 one rank at a fail point of the collective write (after its part, the
+                 coordinator before or after the commit) or of the store's write path;
+                 the survivors are killed a moment later, as a job agent does. No step
+                 may be visible without every part, and every part of the recovered
+                 step must match the reference run's rank.
 
 One uninterrupted reference run of the workload gives the per-step hashes and the
 final hash every trial is compared with.
@@ -39,7 +46,8 @@ from . import checker, corrupt, pgcluster
 from .checker import OUTCOMES, Trial
 
 STORES = ("file", "sqlite", "postgres")
-FAULTS = ("kill", "failpoint", "pgkill", "powerloss", "corrupt", "stale")
+FAULTS = ("kill", "failpoint", "pgkill", "powerloss", "corrupt", "stale", "dist")
+DIST_KINDS = ("kill-one", "kill-all", "failpoint")
 PREFIX = {"file": "file.", "sqlite": "sqlite.", "postgres": "pg."}
 REPO = checker.REPO
 
@@ -63,6 +71,7 @@ class Config:
     quiet: bool = False
     time_limit: float = 3600.0          # stop starting new trials after this many seconds
     min_kills: int = 0                  # per store: top random kills up to this many delivered SIGKILLs
+    ranks: int = 2                      # processes per job in the ``dist`` trials
 
     def n(self, store: str, fault: str) -> int:
         return self.counts.get((store, fault), self.counts.get(fault, self.trials))
@@ -425,7 +434,7 @@ class Campaign:
             t.reasons.append(f"the old writer committed steps {stale} after the run was taken over "
                              f"(the new incarnation resumed from {out['resumed_from']})")
 
-    def _pool(self, fn, items) -> None:
+    def _pool(self, fn, items, workers: int | None = None) -> None:
         def guarded(item):
             if not self._time_left():
                 item[0].reasons.append("not run: campaign time limit")
@@ -436,8 +445,161 @@ class Campaign:
             except Exception as e:  # a harness failure is reported on its trial, never dropped
                 item[0].reasons.append(f"harness error: {type(e).__name__}: {e}")
                 item[0].recovered = "raised"
-        with ThreadPoolExecutor(max_workers=self.cfg.jobs) as ex:
+        with ThreadPoolExecutor(max_workers=workers or self.cfg.jobs) as ex:
             list(ex.map(guarded, items))
+
+    # -- multi-rank jobs -------------------------------------------------------------------------
+    def _dist_spawn(self, url: str, run: str, d: str, mode: str, failpoints: dict | None = None,
+                    extra: dict | None = None) -> list[subprocess.Popen]:
+        """The ranks of one job, each with its own directory (ack log, out.json, stderr)."""
+        world = self.cfg.ranks
+        os.makedirs(d, exist_ok=True)
+        rendezvous = os.path.join(d, "rendezvous")
+        procs = []
+        for r in range(world):
+            dr = os.path.join(d, f"r{r}")
+            os.makedirs(dr)
+            cmd = self._workload_cmd(url, run, dr, mode, extra=[
+                "--world", str(world), "--rank", str(r), "--rendezvous", rendezvous, *(extra or {}).get(r, ())])
+            procs.append(self._spawn(cmd, dr, (failpoints or {}).get(r)))
+        return procs
+
+    @staticmethod
+    def _reap(procs: list, grace: float = 3.0, timeout: float = 300.0) -> list[int]:
+        """Wait for a job: once a rank has failed the others get ``grace`` seconds (they
+        may be blocked in a collective with it) and are then SIGKILLed, as torchrun's
+        agent kills a failed job."""
+        deadline, failed_at = time.monotonic() + timeout, None
+        try:
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+                    failed_at = time.monotonic()
+                if failed_at is not None and time.monotonic() - failed_at > grace:
+                    break
+                time.sleep(0.01)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        return [p.returncode for p in procs]
+
+    def dist_reference(self) -> None:
+        """One uninterrupted job: each rank's per-step hashes and final hash."""
+        d = os.path.join(self.work, "dist-reference")
+        t0 = time.monotonic()
+        world = self.cfg.ranks
+        procs = self._dist_spawn(os.path.join(d, "store"), "reference", d, "auto",
+                                 extra={r: ["--full-hashes", os.path.join(d, f"r{r}", "full.json")]
+                                        for r in range(world)})
+        opened = first_ack = None
+        acks = os.path.join(d, "r0", "acks")
+        while any(p.poll() is None for p in procs) and time.monotonic() - t0 < 600:
+            if opened is None and os.path.exists(acks):
+                opened = time.monotonic() - t0
+            if first_ack is None and os.path.exists(acks) and os.path.getsize(acks):
+                first_ack = time.monotonic() - t0
+            time.sleep(0.005)
+        codes = self._reap(procs)
+        total = time.monotonic() - t0
+        if codes != [0] * world:
+            raise RuntimeError(f"the multi-rank reference run failed ({codes}): {self._stderr(os.path.join(d, 'r0'))}")
+        full, final = [], []
+        for r in range(world):
+            with open(os.path.join(d, f"r{r}", "full.json")) as f:
+                full.append({int(k): v for k, v in json.load(f).items()})
+            with open(os.path.join(d, f"r{r}", "out.json")) as f:
+                final.append(json.load(f)["final_hash"])
+        self.dist_ref = {"full": full, "final": final, "seconds": total, "first_ack": first_ack or total * 0.7,
+                         "run_proper": total - (opened if opened is not None else total * 0.6)}
+        _log(self.cfg, f"multi-rank reference run ({world} ranks): {total:.1f}s, first ack at "
+                       f"{self.dist_ref['first_ack']:.1f}s")
+
+    def dist_trials(self) -> None:
+        from agck.failpoints import POINTS
+        cfg = self.cfg
+        if "dist" not in cfg.faults:
+            return
+        self.dist_reference()
+        jobs = []
+        nputs = max(1, cfg.steps // cfg.every)
+        for store in cfg.stores:
+            # the collective's own points first, a different one first on each store
+            points = [p for p in POINTS if p.startswith("dist.")] + [p for p in POINTS if p.startswith(PREFIX[store])]
+            for j in range(cfg.n(store, "dist")):
+                kind = DIST_KINDS[j % len(DIST_KINDS)]
+                rank = self.rng.randrange(cfg.ranks)
+                spec = None
+                if kind == "failpoint":
+                    point = points[(j // len(DIST_KINDS) + STORES.index(store)) % len(points)]
+                    if point.startswith("dist.") and point != "dist.after_part":
+                        rank = 0            # the coordinator's commit
+                    spec = f"{point}=kill@{self.rng.randint(1, nputs)}"
+                t = self._new_trial(store, "dist", "d", self.urls[store])
+                jobs.append((t, kind, rank, spec, self.rng.choice(("sync", "async"))))
+        if not jobs:
+            return
+        self.rng.shuffle(jobs)
+        jobs_at_once = max(1, cfg.jobs // cfg.ranks)
+        _log(cfg, f"multi-rank trials: {len(jobs)} jobs of {cfg.ranks} ranks, {jobs_at_once} at a time")
+        self._pool(lambda j: self.dist_trial(*j), jobs, workers=jobs_at_once)
+
+    def dist_trial(self, t: Trial, kind: str, rank: int, spec: str | None, mode: str) -> None:
+        d = os.path.join(self.work, "t", str(t.id))
+        url = self._client_url(t)
+        procs = self._dist_spawn(url, t.run, d, mode, failpoints={rank: spec} if spec else None)
+        if kind in ("kill-one", "kill-all"):
+            self._wait_started(procs[0], os.path.join(d, "r0"))
+            delay = self.rng.uniform(0, 0.9 * self.dist_ref["run_proper"])
+            deadline = time.monotonic() + delay
+            while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+                time.sleep(0.005)
+            victims = [procs[rank]] if kind == "kill-one" else procs
+            if all(p.poll() is None for p in victims):
+                for p in victims:
+                    p.send_signal(signal.SIGKILL)
+        codes = self._reap(procs)
+        label = f"{kind} rank {rank}" if kind == "kill-one" else kind
+        if spec is not None:
+            label = f"rank {rank} {spec}"
+        if codes == [0] * len(codes):
+            t.detail = "finished before the fault"
+        elif any(c == -signal.SIGKILL for c in codes):
+            t.reached = True
+            t.in_flight = spec is not None
+            t.point = label
+        else:
+            t.detail = f"ranks exited {codes}: {self._stderr(os.path.join(d, f'r{rank}'))[-300:]}"
+            t.reasons.append(f"the job failed on its own (exit codes {codes})")
+            t.recovered = "raised"
+        if t.store == "postgres":
+            self._wait_backend_gone(t)
+        from crashtests.workload import read_acks
+        t.acked = sorted({s for r in range(self.cfg.ranks) for s in read_acks(os.path.join(d, f"r{r}", "acks"))})
+        store = self._open(t.url)
+        try:
+            checker.check_sharded(store, t, self.dist_ref["full"])
+        finally:
+            store.close()
+
+    def resume_dist(self, t: Trial) -> None:
+        d = os.path.join(self.work, "t", f"{t.id}-resume")
+        codes = self._reap(self._dist_spawn(self._client_url(t), t.run, d, "auto"), timeout=600)
+        if codes != [0] * len(codes):
+            t.resume = {"ok": False, "error": True,
+                        "why": f"exit codes {codes}: {self._stderr(os.path.join(d, 'r0'))[-300:]}"}
+            return
+        outs = []
+        for r in range(self.cfg.ranks):
+            with open(os.path.join(d, f"r{r}", "out.json")) as f:
+                outs.append(json.load(f))
+        want = t.recovered if isinstance(t.recovered, int) else 0
+        finals = [o["final_hash"] for o in outs]
+        froms = {o["resumed_from"] for o in outs}
+        ok = finals == self.dist_ref["final"] and froms == {want}
+        t.resume = {"ok": ok, "from": outs[0]["resumed_from"],
+                    "why": None if ok else f"final hashes {finals} (uninterrupted {self.dist_ref['final']}), "
+                                          f"resumed from {sorted(froms)}, recovery said {want}"}
 
     # -- Postgres server kills ----------------------------------------------------------------
     def pgkill_trials(self) -> None:
@@ -771,6 +933,11 @@ class Campaign:
                 if sum(1 for p in picks if (p.store, p.fault) == key) >= cfg.resume_samples:
                     done.add(key)
         sub = [p for p in picks if p.fault in ("kill", "failpoint", "pgkill")]
+        dist = [p for p in picks if p.fault == "dist"]
+        if dist:
+            _log(cfg, f"resuming {len(dist)} crashed multi-rank runs to the end")
+            self._pool(lambda item: self.resume_dist(item[0]), [(p,) for p in dist],
+                       workers=max(1, cfg.jobs // cfg.ranks))
         inproc = [p for p in picks if p.fault in ("powerloss", "corrupt")]
         if sub:
             _log(cfg, f"resuming {len(sub)} crashed runs to the end")
@@ -820,6 +987,7 @@ class Campaign:
                 self.reference()
             self.kill_trials()
             self.stale_trials()
+            self.dist_trials()
             self.pgkill_trials()
             self.powerloss_trials()
             self.corrupt_trials()

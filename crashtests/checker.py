@@ -37,7 +37,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class Trial:
     id: int
     store: str                      # file | sqlite | postgres
-    fault: str                      # kill | failpoint | pgkill | powerloss | corrupt | stale
+    fault: str                      # kill | failpoint | pgkill | powerloss | corrupt | stale | dist
     run: str
     url: str
     point: str = ""                 # the crash point reached (label), "" when none was
@@ -98,6 +98,42 @@ def check_library(store, trial: Trial, ref_full: dict, *, map_location="cpu") ->
     trial.hash_ok = got == want
     if not trial.hash_ok:
         trial.reasons.append(f"state hash of recovered step {rec.step} is {got}, the reference says {want}")
+
+
+def check_sharded(store, trial: Trial, ref_full: list[dict], *, map_location="cpu") -> None:
+    """:func:`check_library` for a multi-rank run: the recovered step's commit record must
+    bind a part for every rank, and each rank's part must match that rank's reference."""
+    from agck import sharded
+    from agck.recovery import recover_run
+    from crashtests.workload import state_hash
+    try:
+        rec = recover_run(store, trial.run, map_location=map_location)
+    except Exception as e:
+        trial.reasons.append(f"recover_run raised {type(e).__name__}: {e}")
+        trial.hash_ok = False
+        trial.recovered = "raised"
+        return
+    trial.recovered = rec.step
+    trial.rec_seconds = rec.seconds
+    trial.rejected = [r.step for r in rec.rejected]
+    if rec.rejected:
+        trial.detail = (trial.detail + f" rejected {rec.rejected[0].step}: {rec.rejected[0].reason}").strip()
+    if rec.checkpoint is None:
+        trial.hash_ok = None
+        return
+    commit = sharded.as_commit(rec.checkpoint)
+    if commit is None or commit.world_size != len(ref_full):
+        trial.hash_ok = False
+        trial.reasons.append(f"recovered step {rec.step} is not a commit of {len(ref_full)} ranks")
+        return
+    trial.hash_ok = True
+    for rank, ref in enumerate(ref_full):
+        want = ref.get(rec.step)
+        got = state_hash(sharded.read_part(store, commit, rank, map_location=map_location).state)
+        if want is None or got != want:
+            trial.hash_ok = False
+            trial.reasons.append(f"rank {rank}'s part of recovered step {rec.step} hashes to {got}, "
+                                 f"the reference says {want}")
 
 
 def cli_recover(url: str, run: str | None = None, timeout: float = 300) -> dict:

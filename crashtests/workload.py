@@ -8,6 +8,10 @@ on (the out-of-band record the checker trusts).
 
     python -m crashtests.workload --store DIR --run R --steps 40 --every 5 \\
         --ack-log acks.txt --out result.json [--device cuda] [--die-at 17]
+
+With ``--world N --rank R --rendezvous FILE`` it is rank R of an N-rank job (gloo;
+each rank's state is seeded by its rank): the Snapshotter then writes one part per
+rank and a commit record, and every rank acknowledges the committed steps.
 """
 
 from __future__ import annotations
@@ -134,7 +138,13 @@ def main(argv=None) -> int:
     p.add_argument("--hashes", help="write the state hash after every step (reference runs)")
     p.add_argument("--full-hashes", help="write, after every step, the hash of the whole tree a snapshot "
                    "at that step holds (state, step, RNG states): what the crash checker compares")
+    p.add_argument("--world", type=int, default=1, help="ranks of a torch.distributed job (gloo)")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--rendezvous", help="the job's rendezvous file (init_method file://)")
     a = p.parse_args(argv)
+    if a.world > 1:
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"file://{a.rendezvous}", rank=a.rank, world_size=a.world)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     acks = AckLog(a.ack_log) if a.ack_log else None
@@ -147,7 +157,7 @@ def main(argv=None) -> int:
             time.sleep(a.step_sleep)
         return state
 
-    state = build_state(a.steps, a.device)
+    state = build_state(a.steps, a.device, seed=1234 + a.rank)
     hashes, full_hashes = {}, {}
     for i in range(a.steps):
         state = step(state, i)
@@ -171,6 +181,8 @@ def main(argv=None) -> int:
         with open(a.out, "w") as f:
             json.dump(result, f)
     store.close()
+    if a.world > 1:
+        dist.destroy_process_group()
     return 0
 
 
