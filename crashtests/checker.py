@@ -67,17 +67,17 @@ class Trial:
         return d
 
 
-def check_library(store, trial: Trial, ref_full: dict, *, map_location="cpu") -> None:
-    """Recover ``trial.run`` through the library and compare what comes back with the reference."""
+def _recover(store, trial: Trial, map_location):
+    """Recover ``trial.run`` and note what came back on the trial; the Recovery, or
+    None when recovery raised (a finding: it must not fail on a damaged store)."""
     from agck.recovery import recover_run
-    from crashtests.workload import state_hash
     try:
         rec = recover_run(store, trial.run, map_location=map_location)
-    except Exception as e:  # recovery must not fail on a damaged store; that is a finding
+    except Exception as e:
         trial.reasons.append(f"recover_run raised {type(e).__name__}: {e}")
         trial.hash_ok = False
         trial.recovered = "raised"
-        return
+        return None
     trial.recovered = rec.step
     trial.rec_seconds = rec.seconds
     trial.rejected = [r.step for r in rec.rejected]
@@ -88,6 +88,14 @@ def check_library(store, trial: Trial, ref_full: dict, *, map_location="cpu") ->
         trial.in_flight = trial.in_flight or trial.fault != "corrupt"
     if rec.checkpoint is None:
         trial.hash_ok = None
+    return rec
+
+
+def check_library(store, trial: Trial, ref_full: dict, *, map_location="cpu") -> None:
+    """Recover ``trial.run`` through the library and compare what comes back with the reference."""
+    from crashtests.workload import state_hash
+    rec = _recover(store, trial, map_location)
+    if rec is None or rec.checkpoint is None:
         return
     want = ref_full.get(rec.step, ref_full.get(str(rec.step)))
     if want is None:
@@ -104,22 +112,9 @@ def check_sharded(store, trial: Trial, ref_full: list[dict], *, map_location="cp
     """:func:`check_library` for a multi-rank run: the recovered step's commit record must
     bind a part for every rank, and each rank's part must match that rank's reference."""
     from agck import sharded
-    from agck.recovery import recover_run
     from crashtests.workload import state_hash
-    try:
-        rec = recover_run(store, trial.run, map_location=map_location)
-    except Exception as e:
-        trial.reasons.append(f"recover_run raised {type(e).__name__}: {e}")
-        trial.hash_ok = False
-        trial.recovered = "raised"
-        return
-    trial.recovered = rec.step
-    trial.rec_seconds = rec.seconds
-    trial.rejected = [r.step for r in rec.rejected]
-    if rec.rejected:
-        trial.detail = (trial.detail + f" rejected {rec.rejected[0].step}: {rec.rejected[0].reason}").strip()
-    if rec.checkpoint is None:
-        trial.hash_ok = None
+    rec = _recover(store, trial, map_location)
+    if rec is None or rec.checkpoint is None:
         return
     commit = sharded.as_commit(rec.checkpoint)
     if commit is None or commit.world_size != len(ref_full):
