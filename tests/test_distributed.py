@@ -257,3 +257,26 @@ def test_a_malformed_commit_record_is_a_verdict(tmp_path):
         assert rec.step == 1 and rec.rejected[0].section == "commit"
         assert "1 parts for 2 ranks" in rec.rejected[0].reason
     assert os.path.isdir(tmp_path / "s")
+
+
+def test_readme_multirank_example_runs_under_torchrun_and_resumes(tmp_path):
+    """The README's example, as a user runs it: torchrun, two ranks, twice."""
+    import re
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    [example] = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "init_process_group" in b]
+    (tmp_path / "multirank.py").write_text(example)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "multirank.py"]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    for _ in range(2):
+        r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert sorted(re.findall(r"rank (\d): last durable step (\d+)", r.stdout)) == [("0", "50"), ("1", "50")]
+    with open_store(str(tmp_path / "ckpts")) as store:
+        assert store.steps("sharded-pipeline") == [10, 20, 30, 40, 50]
+        commit = sharded.as_commit(store.read("sharded-pipeline", 50))
+        assert commit.world_size == 2 and commit.epoch == 1     # the second run wrote nothing
+        assert store.epoch("sharded-pipeline") == 2
+        assert sharded.partial_parts(store) == []

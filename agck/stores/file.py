@@ -2,6 +2,9 @@
 
     <root>/<run>/<step:012d>.agck     one container per checkpoint
     <root>/.objects/                  chunks shared by the checkpoints (objectdir.py)
+    <root>/<run>/.epoch, .lock        the run's newest epoch, and the lock its commits take (fencing)
+    <root>/.parts/                    a file store of its own: the parts of multi-rank
+                                      checkpoints (FORMAT.md section 13)
 
 By default (``incremental=True``) a checkpoint's file is a chunked container
 (FORMAT.md, version 1.1) listing the chunks of its content, and only chunks

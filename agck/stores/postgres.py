@@ -11,6 +11,9 @@ Tables (``prefix`` defaults to ``agck``, optionally inside Postgres ``schema``):
     {prefix}_chunks(run, step, idx, data bytea STORAGE EXTERNAL)   PRIMARY KEY(run, step, idx)
     {prefix}_objects(address bytea, size, data bytea STORAGE EXTERNAL)       PRIMARY KEY(address)
     {prefix}_gc(generation bigint)                                 one row
+    {prefix}_epochs(run, epoch bigint)         PRIMARY KEY(run); made by the first begin_epoch (fencing)
+    {prefix}_parts_*                           the same tables again: the parts of multi-rank
+                                               checkpoints (FORMAT.md section 13), made by the first one
 
 Each checkpoint is one container kept as chunk rows: ``size`` is the
 container's bytes, ``checksum`` the xxh3-64 of its footer, ``length`` the

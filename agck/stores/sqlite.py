@@ -12,6 +12,10 @@ Tables (``prefix`` defaults to ``agck``)::
                                                                PRIMARY KEY(run, step)
     {prefix}_chunks(run, step, idx, data)                      PRIMARY KEY(run, step, idx)
     {prefix}_objects(address, size, data)                      PRIMARY KEY(address)
+    {prefix}_epochs(run, epoch)                                PRIMARY KEY(run); made by the first begin_epoch
+    {prefix}_parts_*                                           the same tables again: the parts of
+                                                               multi-rank checkpoints (FORMAT.md section 13),
+                                                               made by the first one
 
 Each checkpoint is one container kept as chunk rows: ``size`` is the
 container's bytes, ``checksum`` the xxh3-64 of its footer, ``length`` the
