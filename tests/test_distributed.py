@@ -64,6 +64,18 @@ def restore_only(rank, world, url, opts, run, out):
     pathlib.Path(out, f"rank{rank}.bin").write_bytes(msgpack.packb(result))
 
 
+def group_messages(rank, world, out):
+    """Messages shorter and longer than one inline frame, each way."""
+    from agck.distributed import Group
+    g = Group()
+    ok = []
+    for v in [None, {"a": 1}, "x" * (Group.INLINE - 8), "y" * 5000, b"\0" * 3000]:
+        ok.append(g.broadcast(v if rank == 0 else None) == v)
+        got = g.all_gather(v if rank == 0 else [rank, "z" * (2000 * rank)])
+        ok.append(got[0] == v and all(got[r] == [r, "z" * (2000 * r)] for r in range(1, world)))
+    pathlib.Path(out, f"rank{rank}.bin").write_bytes(msgpack.packb(ok))
+
+
 def _results(out, world) -> list[dict]:
     return [msgpack.unpackb(pathlib.Path(out, f"rank{r}.bin").read_bytes()) for r in range(world)]
 
@@ -239,6 +251,11 @@ def test_cli_lists_and_cleans_partial_steps(tmp_path, out):
     with open_store(url) as store:
         assert sharded.partial_parts(store, "r") == []
         assert agck.recover(store, "r").step == 3
+
+
+def test_group_messages_of_any_length(out):
+    assert launch(_target(group_messages), 3, (str(out),)) == [0, 0, 0]
+    assert _results(out, 3) == [[True] * 10] * 3
 
 
 def test_part_run_names_round_trip():
