@@ -125,6 +125,7 @@ class ShardedRun:
     def __init__(self, store, run: str, group: Group):
         self.store, self.run, self.group = store, run, group
         self.rank, self.world_size = group.rank, group.size
+        self._committed: set[tuple[int, int]] = set()   # (epoch, step) this object committed
         # rank 0 makes the parts namespace (tables, a directory) before the others open it
         if self.rank == 0:
             self.parts = store.parts_store()
@@ -188,6 +189,11 @@ class ShardedRun:
         nonce = sharded.new_nonce()
         pr = self.part_run(epoch)
         try:
+            if (epoch, step) in self._committed:
+                # its parts are what the commit record binds: rewriting one would unbind the
+                # acknowledged step (a job that resumes takes a new epoch, and new part runs)
+                raise UsageError(f"step {step} of run {self.run!r} is already committed in epoch {epoch}",
+                                 hint="checkpoint a later step, or begin a new epoch to rewrite it")
             self.parts.put(pr, step, state, parent=parent, expect_unchanged=expect_unchanged,
                            meta=sharded.part_meta(self.run, step, epoch, self.rank, self.world_size, nonce))
             mine = {"ok": True, "nonce": nonce}
@@ -220,6 +226,8 @@ class ShardedRun:
                 result = {"error": _describe(e)}
             failpoints.hit("dist.after_commit")
         result = self.group.broadcast(result)
+        if "ref" in result:
+            self._committed.add((epoch, step))
         if "stale" in result:
             raise StaleEpochError(result["stale"], ref=self.store.ref(self.run, step))
         if "error" in result:

@@ -21,6 +21,9 @@ Fault kinds (each trial gets its own run name, so trials never disturb each othe
                  the survivors are killed a moment later, as a job agent does. No step
                  may be visible without every part, and every part of the recovered
                  step must match the reference run's rank.
+* ``distpower``  the parts and commit records of multi-rank checkpoints written to the file
+                 store on SimFS in one process, in the collective's order, power cut as
+                 for ``powerloss``: a step is recovered with every part or not at all.
 
 One uninterrupted reference run of the workload gives the per-step hashes and the
 final hash every trial is compared with.
@@ -46,7 +49,7 @@ from . import checker, corrupt, pgcluster
 from .checker import OUTCOMES, Trial
 
 STORES = ("file", "sqlite", "postgres")
-FAULTS = ("kill", "failpoint", "pgkill", "powerloss", "corrupt", "stale", "dist")
+FAULTS = ("kill", "failpoint", "pgkill", "powerloss", "corrupt", "stale", "dist", "distpower")
 DIST_KINDS = ("kill-one", "kill-all", "failpoint")
 PREFIX = {"file": "file.", "sqlite": "sqlite.", "postgres": "pg."}
 REPO = checker.REPO
@@ -775,43 +778,90 @@ class Campaign:
             else:
                 store.prune(run, keep_last=arg)
 
+    def _pl_run_sharded(self, sim, store, run: str, plan, trees, acked: list) -> None:
+        """The plan as a job of ``ranks`` ranks would write it (agck.distributed's order,
+        one process): every rank's part durable, then the commit record, fenced."""
+        from agck import sharded
+        epoch = store.begin_epoch(run)
+        parent, written = None, set()
+        for act, arg in plan:
+            if act == "put":
+                if arg in written:      # the plan rewrites a step: as a job that resumed does, in a new epoch
+                    epoch = store.begin_epoch(run)
+                written.add(arg)
+                refs = []
+                for rank in range(self.cfg.ranks):
+                    nonce = sharded.new_nonce()
+                    store.parts_store().put(sharded.part_run(run, epoch, rank), arg, self._rank_tree(trees, arg, rank),
+                                            parent=parent, meta=sharded.part_meta(run, arg, epoch, rank,
+                                                                                  self.cfg.ranks, nonce))
+                    refs.append(sharded.PartRef(rank, sharded.part_run(run, epoch, rank), nonce))
+                commit = sharded.Commit(run=run, step=arg, epoch=epoch, world_size=self.cfg.ranks, parts=refs)
+                store.put(run, arg, commit.state(), meta={"snapshot": True}, parent=parent, epoch=epoch)
+                acked.append(arg)
+                parent = arg
+            else:
+                store.prune(run, keep_last=arg, epoch=epoch)
+
+    @staticmethod
+    def _rank_tree(trees, step: int, rank: int) -> dict:
+        return {**trees[step], "rank": rank}
+
     def powerloss_trials(self) -> None:
-        from agck.stores.file import FileStore
+        """Power cuts on the file store: single-process puts (``powerloss``), and the
+        parts and commit records of multi-rank checkpoints (``dist`` with power loss:
+        reported as fault ``distpower``)."""
         from crashtests.simfs import MODES, Crash, SimFS
+        from crashtests.workload import state_hash
+        from agck.stores.file import FileStore
         cfg = self.cfg
-        if "powerloss" not in cfg.faults or "file" not in cfg.stores:
+        if "file" not in cfg.stores:
             return
-        n = cfg.n("file", "powerloss")
+        kinds = []
+        if "powerloss" in cfg.faults:
+            kinds.append(("powerloss", self._pl_run, lambda store, t: checker.check_library(store, t, self._full)))
+        if "distpower" in cfg.faults:
+            def check(store, t):
+                refs = [{k: state_hash(self._rank_tree(trees, k, r)) for k in trees} for r in range(cfg.ranks)]
+                checker.check_sharded(store, t, refs)
+            kinds.append(("distpower", self._pl_run_sharded, check))
+        if not kinds:
+            return
         trees = self.trees()
         plan = self._pl_plan(trees)
         sims = os.path.join(self.work, "pl-sim")
         images = os.path.join(self.work, "pl-images")
-        os.makedirs(images)
-        # a dry run counts the operations a whole plan makes; trial i crashes at about i/n of them
-        dry = SimFS(os.path.join(sims, "dry"))
-        self._pl_run(dry, FileStore(dry.root, fs=dry), "dry", plan, trees, [])
-        total = dry.ops
-        shutil.rmtree(dry.root)
-        _log(cfg, f"power-loss simulations: {n} (plan of {total} file-system operations)")
-        stride = max(1, total // max(1, n))
-        for i in range(n):
-            if not self._time_left():
-                break
-            t = self._new_trial("file", "powerloss", "pl", images)
-            crash_at = min(total, 1 + (i * total) // max(1, n) + self.rng.randrange(stride))
-            sim = SimFS(os.path.join(sims, str(i)), crash_at=crash_at)
-            try:
-                self._pl_run(sim, FileStore(sim.root, fs=sim), t.run, plan, trees, t.acked)
-            except Crash:
-                t.reached = True
-                t.in_flight = True
-            mode = MODES[i % len(MODES)]
-            desc = sim.image(images, self.rng, mode)
-            t.point = f"op{sim.ops}:{sim.crash_op}/{mode}"
-            t.detail = desc
-            shutil.rmtree(sim.root)
-            store = FileStore(images, create=False)
-            checker.check_library(store, t, self._full)
+        os.makedirs(images, exist_ok=True)
+        for fault, run_plan, check in kinds:
+            n = cfg.n("file", fault)
+            # a dry run counts the operations a whole plan makes; trial i crashes at about i/n of them
+            dry = SimFS(os.path.join(sims, f"dry-{fault}"))
+            run_plan(dry, FileStore(dry.root, fs=dry), "dry", plan, trees, [])
+            total = dry.ops
+            shutil.rmtree(dry.root)
+            _log(cfg, f"power-loss simulations ({fault}): {n} (plan of {total} file-system operations)")
+            stride = max(1, total // max(1, n))
+            for i in range(n):
+                if not self._time_left():
+                    break
+                t = self._new_trial("file", fault, "pl" if fault == "powerloss" else "dpl", images)
+                crash_at = min(total, 1 + (i * total) // max(1, n) + self.rng.randrange(stride))
+                sim = SimFS(os.path.join(sims, str(t.id)), crash_at=crash_at)
+                try:
+                    run_plan(sim, FileStore(sim.root, fs=sim), t.run, plan, trees, t.acked)
+                except Crash:
+                    t.reached = True
+                    t.in_flight = True
+                mode = MODES[i % len(MODES)]
+                desc = sim.image(images, self.rng, mode)
+                t.point = f"op{sim.ops}:{sim.crash_op}/{mode}"
+                t.detail = desc
+                shutil.rmtree(sim.root)
+                store = FileStore(images, create=False)
+                try:
+                    check(store, t)
+                finally:
+                    store.close()
         self.pl_images = images
 
     # -- corruption ----------------------------------------------------------------------------
@@ -938,7 +988,7 @@ class Campaign:
             _log(cfg, f"resuming {len(dist)} crashed multi-rank runs to the end")
             self._pool(lambda item: self.resume_dist(item[0]), [(p,) for p in dist],
                        workers=max(1, cfg.jobs // cfg.ranks))
-        inproc = [p for p in picks if p.fault in ("powerloss", "corrupt")]
+        inproc = [p for p in picks if p.fault in ("powerloss", "corrupt")]   # (distpower: checked, not resumed)
         if sub:
             _log(cfg, f"resuming {len(sub)} crashed runs to the end")
             self._pool(lambda item: self.resume_sub(item[0]), [(p,) for p in sub])

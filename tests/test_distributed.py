@@ -218,6 +218,32 @@ def test_a_fenced_incarnation_commits_nothing(tmp_path, out):
         assert store.steps("r") == [3]
 
 
+def rewriter(rank, world, url, run, out):
+    from agck.distributed import Group, ShardedRun
+    store = open_store(url)
+    sr = ShardedRun(store, run, Group())
+    epoch = sr.begin_epoch()
+    sr.write(5, {"rank": rank, "v": 1}, meta=None, parent=None, epoch=epoch)
+    try:
+        sr.write(5, {"rank": rank, "v": 2}, meta=None, parent=None, epoch=epoch)
+        err = None
+    except agck.AgckError as e:
+        err = str(e)
+    pathlib.Path(out, f"rank{rank}.bin").write_bytes(msgpack.packb({"error": err}))
+    store.close()
+
+
+def test_a_committed_step_is_not_rewritten_in_its_epoch(tmp_path, out):
+    """Rewriting a part the commit record binds would unbind an acknowledged step."""
+    url = str(tmp_path / "store")
+    assert launch(_target(rewriter), 2, (url, "r", str(out))) == [0, 0]
+    assert all("already committed in epoch 1" in r["error"] for r in _results(out, 2))
+    with open_store(url) as store:
+        assert agck.recover(store, "r").step == 5
+        commit = sharded.as_commit(store.read("r", 5))
+        assert [sharded.read_part(store, commit, r).state["v"] for r in (0, 1)] == [1, 1]
+
+
 def stale_writer(rank, world, url, run, out):
     from agck.distributed import Group, ShardedRun
     store = open_store(url)

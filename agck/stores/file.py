@@ -69,7 +69,13 @@ class FileStore(Store):
                 raise StoreConnectionError("not a checkpoint directory", ref=self.root,
                                            hint="pass an existing directory, or create=True")
             try:
-                os.makedirs(self.root, exist_ok=True)
+                # the store's own directory through self.fs, so that a simulated file system
+                # (the crash harness) sees it made and made durable (a parts namespace is one)
+                os.makedirs(os.path.dirname(self.root), exist_ok=True)
+                try:
+                    self.fs.mkdir(self.root)
+                except FileExistsError:
+                    pass
                 self.fs.fsync_dir(os.path.dirname(self.root))
             except OSError as e:
                 raise StoreConnectionError(f"cannot create the store directory: {e.strerror}", ref=self.root) from None
