@@ -18,7 +18,9 @@ Fault kinds (each trial gets its own run name, so trials never disturb each othe
                  (gloo): one rank SIGKILLed at a random instant, every rank at once, or
                  one rank at a fail point of the collective write (after its part, the
                  coordinator before or after the commit) or of the store's write path;
-                 the survivors are killed a moment later, as a job agent does. No step
+                 the survivors are killed a moment later, as a job agent does; or every
+                 rank stopped (SIGSTOP) while a second job takes the run over, then let
+                 go (fencing, as ``stale``). No step
                  may be visible without every part, and every part of the recovered
                  step must match the reference run's rank.
 * ``distpower``  the parts and commit records of multi-rank checkpoints written to the file
@@ -50,7 +52,7 @@ from .checker import OUTCOMES, Trial
 
 STORES = ("file", "sqlite", "postgres")
 FAULTS = ("kill", "failpoint", "pgkill", "powerloss", "corrupt", "stale", "dist", "distpower")
-DIST_KINDS = ("kill-one", "kill-all", "failpoint")
+DIST_KINDS = ("kill-one", "kill-all", "failpoint", "stale")
 PREFIX = {"file": "file.", "sqlite": "sqlite.", "postgres": "pg."}
 REPO = checker.REPO
 
@@ -548,6 +550,8 @@ class Campaign:
         self._pool(lambda j: self.dist_trial(*j), jobs, workers=jobs_at_once)
 
     def dist_trial(self, t: Trial, kind: str, rank: int, spec: str | None, mode: str) -> None:
+        if kind == "stale":
+            return self.dist_stale_trial(t, mode)
         d = os.path.join(self.work, "t", str(t.id))
         url = self._client_url(t)
         procs = self._dist_spawn(url, t.run, d, mode, failpoints={rank: spec} if spec else None)
@@ -584,6 +588,85 @@ class Campaign:
             checker.check_sharded(store, t, self.dist_ref["full"])
         finally:
             store.close()
+
+    def dist_stale_trial(self, t: Trial, mode: str) -> None:
+        """Every rank of a job stopped (SIGSTOP) at a random instant after its first
+        acknowledged step; a second job takes the run over (a new epoch) and finishes
+        it; then the first is let go. It may acknowledge only steps it committed before
+        the takeover (at or before the step the second resumed from)."""
+        from crashtests.workload import read_acks
+        base = os.path.join(self.work, "t", str(t.id))
+        url = self._client_url(t)
+        old = self._dist_spawn(url, t.run, os.path.join(base, "old"), mode)
+        new = None
+        acks = [os.path.join(base, "old", f"r{r}", "acks") for r in range(self.cfg.ranks)]
+        try:
+            deadline = time.monotonic() + 300
+            while all(p.poll() is None for p in old) and time.monotonic() < deadline and not read_acks(acks[0]):
+                time.sleep(0.005)
+            time.sleep(self.rng.uniform(0, self.dist_ref["run_proper"]) / 2)
+            if any(p.poll() is not None for p in old):
+                self._reap(old)
+                t.detail = "finished before the fault"
+                t.acked = sorted({s for a in acks for s in read_acks(a)})
+                store = self._open(t.url)
+                try:
+                    checker.check_sharded(store, t, self.dist_ref["full"])
+                finally:
+                    store.close()
+                return
+            for p in old:
+                p.send_signal(signal.SIGSTOP)
+            t.reached = True
+            before = {s for a in acks for s in read_acks(a)}
+            new = self._dist_spawn(url, t.run, os.path.join(base, "new"), mode)
+            deadline = time.monotonic() + max(10.0, 3 * self.dist_ref["seconds"])
+            waited = False
+            while any(p.poll() is None for p in new):
+                if time.monotonic() > deadline:
+                    waited = True         # the stopped job holds a commit the takeover waits for
+                    break
+                time.sleep(0.01)
+            for p in old:
+                p.send_signal(signal.SIGCONT)
+            new_codes = self._reap(new, timeout=300)
+            self._reap(old, timeout=120)
+        finally:
+            for p in old + (new or []):
+                if p.poll() is None:
+                    p.send_signal(signal.SIGCONT)
+                    p.kill()
+                    p.wait()
+        t.point = "stopped inside a commit" if waited else f"stopped after ack {max(before) if before else None}"
+        if new_codes != [0] * len(new_codes):
+            t.reasons.append(f"the new job failed (exit codes {new_codes}): "
+                             f"{self._stderr(os.path.join(base, 'new', 'r0'))[-300:]}")
+            t.recovered = "raised"
+            return
+        outs = []
+        for r in range(self.cfg.ranks):
+            with open(os.path.join(base, "new", f"r{r}", "out.json")) as f:
+                outs.append(json.load(f))
+        finals = [o["final_hash"] for o in outs]
+        resumed_from = outs[0]["resumed_from"] or 0
+        ok = finals == self.dist_ref["final"]
+        t.resume = {"ok": ok, "from": resumed_from,
+                    "why": None if ok else f"final hashes {finals} (uninterrupted {self.dist_ref['final']})"}
+        if t.store == "postgres":
+            self._wait_backend_gone(t)
+        after = {s for a in acks for s in read_acks(a)}
+        new_acks = {s for r in range(self.cfg.ranks) for s in read_acks(os.path.join(base, "new", f"r{r}", "acks"))}
+        t.acked = sorted(after | new_acks)
+        store = self._open(t.url)
+        try:
+            checker.check_sharded(store, t, self.dist_ref["full"])
+        finally:
+            store.close()
+        stale = sorted(k for k in after - before if k > resumed_from)
+        if stale:
+            t.hash_ok = False
+            t.reasons.append(f"the old job committed steps {stale} after the run was taken over "
+                             f"(the new one resumed from {resumed_from})")
 
     def resume_dist(self, t: Trial) -> None:
         d = os.path.join(self.work, "t", f"{t.id}-resume")
