@@ -149,6 +149,10 @@ def is_temp_name(name: str) -> bool:
 class FileSystem:
     """The system calls durable writes use. Subclassed by the crash harness."""
 
+    # Whether callers may issue these calls from several threads at once (the real
+    # kernel: yes; a simulation that records the order of operations: no).
+    concurrent = True
+
     def open_new(self, path: str) -> int:
         return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
 

@@ -55,6 +55,8 @@ class _Dir:
 class SimFS(durable.FileSystem):
     """Pass-through file system with a durability model of everything under ``root``."""
 
+    concurrent = False      # one recorded order of operations
+
     def __init__(self, root: str, *, crash_at: int | None = None):
         self.root = os.path.abspath(root)
         self.crash_at = crash_at

@@ -539,3 +539,37 @@ def test_verify_checks_each_shared_chunk_once_and_names_every_checkpoint_it_reac
         assert all(r.section == "chunk" and shared.hex()[:16] in r.reason for r in rep.rejected)
     finally:
         store.close()
+
+
+def test_a_chunk_that_fails_on_a_writer_thread_fails_the_put_and_leaves_nothing(tmp_path):
+    """Chunks are written by several threads: one failing fsync fails the put with
+    DurabilityError once every other chunk write has ended, and leaves no temp file."""
+    from agck import durable
+    from agck.stores.file import FileStore
+
+    class FailingThird(durable.FileSystem):
+        def __init__(self):
+            self.calls, self.lock, self.threads = 0, threading.Lock(), set()
+
+        def fsync(self, fd):
+            with self.lock:
+                self.calls += 1
+                n = self.calls
+                self.threads.add(threading.current_thread().name)
+            if n == 3:
+                raise OSError(5, "Input/output error")
+            super().fsync(fd)
+
+    fs = FailingThird()
+    store = FileStore(tmp_path / "s", fs=fs)
+    state = {f"a{i}": np.random.default_rng(i).random(200_000) for i in range(8)}   # ~12 MiB, many chunks
+    with pytest.raises(agck.DurabilityError, match="writing a chunk failed"):
+        store.put("r", 1, state)
+    assert store.steps("r") == []
+    assert any(t.startswith("agck-chunks") for t in fs.threads)
+    leftovers = [f for _, _, files in os.walk(tmp_path / "s") for f in files if ".tmp" in f or f.startswith(".")]
+    assert leftovers == [] and store.orphans() == []
+    store.fs = durable.REAL
+    store.objects.fs = durable.REAL
+    store.put("r", 1, state)              # the same put succeeds afterwards
+    assert np.array_equal(store.get("r", 1).state["a3"], state["a3"])

@@ -4,7 +4,10 @@
     <root>/.objects/lock
 
 Writing a chunk: temp file in its directory, write, fsync, rename, and once per
-batch fsync of every directory that gained a name (:meth:`ObjectDir.sync`).
+batch fsync of every directory that gained a name (:meth:`Batch.sync`). A
+batch's chunks are written by a few threads while the next ones are cut (each
+chunk's own order stays write, fsync, rename; the directories are fsync'd after
+every rename): file creation and fsync wait on the disk, not on the CPU.
 Chunks are never rewritten: the same name always holds the same bytes.
 
 Locking (:mod:`agck.stores.content`, rule 2): a writer holds a shared
@@ -26,6 +29,8 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Iterable
 
@@ -34,6 +39,8 @@ from ..errors import DurabilityError, StoreError
 
 DIRNAME = ".objects"
 _MAX_KNOWN = 1 << 22
+WRITERS = 4            # threads writing one batch's chunks
+_IN_FLIGHT = 64        # chunks queued to them at most (each a view of the caller's buffer)
 
 
 class ObjectDir:
@@ -48,6 +55,18 @@ class ObjectDir:
         # (see the module docstring); None: unknown, look at every chunk.
         self._generation: bytes | None = None
         self._trusted = False      # _durable holds without a stat, for the batch in progress
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    def pool(self) -> ThreadPoolExecutor | None:
+        """The threads that write chunks, made on first use; None where the file system
+        takes one call at a time."""
+        if not self.fs.concurrent:
+            return None
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(WRITERS, thread_name_prefix="agck-chunks")
+            return self._pool
 
     def path(self, address: bytes) -> str:
         h = address.hex()
@@ -248,6 +267,8 @@ class Batch:
         self.objects = objects
         self.dirs: set[str] = set()
         self.found: dict[bytes, tuple] = {}
+        self._pool = objects.pool()
+        self._writing: list = []       # (address, future) of chunks being written
 
     def has(self, address: bytes) -> bool:
         if self.objects._trusted and address in self.objects._durable:
@@ -263,17 +284,48 @@ class Batch:
         return True
 
     def add(self, address: bytes, chunk: memoryview) -> None:
-        """Write one chunk file (data fsync'd, then renamed into place)."""
-        d, inode = self.objects._add(address, chunk)
+        """Write one chunk file (data fsync'd, then renamed into place), now or on a
+        writer thread; ``chunk`` must stay unchanged until :meth:`sync` returns."""
+        if self._pool is None:
+            self._added(address, self.objects._add(address, chunk))
+            return
+        if len(self._writing) >= _IN_FLIGHT:
+            self._wait(len(self._writing) // 2)
+        self._writing.append((address, self._pool.submit(self.objects._add, address, chunk)))
+
+    def _added(self, address: bytes, written: tuple[str, tuple]) -> None:
+        d, inode = written
         self.dirs.add(d)
         self.found[address] = inode
 
+    def _wait(self, n: int | None = None) -> None:
+        """Wait for the first ``n`` chunks being written (all by default); the first
+        failure is raised once every one of them has ended."""
+        done, self._writing = (self._writing, []) if n is None else (self._writing[:n], self._writing[n:])
+        error = None
+        for address, fut in done:
+            try:
+                self._added(address, fut.result())
+            except BaseException as e:
+                error = error or e
+        if error is not None:
+            self._wait()          # none may still be writing once the put has failed
+            raise error
+
     def sync(self) -> None:
         """Make every chunk checked or added durable under its name."""
+        self._wait()
         failpoints.hit("file.chunks_before_dir_fsync")
-        for d in sorted(self.dirs):
-            try:
-                self.objects.fs.fsync_dir(d)
-            except OSError as e:
-                raise DurabilityError(f"fsync of a chunk directory failed: {e.strerror}", ref=d) from None
+        dirs = sorted(self.dirs)
+        run = map if self._pool is None else self._pool.map
+        for d, err in zip(dirs, run(self._fsync_dir, dirs)):
+            if err is not None:
+                raise DurabilityError(f"fsync of a chunk directory failed: {err.strerror}", ref=d) from None
         self.objects._mark_durable(self.found)
+
+    def _fsync_dir(self, d: str) -> OSError | None:
+        try:
+            self.objects.fs.fsync_dir(d)
+        except OSError as e:
+            return e
+        return None
