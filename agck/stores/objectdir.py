@@ -291,7 +291,13 @@ class Batch:
             return
         if len(self._writing) >= _IN_FLIGHT:
             self._wait(len(self._writing) // 2)
-        self._writing.append((address, self._pool.submit(self.objects._add, address, chunk)))
+        try:
+            fut = self._pool.submit(self.objects._add, address, chunk)
+        except RuntimeError:     # the interpreter is shutting down (a last snapshot at exit): no new threads
+            self._pool = None
+            self._added(address, self.objects._add(address, chunk))
+            return
+        self._writing.append((address, fut))
 
     def _added(self, address: bytes, written: tuple[str, tuple]) -> None:
         d, inode = written
@@ -317,8 +323,11 @@ class Batch:
         self._wait()
         failpoints.hit("file.chunks_before_dir_fsync")
         dirs = sorted(self.dirs)
-        run = map if self._pool is None else self._pool.map
-        for d, err in zip(dirs, run(self._fsync_dir, dirs)):
+        try:
+            errors = list(map(self._fsync_dir, dirs) if self._pool is None else self._pool.map(self._fsync_dir, dirs))
+        except RuntimeError:     # shutting down, as in add
+            errors = list(map(self._fsync_dir, dirs))
+        for d, err in zip(dirs, errors):
             if err is not None:
                 raise DurabilityError(f"fsync of a chunk directory failed: {err.strerror}", ref=d) from None
         self.objects._mark_durable(self.found)
