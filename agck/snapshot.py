@@ -49,6 +49,7 @@ import platform
 import queue
 import random
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -135,10 +136,79 @@ def capture(x: Any) -> Any:
     if torch is not None and isinstance(x, torch.Generator):
         return {TAG: "torch.Generator", "state": x.get_state(), "device": str(x.device)}
     if torch is not None and isinstance(x, torch.Tensor):
+        if _is_dtensor(x):
+            # this rank's shard: what the rank owns and restores in place (no resharding)
+            return {TAG: "dtensor", "local": x.to_local(), "shape": list(x.shape),
+                    "placements": [str(p) for p in x.placements], "mesh": list(x.device_mesh.shape)}
         return x
     if _stateful(x):
-        return {TAG: "stateful", "type": f"{type(x).__module__}.{type(x).__qualname__}", "state": x.state_dict()}
+        sd = x.state_dict()
+        if _dtensor_is_loaded() and any(_is_dtensor(v) for v in _leaves(sd)):
+            sd = capture(sd)      # sharded parameters and optimizer state (FSDP2): their local shards
+        return {TAG: "stateful", "type": f"{type(x).__module__}.{type(x).__qualname__}", "state": sd}
     return x
+
+
+def _dtensor_is_loaded() -> bool:
+    # DTensors exist only once torch.distributed.tensor was imported: no import, no walk
+    return "torch.distributed.tensor" in sys.modules
+
+
+def _is_dtensor(x) -> bool:
+    if not _dtensor_is_loaded():
+        return False
+    from torch.distributed.tensor import DTensor
+    return isinstance(x, DTensor)
+
+
+def _leaves(x):
+    stack = [x]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        else:
+            yield v
+
+
+def _has_tag(x, kind: str) -> bool:
+    return any(isinstance(v, dict) and v.get(TAG) == kind for v in _walk_dicts(x))
+
+
+def _walk_dicts(x):
+    stack = [x]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            yield v
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+
+
+def _restore_dtensor(live, saved: dict):
+    """A DTensor's local shard, copied back in place; refused when the live DTensor is
+    laid out otherwise (another shape, placement or mesh: that needs resharding)."""
+    if not _is_dtensor(live):
+        raise AgckError(f"the checkpoint holds a DTensor shard but the live state has {type(live).__name__} "
+                        "there", hint="pass the same state structure on resume")
+    now = {"shape": list(live.shape), "placements": [str(p) for p in live.placements],
+           "mesh": list(live.device_mesh.shape)}
+    was = {k: saved.get(k) for k in now}
+    if now != was:
+        raise UsageError(f"a DTensor was saved as {was} and is now {now}: a snapshot restores each rank's own "
+                         "shard and cannot reshard it",
+                         hint="resume with the same mesh and placements, or save it through agck.dcp")
+    local = live.to_local()
+    src = saved["local"]
+    if tuple(src.shape) != tuple(local.shape):
+        raise UsageError(f"this rank's DTensor shard is {tuple(local.shape)}, the saved one "
+                         f"{tuple(src.shape)}", hint="resume with the same world size and mesh")
+    with torch.no_grad():
+        local.copy_(src)
+    return live
 
 
 _PLAIN_CHECK_MIN = 32
@@ -151,8 +221,14 @@ def restore_into(live: Any, saved: Any) -> Any:
     if isinstance(saved, dict) and TAG in saved:
         kind = saved[TAG]
         if kind == "stateful" and live is not None and _stateful(live):
-            live.load_state_dict(saved["state"])
+            state = saved["state"]
+            if _has_tag(state, "dtensor"):
+                # sharded state: copy each shard into the live state_dict's DTensors, then load that
+                state = restore_into(live.state_dict(), state)
+            live.load_state_dict(state)
             return live
+        if kind == "dtensor":
+            return _restore_dtensor(live, saved)
         if kind == "np.Generator":
             g = live if isinstance(live, np.random.Generator) else np.random.default_rng()
             g.bit_generator.state = saved["state"]

@@ -76,6 +76,53 @@ def group_messages(rank, world, out):
     pathlib.Path(out, f"rank{rank}.bin").write_bytes(msgpack.packb(ok))
 
 
+def dtensor_loop(rank, world, url, run, total, out, world_mesh=None):
+    """Sharded state: a DTensor and a module whose parameters are DTensors, trained a little."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+    torch.manual_seed(7)
+    mesh = init_device_mesh("cpu", (world_mesh or world,))
+    model = distribute_module(torch.nn.Linear(8, 8), mesh)          # replicated parameters, as DTensors
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"w": distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)]), "model": model, "opt": opt}
+    snap = agck.Snapshotter(open_store(url), run, every=2)
+    try:
+        state = snap.restore(state)
+    except agck.AgckError as e:
+        pathlib.Path(out, f"rank{rank}.bin").write_bytes(msgpack.packb({"error": str(e)}))
+        return
+    started = snap.start_step
+    for i in snap.steps(total):
+        with torch.no_grad():
+            state["w"].to_local().add_(float(i + 1))
+        x = torch.full((2, 8), float(i))
+        loss = model(distribute_tensor(x, mesh, model.weight.placements)).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    snap.close()
+    result = {"started": started, "w": state["w"].to_local().numpy().tobytes(),
+              "weight": model.weight.to_local().detach().numpy().tobytes()}
+    pathlib.Path(out, f"rank{rank}.bin").write_bytes(msgpack.packb(result))
+
+
+def dtensor_mismatch(rank, world, out):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from agck.snapshot import capture, restore_into
+    mesh = init_device_mesh("cpu", (world,))
+    saved = capture({"w": distribute_tensor(torch.arange(32.).reshape(8, 4), mesh, [Shard(0)])})
+    live = {"w": distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)])}
+    restore_into(live, saved)
+    same = bool(torch.equal(live["w"].full_tensor(), torch.arange(32.).reshape(8, 4)))
+    try:
+        restore_into({"w": distribute_tensor(torch.zeros(8, 4), mesh, [Replicate()])}, saved)
+        err = None
+    except agck.UsageError as e:
+        err = str(e)
+    pathlib.Path(out, f"rank{rank}.bin").write_bytes(msgpack.packb({"same": same, "error": err}))
+
+
 def _results(out, world) -> list[dict]:
     return [msgpack.unpackb(pathlib.Path(out, f"rank{r}.bin").read_bytes()) for r in range(world)]
 
@@ -150,6 +197,30 @@ def test_four_ranks(tmp_path, out):
     for r in _results(out, 2):
         assert not r["ok"] and r["type"] == "UsageError"
         assert "checkpointed by 4 ranks" in r["message"] and "this job has 2" in r["message"]
+
+
+def test_dtensor_shards_are_saved_and_restored_in_place(tmp_path, out):
+    url = str(tmp_path / "store")
+    assert launch(_target(dtensor_loop), 2, (url, "r", 3, str(out))) == [0, 0]
+    _clear(out)
+    assert launch(_target(dtensor_loop), 2, (url, "r", 6, str(out))) == [0, 0]
+    resumed = _results(out, 2)
+    assert [r["started"] for r in resumed] == [3, 3]
+    with open_store(url) as store:
+        commit = sharded.as_commit(store.read("r", 6))
+        part = sharded.read_part(store, commit, 1)
+        saved = part.state["state"]["w"]
+        assert saved["placements"] == ["S(0)"] and tuple(saved["local"].shape) == (4, 4)
+    _clear(out)
+    assert launch(_target(dtensor_loop), 2, (str(tmp_path / "ref"), "r", 6, str(out))) == [0, 0]
+    ref = _results(out, 2)
+    assert [(r["w"], r["weight"]) for r in resumed] == [(r["w"], r["weight"]) for r in ref]
+
+
+def test_a_dtensor_laid_out_otherwise_is_refused_not_resharded(out):
+    assert launch(_target(dtensor_mismatch), 1, (str(out),)) == [0]
+    [r] = _results(out, 1)
+    assert r["same"] and "cannot reshard" in r["error"] and "S(0)" in r["error"] and "R" in r["error"]
 
 
 def test_a_single_process_cannot_resume_a_multi_rank_run(tmp_path, out):
