@@ -60,7 +60,7 @@ def meta_to_json(meta: Any) -> Any:
             return float(meta)
         return {"$float": "nan" if math.isnan(meta) else ("inf" if meta > 0 else "-inf")}
     if isinstance(meta, str):
-        if "\x00" in meta or not _utf8_ok(meta):
+        if "\x00" in meta or not utf8_ok(meta):
             return {"$str": base64.b64encode(meta.encode("utf-8", "surrogatepass")).decode("ascii")}
         return str(meta)
     if isinstance(meta, (bytes, bytearray, memoryview)):
@@ -84,7 +84,8 @@ def meta_json_text(meta: Any) -> str:
     return json.dumps(meta_to_json(meta), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
-def _utf8_ok(s: str) -> bool:
+def utf8_ok(s: str) -> bool:
+    """Whether ``s`` is valid UTF-8 text (no lone surrogates), as JSON columns need."""
     try:
         s.encode("utf-8")
         return True
