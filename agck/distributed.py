@@ -114,6 +114,18 @@ class Group:
     def barrier(self) -> None:
         self._dist.barrier(group=self.pg)
 
+    def close(self) -> None:
+        """Tear this rank's end of the group down now. A gloo group left to be destroyed
+        at interpreter exit can abort the process there ("terminate called without an
+        active exception": 5 of 30 two-rank jobs that resumed at their last step).
+        No barrier: a rank closing after an error must not wait for peers that may
+        never come."""
+        pg, self.pg = self.pg, None
+        if pg is None:
+            return
+        if self._dist.is_initialized():
+            self._dist.destroy_process_group(pg)
+
 
 def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
@@ -132,6 +144,9 @@ class ShardedRun:
         group.barrier()
         if self.rank != 0:
             self.parts = store.parts_store()
+
+    def close(self) -> None:
+        self.group.close()
 
     def part_run(self, epoch: int) -> str:
         return sharded.part_run(self.run, epoch, self.rank)

@@ -978,6 +978,8 @@ class Snapshotter:
                 self._worker = None
             self._restore_signals()
             atexit.unregister(self._close_at_exit)
+            if self._dist is not None:
+                self._dist.close()
             if self._own_store:
                 self.store.close()
 
