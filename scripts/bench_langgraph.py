@@ -1,0 +1,200 @@
+#!/usr/bin/env python3
+"""The LangGraph checkpointer on Postgres: agck's AgckSaver against LangGraph's own
+PostgresSaver (langgraph-checkpoint-postgres), on the same server, in one run.
+
+Cases, alternated each round with their order rotated, after one warm-up round:
+
+- put and get of a checkpoint whose state is one float32 array channel of 16 MiB,
+  and of 64 MiB (a fresh array each put: new content), plus a "messages" channel;
+- put and get of a small state: a few chat messages, about 10 KB in all.
+
+Each put writes a new checkpoint of one thread (``put`` with the changed channels
+in ``new_versions``, as LangGraph calls it); each get is ``get_tuple`` of the
+newest checkpoint of the thread. PostgresSaver keeps a numpy array as LangGraph's
+msgpack bytes; AgckSaver as a raw, checksummed blob (verified on get).
+
+Then a compiled 100-super-step graph whose large channel (16 MiB) is written once
+and never changes: the bytes each saver's tables grow by (pg_total_relation_size),
+which shows whether the unchanged channel is written once or every step.
+
+    python scripts/bench_langgraph.py [--rounds 5] [--dsn postgresql://...] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchio  # noqa: E402  (puts the checkout on sys.path, before agck is imported)
+
+import numpy as np  # noqa: E402
+import psycopg2  # noqa: E402
+
+DSN = os.environ.get("AGCK_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+MiB = 1 << 20
+
+
+def _messages(n: int = 20):
+    from langchain_core.messages import AIMessage, HumanMessage
+    return [(HumanMessage if i % 2 == 0 else AIMessage)(content=f"message {i}: " + "lorem ipsum " * 40)
+            for i in range(n)]
+
+
+class Subject:
+    """One saver with its own tables, and a thread to put to and get from."""
+
+    def __init__(self, name: str, saver, tables_size):
+        self.name, self.saver, self.tables_size = name, saver, tables_size
+        self.parent = None
+        self.thread = f"bench-{secrets.token_hex(3)}"
+        self.n = 0
+
+    def put(self, values: dict):
+        from langgraph.checkpoint.base import create_checkpoint, empty_checkpoint
+        self.n += 1
+        base = empty_checkpoint()
+        versions = {k: self.saver.get_next_version(None, None) if self.n == 1 else f"{self.n:032d}.0"
+                    for k in values}
+        base["channel_values"] = values
+        base["channel_versions"] = versions
+        ck = create_checkpoint(base, None, self.n)
+        cfg = {"configurable": {"thread_id": self.thread, "checkpoint_ns": ""}}
+        if self.parent:
+            cfg["configurable"]["checkpoint_id"] = self.parent
+        out = self.saver.put(cfg, ck, {"source": "loop", "step": self.n, "parents": {}}, versions)
+        self.parent = out["configurable"]["checkpoint_id"]
+
+    def get(self):
+        t = self.saver.get_tuple({"configurable": {"thread_id": self.thread, "checkpoint_ns": ""}})
+        assert t is not None
+        return t
+
+
+def _graph_growth(subject: Subject, steps: int = 100, big_mb: int = 16) -> int:
+    """Bytes the saver's tables grow by over a graph of ``steps`` super-steps whose
+    large channel is set once."""
+    from typing import TypedDict
+
+    from langgraph.graph import END, START, StateGraph
+
+    class State(TypedDict):
+        big: np.ndarray
+        count: int
+
+    big = np.random.default_rng(1).random(big_mb * MiB // 8)
+
+    def init(state):
+        return {"big": big, "count": 0}
+
+    def tick(state):
+        return {"count": state["count"] + 1}
+
+    b = StateGraph(State)
+    b.add_node("init", init)
+    b.add_node("tick", tick)
+    b.add_edge(START, "init")
+    b.add_edge("init", "tick")
+    b.add_conditional_edges("tick", lambda s: "tick" if s["count"] < steps else END)
+    graph = b.compile(checkpointer=subject.saver)
+    before = subject.tables_size()
+    out = graph.invoke({"count": 0}, {"configurable": {"thread_id": f"graph-{subject.thread}"},
+                                      "recursion_limit": steps + 10})
+    assert out["count"] == steps
+    return subject.tables_size() - before
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--dsn", default=DSN)
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    from langgraph.checkpoint.postgres import PostgresSaver
+    from psycopg import Connection
+    from psycopg.rows import dict_row
+
+    from agck.integrations.langgraph import AgckSaver
+    from agck.stores.postgres import PostgresStore
+
+    schema = f"bench_lg_{secrets.token_hex(3)}"
+    admin = psycopg2.connect(a.dsn)
+    admin.autocommit = True
+    admin.cursor().execute(f"CREATE SCHEMA {schema}")
+
+    def size_of(pattern: str):
+        def f() -> int:
+            cur = admin.cursor()
+            cur.execute("SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
+                        "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relkind = 'r' "
+                        "AND c.relname LIKE %s", (schema, pattern))
+            return int(cur.fetchone()[0])
+        return f
+
+    conn = Connection.connect(a.dsn, autocommit=True, prepare_threshold=0, row_factory=dict_row,
+                              options=f"-c search_path={schema}")
+    lg = PostgresSaver(conn)
+    lg.setup()
+    store = PostgresStore(a.dsn, prefix="agck", schema=schema, init=True)
+    subjects = [Subject("LangGraph PostgresSaver", lg, size_of("checkpoint%")),
+                Subject("agck AgckSaver (Postgres)", AgckSaver(store), size_of("agck%"))]
+    log = lambda m: print(m, file=sys.stderr, flush=True)   # noqa: E731
+    results: dict = {"rounds": a.rounds, "cases": {}, "graph_growth": {}}
+    try:
+        msgs = _messages()
+        sizes = [("small (~10 KB of messages)", None), ("16 MiB array", 16), ("64 MiB array", 64)]
+        cases = []
+        rng = np.random.default_rng(0)
+        for label, mb in sizes:
+            for s in subjects:
+                t = Subject(s.name, s.saver, s.tables_size)     # a thread of its own per size
+
+                def values(mb=mb):
+                    vals = {"messages": msgs}
+                    if mb:
+                        vals["x"] = rng.random(mb * MiB // 4, dtype=np.float32)   # new content each put
+                    return vals
+
+                t.put(values())                                  # so that a get never finds nothing
+                cases.append(benchio.Case(f"put {label} | {s.name}", lambda t=t, v=values: t.put(v()),
+                                          nbytes=(mb or 0) * MiB))
+                cases.append(benchio.Case(f"get {label} | {s.name}", t.get, nbytes=(mb or 0) * MiB))
+        benchio.run_rounds(cases, a.rounds, log, warmup=1)
+        rows = []
+        for c in cases:
+            results["cases"][c.name] = c.times
+            rows.append((c.name, c.median))
+        print(f"## LangGraph checkpointers on one Postgres server, medians of {a.rounds} rounds\n")
+        print("| case | saver | median ms | ratio (PostgresSaver / agck) |")
+        print("|---|---|---:|---:|")
+        med = dict(rows)
+        for label, _ in sizes:
+            for op in ("put", "get"):
+                ref = med[f"{op} {label} | {subjects[0].name}"]
+                ours = med[f"{op} {label} | {subjects[1].name}"]
+                print(f"| {op} {label} | {subjects[0].name} | {ref * 1e3:.1f} | |")
+                print(f"| {op} {label} | {subjects[1].name} | {ours * 1e3:.1f} | {ref / ours:.2f}x |")
+        print("\n100 super-steps, a 16 MiB channel set once, then only a counter changes:\n")
+        print("| saver | tables grew by |")
+        print("|---|---:|")
+        for s in subjects:
+            grew = _graph_growth(s)
+            results["graph_growth"][s.name] = grew
+            print(f"| {s.name} | {grew / MiB:.1f} MiB |")
+    finally:
+        conn.close()
+        store.close()
+        admin.cursor().execute(f"DROP SCHEMA {schema} CASCADE")
+        admin.close()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
