@@ -287,3 +287,19 @@ def test_unencodable_entries_are_refused_by_path(tmp_path):
     with pytest.raises(agck.UsageError, match="torch.load-style"):
         io.load_checkpoint(tmp_path / "x.ckpt", map_location=lambda storage, loc: storage)
     assert not os.path.exists(tmp_path / "x.ckpt")
+
+
+def test_readme_example_fits_then_resumes_at_its_last_step(tmp_path):
+    import re
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = open(os.path.join(root, "README.md")).read()
+    [example] = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "AgckCheckpointIO()" in b]
+    (tmp_path / "example.py").write_text(example)
+    env = {**os.environ, "PYTHONPATH": root}
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.strip().splitlines()[-1] == "12"
