@@ -17,6 +17,7 @@ Then a compiled 100-super-step graph whose large channel (16 MiB) is written onc
 and never changes: the bytes each saver's tables grow by (pg_total_relation_size),
 which shows whether the unchanged channel is written once or every step.
 
+    pip install -e '.[test]' langgraph-checkpoint-postgres==3.2.0 'psycopg[binary]==3.3.9'
     python scripts/bench_langgraph.py [--rounds 5] [--dsn postgresql://...] [--json F]
 """
 
