@@ -806,9 +806,13 @@ class _Encoder:
             if run is None:
                 break
             m = len(run.descs)
+            if any(d["blob"] != b for d, b in zip(run.descs, range(first, first + m))):
+                # made when some tensors shared memory (blobs were not numbered as references
+                # then): renumber, blob i for reference i as below
+                run = run.moved(first)
             seg = refs[first:first + m]
             views[first:first + m] = _own_bytes_all(seg)
-            descs[first:first + m] = run.descs      # blob i is reference i, as when the run was made
+            descs[first:first + m] = run.descs      # blob i is reference i
             if self.memo is not None:
                 self.memo.tensors.next.update(zip(map(id, seg), run.known))
                 self.memo.tensors.reused += m

@@ -573,3 +573,19 @@ def test_a_chunk_that_fails_on_a_writer_thread_fails_the_put_and_leaves_nothing(
     store.objects.fs = durable.REAL
     store.put("r", 1, state)              # the same put succeeds afterwards
     assert np.array_equal(store.get("r", 1).state["a3"], state["a3"])
+
+
+def test_a_run_remembered_while_tensors_shared_memory_loads_right_once_they_no_longer_do(tmp_path):
+    """Tensors in one segment of a long list remembered while two earlier tensors shared
+    memory (one blob for both), reused after they stopped sharing: every tensor must load
+    back as itself (the remembered blob numbers were off by one)."""
+    store = open_store(str(tmp_path / "s"))
+    xs = [np.full(3 + i % 5, i, dtype=np.float32) for i in range(200)]
+    base = np.arange(10, dtype=np.float32)
+    xs[10], xs[11] = base[:5], base[5:]                 # two views of one array: one blob
+    store.put("r", 1, {"xs": xs})
+    store.put("r", 2, {"xs": xs})                       # the later segments are remembered as they are
+    xs[10] = np.arange(5, dtype=np.float32) + 100       # no longer sharing
+    store.put("r", 3, {"xs": xs})
+    got = store.get("r", 3).state["xs"]
+    assert [a.tolist() for a in got] == [a.tolist() for a in xs]
