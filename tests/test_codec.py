@@ -831,11 +831,19 @@ def _inplace_values(xs, i):
     x = xs[i]
     if isinstance(x, np.ndarray):
         x.reshape(-1)[0] += 1
+    elif not isinstance(x, torch.Tensor):     # an item an earlier edit made something else
+        return
     elif not x.requires_grad:
         x.view(-1)[0] += 1
     else:
         with torch.no_grad():
             x.view(-1)[0] += 1
+
+
+def _view_of_another(xs, i):
+    other = xs[(i + 3) % len(xs)]
+    if isinstance(other, (np.ndarray, torch.Tensor)) and other.ndim:     # (an earlier edit may have nested it)
+        xs[i] = other[:1]
 
 
 _TENSOR_EDITS = [
@@ -845,7 +853,7 @@ _TENSOR_EDITS = [
     lambda xs, i: xs.insert(i, torch.zeros(3)),                                         # everything after shifts
     lambda xs, i: xs.__delitem__(i),
     lambda xs, i: xs.__setitem__(i, xs[(i + 1) % len(xs)]),                            # the same tensor twice
-    lambda xs, i: xs.__setitem__(i, xs[(i + 3) % len(xs)][:1]),                        # a view of another one
+    lambda xs, i: _view_of_another(xs, i),
     lambda xs, i: xs.__setitem__(i, np.arange(8, dtype=np.float32)[::2]),              # not contiguous
     lambda xs, i: xs.__setitem__(i, np.arange(4, dtype=">f4")),                        # big-endian
     lambda xs, i: xs.__setitem__(i, torch.nn.Parameter(torch.ones(3))),
