@@ -143,22 +143,25 @@ def capture(x: Any) -> Any:
         return x
     if _stateful(x):
         sd = x.state_dict()
-        if _dtensor_is_loaded() and any(_is_dtensor(v) for v in _leaves(sd)):
+        dtensor = _dtensor_class()
+        if dtensor is not None and any(isinstance(v, dtensor) for v in _leaves(sd)):
             sd = capture(sd)      # sharded parameters and optimizer state (FSDP2): their local shards
         return {TAG: "stateful", "type": f"{type(x).__module__}.{type(x).__qualname__}", "state": sd}
     return x
 
 
-def _dtensor_is_loaded() -> bool:
-    # DTensors exist only once torch.distributed.tensor was imported: no import, no walk
-    return "torch.distributed.tensor" in sys.modules
+def _dtensor_class():
+    """DTensor, or None while torch.distributed.tensor is not imported (then there are none:
+    no import, no walk)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return None
+    from torch.distributed.tensor import DTensor
+    return DTensor
 
 
 def _is_dtensor(x) -> bool:
-    if not _dtensor_is_loaded():
-        return False
-    from torch.distributed.tensor import DTensor
-    return isinstance(x, DTensor)
+    dtensor = _dtensor_class()
+    return dtensor is not None and isinstance(x, dtensor)
 
 
 def _leaves(x):
