@@ -950,7 +950,7 @@ def test_pg_writers_sending_the_same_new_objects_both_commit(pg, pg_dsn):
 
 @pytest.mark.parametrize("point", ["before_insert", "after_objects", "before_commit"])
 def test_sqlite_fail_points(tmp_path, point):
-    s = open_store(f"sqlite:///{tmp_path}/f.db")
+    s = open_store(f"sqlite:///{tmp_path}/f.db", min_chunked=0)
     s.put("r", 1, state_for(1))
     failpoints.configure(f"sqlite.{point}=raise")
     try:
@@ -995,7 +995,8 @@ def test_sqlite_schema_version(tmp_path):
 @pytest.fixture
 def pg(pg_dsn, pg_schema):
     from agck.stores.postgres import PostgresStore
-    s = PostgresStore(pg_dsn, prefix=pg_prefix(), schema=pg_schema, init=True, chunk_size=4096)
+    s = PostgresStore(pg_dsn, prefix=pg_prefix(), schema=pg_schema, init=True, chunk_size=4096,
+                      min_chunked=0)   # small checkpoints chunked too: each write path is taken
     yield s
     s.close()
 

@@ -57,9 +57,11 @@ from two processes) are refused by ``put`` with ``CheckpointExistsError``,
 having overwritten nothing. An id that is not a canonical UUID is refused with
 ``UsageError``.
 
-Every store write is atomic and durable before ``put`` returns; the record is
-written last, so a crash leaves a checkpoint either complete or not there (at
-worst an unreferenced values entry). Deleting (``delete_thread``, ``prune``,
+A ``put`` writes its values entries and its record with one ``put_many`` of
+the store: on SQLite and Postgres one transaction (one commit), on the file
+store one file after another with the record last. Either way it is durable
+before ``put`` returns, and a crash leaves a checkpoint either complete or not
+there (on the file store, at worst an unreferenced values entry). Deleting (``delete_thread``, ``prune``,
 ``delete_for_runs``) removes store checkpoints; on an incremental store the
 chunks they no longer use are freed by ``saver.store.collect_garbage()`` (``agck
 gc STORE``).
@@ -142,7 +144,7 @@ import numpy as np
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                       DependencyError, EncodeError, MalformedCheckpointError, UsageError)
 from ..recovery import is_verdict
-from ..stores import Store, open_store
+from ..stores import PutEntry, Store, open_store
 from ..stores.sqlrows import utf8_ok
 
 
@@ -736,11 +738,19 @@ class AgckSaver(BaseCheckpointSaver[int]):
                 "parent_checkpoint_id": parent_id if isinstance(parent_id, str) else None,
                 "metadata": proj, "mfull": full}
         vmeta = {"lg": _FORMAT, "thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": cid}
-        for c, tree in own.items():
-            self._put_entry(runs.own(c), key, {c: tree}, {**vmeta, "channel": c}, runs, cid, where_txt)
+        entries = [PutEntry(runs.own(c), key, {c: tree}, {**vmeta, "channel": c}, overwrite=False)
+                   for c, tree in own.items()]
         if grouped:
-            self._put_entry(runs.values, key, grouped, vmeta, runs, cid, where_txt)
-        self._put_entry(runs.records, key, record, meta, runs, cid, where_txt, parent=parent_key)   # the commit
+            entries.append(PutEntry(runs.values, key, grouped, vmeta, overwrite=False))
+        entries.append(PutEntry(runs.records, key, record, meta, parent=parent_key, overwrite=False))  # the commit
+        try:
+            self.store.put_many(entries)   # one transaction on the SQL stores; the record last on any
+        except CheckpointExistsError:      # a put repeated, or a key taken: decided entry by entry
+            for e in entries:
+                self._put_entry(e.run, key, e.state, e.meta, runs, cid, where_txt, parent=e.parent)
+        except EncodeError as e:           # agck's codec refused a value (an object array): say whose
+            raise EncodeError(f"checkpoint {cid} of {where_txt}: channel value {e.reason}",
+                              ref=e.ref or ref, hint=e.hint) from None
         self._remember(runs.records, key, cid, versions, where)
         return self._config(thread_id, ns, cid)
 

@@ -15,7 +15,7 @@ import numbers
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
-from typing import Any, Collection, Iterable
+from typing import Any, Collection, Iterable, Sequence
 
 from .. import recovery, sharded
 from ..checkpoint import Checkpoint
@@ -41,6 +41,23 @@ class CheckpointInfo:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class PutEntry:
+    """One checkpoint of :meth:`Store.put_many`: the arguments of :meth:`Store.put`."""
+
+    run: str
+    step: int
+    state: Any
+    meta: Any = None
+    parent: int | None = None
+    overwrite: bool = True
+
+
+# An incremental store writes a container smaller than this standalone: splitting it
+# would cost more writes (chunks, then a listing) than sharing its content could save.
+MIN_CHUNKED = 64 << 10
+
+
 class Store(ABC):
     """Backend interface. Implementations must be safe to share between threads."""
 
@@ -48,25 +65,34 @@ class Store(ABC):
 
     incremental = False
     full_every: int | None = None
+    min_chunked = MIN_CHUNKED
 
     def __init__(self):
         self._lock = threading.RLock()
         self._caches = WriteCaches()   # what the last put of each run found, for incremental puts
         self._parts: Store | None = None
 
-    def _set_policy(self, incremental, full_every) -> None:
+    def _set_policy(self, incremental, full_every, min_chunked=MIN_CHUNKED) -> None:
         """``incremental``: keep checkpoints as chunk listings sharing content.
         ``full_every=K``: the first put of each run by this store object, and
         every K-th after it, is a standalone container all the same, so damage
         to one shared chunk can reach at most the checkpoints since the last
-        standalone one (README, "Incremental checkpoints")."""
+        standalone one (README, "Incremental checkpoints"). ``min_chunked``: a
+        container of fewer bytes is written standalone (0: every one is chunked)."""
         if not isinstance(incremental, bool):
             raise UsageError(f"incremental must be True or False, not {incremental!r}")
         if full_every is not None and (not isinstance(full_every, numbers.Integral) or isinstance(full_every, bool)
                                        or full_every < 1):
             raise UsageError(f"full_every must be a positive integer or None, not {full_every!r}")
+        if not isinstance(min_chunked, numbers.Integral) or isinstance(min_chunked, bool) or min_chunked < 0:
+            raise UsageError(f"min_chunked must be a byte count >= 0, not {min_chunked!r}")
         self.incremental = incremental
         self.full_every = None if full_every is None else int(full_every)
+        self.min_chunked = int(min_chunked)
+
+    def _policy(self) -> dict:
+        """The options that make another store of this backend write as this one does."""
+        return {"incremental": self.incremental, "full_every": self.full_every, "min_chunked": self.min_chunked}
 
     def _write_cache(self, run: str, expect_unchanged: Collection[int] = (), ref: str | None = None
                      ) -> WriteCache | None:
@@ -82,6 +108,16 @@ class Store(ABC):
         standalone = self.full_every is not None and cache.puts % self.full_every == 0
         cache.puts += 1
         if standalone:
+            self._caches.give(run, cache)
+            return None
+        return cache
+
+    def _split_cache(self, run: str, total: int, cache: WriteCache | None,
+                     expect_unchanged: Collection[int]) -> WriteCache | None:
+        """``cache`` if a container of ``total`` bytes is to be chunked; None (the
+        cache given back) if it is small enough to be written standalone. One that
+        must confirm ``expect_unchanged`` tensors is always chunked."""
+        if cache is not None and total < self.min_chunked and not expect_unchanged:
             self._caches.give(run, cache)
             return None
         return cache
@@ -102,6 +138,20 @@ class Store(ABC):
         :meth:`can_confirm_unchanged`). Their bytes are confirmed against that put's
         while they are split (one XXH3 pass, which the split makes anyway); if any
         differs, :class:`ContentChangedError` is raised and nothing is written."""
+
+    def put_many(self, entries: Sequence[PutEntry]) -> list[str]:
+        """Write several checkpoints durably, in order; returns their refs.
+
+        The SQL stores write them in one transaction (one commit): after a crash
+        either all of them are there or none is. Other stores put them one by one:
+        after a crash the ones there are a prefix of ``entries``, each whole. Either
+        way an entry may refer to the entries before it. An entry with
+        ``overwrite=False`` whose (run, step) holds a checkpoint raises
+        :class:`CheckpointExistsError` with its ref; nothing is written then, except,
+        on a store that puts one by one, the entries before it."""
+        entries = check_entries(entries)
+        return [self.put(e.run, e.step, e.state, meta=e.meta, parent=e.parent, overwrite=e.overwrite)
+                for e in entries]
 
     # -- multi-rank parts -------------------------------------------------------
     def parts_store(self, create: bool = True) -> "Store | None":
@@ -232,6 +282,22 @@ class Store(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.url}>"
+
+
+def check_entries(entries: Sequence[PutEntry]) -> list[PutEntry]:
+    """``entries`` of a put_many as a list, their names checked, no (run, step) twice."""
+    out, seen = [], set()
+    for i, e in enumerate(entries):
+        if not isinstance(e, PutEntry):
+            raise UsageError(f"put_many: entry {i} is a {type(e).__name__}, not an agck.stores.PutEntry")
+        key = (check_run(e.run), check_step(e.step))
+        if e.parent is not None:
+            check_step(e.parent, "parent")
+        if key in seen:
+            raise UsageError(f"put_many: run {e.run!r} step {e.step} appears twice")
+        seen.add(key)
+        out.append(e)
+    return out
 
 
 def iter_hashed(parts: Iterable, hasher) -> Iterable:

@@ -9,7 +9,8 @@
 By default (``incremental=True``) a checkpoint's file is a chunked container
 (FORMAT.md, version 1.1) listing the chunks of its content, and only chunks
 the store does not hold yet are written (:mod:`agck.stores.content`): a
-checkpoint costs what changed since the earlier ones. With
+checkpoint costs what changed since the earlier ones. A container under
+``min_chunked`` bytes (64 KiB) is written standalone all the same. With
 ``incremental=False`` each file is a standalone 1.0 container, loaded mmap'd
 and zero-copy. Either way a file is written by :mod:`agck.durable` (temp
 file, fsync, rename, fsync of the directory), after every chunk it lists is
@@ -34,7 +35,7 @@ from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError,
                       DurabilityError, FormatError, InvalidRunNameError, StoreConnectionError, StoreError, UnsupportedVersionError)
 from ..names import MAX_STEP
 from . import content
-from .base import CheckpointInfo, Store, check_identity, check_run, check_step
+from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_run, check_step
 from .objectdir import ObjectDir
 
 SUFFIX = ".agck"
@@ -57,9 +58,9 @@ def parse_step_filename(name: str) -> int | None:
 
 class FileStore(Store):
     def __init__(self, root: str | os.PathLike, *, create: bool = True, fs: durable.FileSystem | None = None,
-                 incremental: bool = True, full_every: int | None = None):
+                 incremental: bool = True, full_every: int | None = None, min_chunked: int = MIN_CHUNKED):
         super().__init__()
-        self._set_policy(incremental, full_every)
+        self._set_policy(incremental, full_every, min_chunked)
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
         self.fs = fs or durable.REAL
@@ -84,7 +85,7 @@ class FileStore(Store):
         path = os.path.join(self.root, ".parts")   # not a run name: never listed as a run
         if not create and not os.path.isdir(path):
             return None
-        return FileStore(path, fs=self.fs, incremental=self.incremental, full_every=self.full_every)
+        return FileStore(path, fs=self.fs, **self._policy())
 
     def _run_dir(self, run: str) -> str:
         return os.path.join(self.root, check_run(run))
@@ -103,14 +104,15 @@ class FileStore(Store):
             parent = check_step(parent, "parent")
         path = self.path(run, step)
         cache = self._write_cache(run, expect_unchanged, path)
+        w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta,
+                              memo=cache.encoding if cache else None)
+        cache = self._split_cache(run, w.total_len, cache, expect_unchanged)
         if cache is None:
-            w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta)
             self._ensure_run_dir(os.path.dirname(path))
             with self._fenced(run, epoch, path):
                 durable.write_atomic(path, checkpoint.stream(w), overwrite=overwrite, size=w.total_len, fs=self.fs)
             self.last_put = None
             return path
-        w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta, memo=cache.encoding)
         self._ensure_run_dir(os.path.dirname(path))
         if not overwrite and os.path.exists(path):   # before writing chunks; link(2) below still decides
             raise CheckpointExistsError("a checkpoint already exists here", ref=path)

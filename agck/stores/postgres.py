@@ -21,8 +21,9 @@ checkpoint's own size (what :meth:`list` reports). By default
 (``incremental=True``) that container is a small chunk listing (FORMAT.md,
 version 1.1; ``listing`` is true) and the content is kept in ``objects``, one
 row per distinct BLAKE3-256 address, shared by every checkpoint holding those
-bytes; only the objects the store lacks are sent. ``incremental=False``
-stores standalone 1.0 containers.
+bytes; only the objects the store lacks are sent. A container under
+``min_chunked`` bytes (64 KiB) is stored standalone all the same.
+``incremental=False`` stores standalone 1.0 containers.
 
 Writers and the collector exclude each other with one transaction advisory
 lock per store (:mod:`agck.stores.content`, rule 2): a put holds it shared
@@ -44,7 +45,9 @@ missing ones streamed over ``COPY ... FROM STDIN (FORMAT binary)``; then the
 container streamed as chunk rows the same way (the COPY stream is generated
 from the container's own buffers while psycopg2 reads it: the container is
 never assembled, never hex-encoded), then the manifest row with the xxh3-64
-of the container, then COMMIT. A client killed mid-way leaves an aborted
+of the container, then COMMIT. ``put_many`` writes several checkpoints in
+one such transaction (one COPY of objects, one of chunk rows, one manifest
+INSERT, one COMMIT). A client killed mid-way leaves an aborted
 transaction: nothing visible, no objects either. A read is one snapshot: the
 manifest and the chunk lengths are checked first, then ``COPY (SELECT data
 ...) TO STDOUT (FORMAT binary)`` is parsed straight into one preallocated
@@ -67,24 +70,24 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from functools import partial
-from typing import Any, Callable, Collection
+from typing import Any, Callable
 
 import psycopg2
 import psycopg2.errors
 import psycopg2.extensions
 from psycopg2 import sql
 
-from .. import checkpoint, codec, failpoints
+from .. import codec, failpoints
 from ..checkpoint import Checkpoint
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                       DurabilityError, SchemaMismatchError, SchemaUninitializedError, StoreConnectionError,
                       StoreError)
 from ..memory import new_buffer
 from . import content
-from .base import CheckpointInfo, Store, check_identity, check_run, check_step
-from .sqlrows import (DEFAULT_CHUNK_SIZE, check_chunk_size, check_checksum, check_identifier, chunk_plan,
-                      container_checksum, dsn_secrets, dsn_without_password, manifest_checksum, meta_json_text,
-                      nchunks_for, redact_dsn, split_chunks, sql_row)
+from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_run, check_step
+from .sqlrows import (DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalPuts, check_chunk_size, check_checksum,
+                      check_identifier, chunk_plan, dsn_secrets, dsn_without_password, nchunks_for, redact_dsn,
+                      split_chunks, sql_row)
 
 SCHEMA_VERSION = 3
 
@@ -179,31 +182,34 @@ class _CopyStream(ABC):
 
 class _CopyIn(_CopyStream):
     """``COPY {chunks} (run, step, idx, data) FROM STDIN (FORMAT binary)`` from the
-    container's buffers."""
+    buffers of one or more containers, each given as (run, step, parts, total)."""
 
-    def __init__(self, run: str, step: int, parts, total: int, chunk_size: int):
-        self.run_b = run.encode("utf-8")
-        self.step = step
-        self.pieces = split_chunks(parts, total, chunk_size)
-        self.nchunks = 0
+    def __init__(self, containers: list[tuple[str, int, Any, int]], chunk_size: int):
+        self.containers = [(run.encode("utf-8"), step, split_chunks(parts, total, chunk_size))
+                           for run, step, parts, total in containers]
+        self.nchunks = [0] * len(containers)
+        self.last_point: str | None = None    # a fail point hit before the stream's last bytes
         super().__init__()
 
     def _stream(self):
         yield _COPY_HEADER
-        head = _ROW_HEAD + _I32.pack(len(self.run_b)) + self.run_b
         fired = False
-        cur = -1
-        for idx, clen, piece in self.pieces:
-            if idx != cur:
-                if idx == 1:
-                    failpoints.hit("pg.mid_copy")
-                    fired = True
-                cur = idx
-                self.nchunks = idx + 1
-                yield head + _ROW_TAIL.pack(8, self.step, 4, idx, clen)
-            yield piece
+        for k, (run_b, step, pieces) in enumerate(self.containers):
+            head = _ROW_HEAD + _I32.pack(len(run_b)) + run_b
+            cur = -1
+            for idx, clen, piece in pieces:
+                if idx != cur:
+                    if idx == 1 and not fired:
+                        failpoints.hit("pg.mid_copy")
+                        fired = True
+                    cur = idx
+                    self.nchunks[k] = idx + 1
+                    yield head + _ROW_TAIL.pack(8, step, 4, idx, clen)
+                yield piece
         if not fired:
             failpoints.hit("pg.mid_copy")
+        if self.last_point is not None:
+            failpoints.hit(self.last_point)
         yield _COPY_TRAILER
 
 
@@ -499,7 +505,7 @@ class _Names:
         self.store_lock = f"agck objects {self.label}"   # shared by puts, exclusive for the collector
 
 
-class PostgresStore(Store):
+class PostgresStore(TransactionalPuts, Store):
     """Checkpoints in Postgres; one connection, shared between threads under a lock.
 
     ``prefix`` names the tables, ``schema`` the Postgres schema holding them (the
@@ -507,12 +513,13 @@ class PostgresStore(Store):
     most 1 GiB), ``init=True`` creates a missing schema instead of refusing,
     ``check_schema=False`` opens without looking at the schema (``agck db``),
     ``incremental=False`` writes standalone containers instead of chunk listings,
-    ``full_every=K`` one in every K puts of a run (:meth:`Store._set_policy`)."""
+    ``full_every=K`` one in every K puts of a run, ``min_chunked`` a container of fewer
+    bytes (:meth:`Store._set_policy`)."""
 
     def __init__(self, url: str, *, prefix: str = "agck", schema: str | None = None,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, init: bool = False, check_schema: bool = True,
                  connect_timeout: int = 10, incremental: bool = True,
-                 full_every: int | None = None):
+                 full_every: int | None = None, min_chunked: int = MIN_CHUNKED):
         super().__init__()
         if not isinstance(url, str) or not url:
             raise StoreConnectionError(f"not a Postgres URL: {type(url).__name__}",
@@ -523,7 +530,7 @@ class PostgresStore(Store):
         self.prefix = check_identifier(prefix, "table prefix")
         self.schema = check_identifier(schema, "schema name") if schema is not None else None
         self.chunk_size = check_chunk_size(chunk_size)
-        self._set_policy(incremental, full_every)
+        self._set_policy(incremental, full_every, min_chunked)
         self.last_put: content.Chunks | None = None
         self._connect_timeout = connect_timeout
         self._conn = None
@@ -601,7 +608,7 @@ class PostgresStore(Store):
         try:
             return PostgresStore(self._dsn, prefix=f"{self.prefix}_parts", schema=self.schema,
                                  chunk_size=self.chunk_size, init=create, connect_timeout=self._connect_timeout,
-                                 incremental=self.incremental, full_every=self.full_every)
+                                 **self._policy())
         except SchemaUninitializedError:
             if create:
                 raise
@@ -764,103 +771,106 @@ class PostgresStore(Store):
         return f"agck {self.names.label} {run} {step}"
 
     # -- writing ---------------------------------------------------------------------------
-    def put(self, run: str, step: int, state: Any, *, meta: Any = None, parent: int | None = None,
-            overwrite: bool = True, expect_unchanged: Collection[int] = (), epoch: int | None = None) -> str:
-        """Write a checkpoint in one transaction (see the module docstring).
-
-        The manifest's ``meta`` column is the JSONB form of ``meta`` described in
-        :func:`agck.stores.sqlrows.meta_to_json` (bytes as ``{"$bytes": base64}``,
-        non-string keys as strings); ``read().meta`` is always the exact value."""
-        check_run(run)
-        step = check_step(step)
-        if parent is not None:
-            parent = check_step(parent, "parent")
-        ref = self.ref(run, step)
-        cache = self._write_cache(run, expect_unchanged, ref)
-        w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta,
-                              memo=cache.encoding if cache else None)
-        meta_text = meta_json_text(meta)
-        if cache is None:
-            with self._lock:
-                self._put_once(run, step, parent, meta_text, w, None, None, ref, overwrite, epoch)
-                self.last_put = None
-            failpoints.hit("pg.after_commit")
-            return ref
-        plan = content.plan_chunks(w, cache, expect_unchanged=expect_unchanged, ref=ref)   # before the transaction
-        listing = content.listing(w, plan.chunks, run=run, step=step, parent=parent, meta=meta)
+    def _write(self, puts: list[PreparedPut], epoch: int | None) -> None:
         with self._lock:
             for attempt in range(PUT_RETRIES + 1):
                 try:
-                    self._put_once(run, step, parent, meta_text, w, plan, listing, ref, overwrite, epoch)
+                    self._put_once(puts, epoch)
                     break
                 except _Refused as e:
                     if attempt == PUT_RETRIES:
                         raise DurabilityError(f"the database refused the checkpoint's objects {attempt + 1} "
-                                              f"times ({e.args[0]})", ref=ref,
+                                              f"times ({e.args[0]})", ref=puts[0].ref,
                                               hint="a garbage collection ran alongside; put it again") from None
-            self.last_put = plan.chunks
-        self._caches.give(run, cache)
+            last = puts[-1].plan
+            self.last_put = last.chunks if last is not None else None
+        for p in puts:
+            if p.cache is not None:
+                self._caches.give(p.run, p.cache)
         failpoints.hit("pg.after_commit")
-        return ref
 
-    def _put_once(self, run: str, step: int, parent, meta_text: str, w, plan: "content.Plan | None",
-                  listing: bytes | None, ref: str, overwrite: bool, epoch: int | None = None) -> None:
-        """One write transaction: a standalone container (``plan`` None), or the objects
-        ``plan`` lacks and ``listing``. Raises _Refused when the database refused it
-        for a reason another attempt can get past."""
+    def _put_once(self, puts: list[PreparedPut], epoch: int | None = None) -> None:
+        """One write transaction: each container of ``puts`` as chunk rows (a standalone
+        checkpoint, or a listing after the objects its plan lacks) and its manifest row.
+        Statements travel together where no answer is awaited in between: when every
+        manifest row is known before the chunk rows (listings, small standalone
+        containers) the COMMIT follows the COPY in one exchange, so a put of a small
+        checkpoint is one round trip; a large standalone one takes two (BEGIN to COPY,
+        then INSERT and COMMIT); a listing's objects take two more before.
+        Raises _Refused when the database refused it for a reason another attempt can get past."""
         n = self.names
+        ref = puts[0].ref
         stream = None
         cur = self._cursor()
         try:
-            if self._begin_and_delete(cur, run, step) and not overwrite:
-                raise CheckpointExistsError("a checkpoint already exists here", ref=ref)
-            failpoints.hit("pg.before_copy")
-            if plan is None:
-                total = w.total_len
-                stream = _CopyIn(run, step, checkpoint.stream(w), total, self.chunk_size)
-            else:
-                self._put_objects(cur, plan)
+            plans = [p.plan for p in puts if p.plan is not None]
+            begin, args = self._begin_sql(puts)
+            if plans:
+                addresses = list(dict.fromkeys(a for plan in plans for a in plan.distinct))
+                unknown = [a for a in addresses if a not in self._known_objects]
+                cur.execute(begin + "; " + _XACT_LOCK_SHARED + "; SELECT (SELECT generation FROM "
+                            f"{n.gc}), ARRAY(SELECT address FROM {n.objects} WHERE address = ANY(%s::bytea[]))",
+                            (*args, n.store_lock, unknown))
+                generation, found = cur.fetchone()
+                self._put_objects(cur, plans, addresses, generation, {bytes(a) for a in found})
                 failpoints.hit("pg.after_objects")
-                total = len(listing)
-                stream = _CopyIn(run, step, [listing], total, self.chunk_size)
-            cur.copy_expert(f"COPY {n.chunks} (run, step, idx, data) FROM STDIN (FORMAT binary)", stream,
-                            size=COPY_IO_SIZE)
-            if stream.error is not None:
-                raise stream.error
-            nchunks = stream.nchunks
-            if nchunks != nchunks_for(total, self.chunk_size):
-                raise DurabilityError(f"streamed {nchunks} chunks, expected {nchunks_for(total, self.chunk_size)}",
-                                      ref=ref)
-            if plan is None:
-                checksum, length = manifest_checksum(w.footer), total
+                begin = ""
+            stream = _CopyIn([(p.run, p.step, p.parts(), p.total) for p in puts], self.chunk_size)
+            copy = f"COPY {n.chunks} (run, step, idx, data) FROM STDIN (FORMAT binary)"
+            row = "(%s, %s, %s, %s, %s, %s, to_timestamp(%s), %s::jsonb, %s, %s)"
+            insert = (f"INSERT INTO {n.manifest} (run, step, parent, size, checksum, nchunks, created_at, meta, "
+                      f"length, listing) VALUES " + ", ".join([row] * len(puts)))
+            if epoch is None and all(p.ready for p in puts):
+                # every manifest row is known: one exchange from here, the COMMIT following the COPY
+                values = [v for p in puts for v in p.manifest_row(nchunks_for(p.total, self.chunk_size))]
+                failpoints.hit("pg.before_copy")
+                failpoints.hit("pg.before_manifest")
+                stream.last_point = "pg.before_commit"    # the COMMIT runs once the stream ends
+                sql = cur.mogrify((begin + "; " if begin else "") + insert, [*(args if begin else ()), *values])
+                try:
+                    cur.copy_expert(self._text(sql) + "; " + copy + "; COMMIT", stream, size=COPY_IO_SIZE)
+                except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
+                    if stream.error is not None:
+                        raise stream.error from None
+                    raise self._commit_failed(e, ref) from None
+                if stream.error is not None:
+                    raise stream.error
             else:
-                checksum, length = container_checksum(listing), plan.chunks.total
-            failpoints.hit("pg.before_manifest")
-            cur.execute(f"INSERT INTO {n.manifest} (run, step, parent, size, checksum, nchunks, created_at, meta, "
-                        f"length, listing) VALUES (%s, %s, %s, %s, %s, %s, to_timestamp(%s), %s::jsonb, %s, %s)",
-                        (run, step, parent, total, checksum, nchunks, w.header.created_at_ns / 1e9, meta_text,
-                         length, plan is not None))
-            if epoch is not None:
-                self._check_epoch(cur, run, epoch, ref)
-            failpoints.hit("pg.before_commit")
-            try:
-                cur.execute("COMMIT")
-            except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
-                raise DurabilityError(
-                    f"the connection failed during COMMIT: the checkpoint may or may not have been written "
-                    f"({_scrub(str(e), self._secrets)})", ref=ref,
-                    hint="check store.steps(run) once the server is reachable, and put it again if absent"
-                ) from None
-            if plan is not None:
-                self._committed_objects(plan)
+                failpoints.hit("pg.before_copy")
+                if begin:    # nothing asked of the database yet: the transaction begins with the COPY
+                    copy = self._text(cur.mogrify(begin, args)) + "; " + copy
+                cur.copy_expert(copy, stream, size=COPY_IO_SIZE)
+                if stream.error is not None:
+                    raise stream.error
+                for p, nchunks in zip(puts, stream.nchunks):
+                    if nchunks != nchunks_for(p.total, self.chunk_size):
+                        raise DurabilityError(f"streamed {nchunks} chunks, expected "
+                                              f"{nchunks_for(p.total, self.chunk_size)}", ref=p.ref)
+                values = [v for p, k in zip(puts, stream.nchunks) for v in p.manifest_row(k)]
+                # a client killed here, or after the INSERT, leaves the same: an aborted transaction
+                failpoints.hit("pg.before_manifest")
+                if epoch is not None:
+                    cur.execute(insert, values)
+                    for run in dict.fromkeys(p.run for p in puts):
+                        self._check_epoch(cur, run, epoch, ref)
+                    failpoints.hit("pg.before_commit")
+                    commit, values = "COMMIT", None
+                else:
+                    failpoints.hit("pg.before_commit")
+                    commit = insert + "; COMMIT"
+                try:
+                    cur.execute(commit, values)
+                except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
+                    raise self._commit_failed(e, ref) from None
+            self._committed_objects(plans)
         except BaseException as e:
             if stream is not None and stream.error is not None and isinstance(e, psycopg2.Error):
                 e = stream.error   # the real cause behind psycopg2's "COPY cancelled"
             self._abort(cur)
             if isinstance(e, AgckError):
                 raise e.at(ref)
-            if isinstance(e, psycopg2.errors.UniqueViolation) and not overwrite:
-                raise CheckpointExistsError("a checkpoint already exists here", ref=ref) from None
+            if isinstance(e, psycopg2.errors.UniqueViolation) and not all(p.overwrite for p in puts):
+                raise self._exists(puts) from None
             if isinstance(e, (psycopg2.errors.ForeignKeyViolation, psycopg2.errors.DeadlockDetected)):
                 raise _Refused(_scrub(str(e).strip(), self._secrets)) from None
             if isinstance(e, psycopg2.Error):
@@ -869,31 +879,75 @@ class PostgresStore(Store):
                 raise DurabilityError(f"write failed: {e.strerror or e}", ref=ref) from e
             raise
 
-    def _put_objects(self, cur, plan: "content.Plan") -> None:
-        """Take the store lock shared (no collector deletes an object before this
-        transaction ends), find the objects the store holds and send the rest.
-        Another writer may send one of them first: the COPY then fails on its key,
-        and is done again, in a savepoint, without the ones that have arrived."""
+    def _text(self, sql: bytes) -> str:
+        """A statement psycopg2 interpolated (in the connection's encoding) as text,
+        to put in front of a COPY."""
+        return sql.decode(psycopg2.extensions.encodings.get(self._conn.encoding, "utf-8"))
+
+    def _commit_failed(self, e: psycopg2.Error, ref: str) -> DurabilityError:
+        return DurabilityError(
+            f"the connection failed during COMMIT: the checkpoint may or may not have been written "
+            f"({_scrub(str(e), self._secrets)})", ref=ref,
+            hint="check store.steps(run) once the server is reachable, and put it again if absent")
+
+    def _begin_sql(self, puts: list[PreparedPut]) -> tuple[str, list]:
+        """The statements that open a put's durable transaction: the (run, step) locks,
+        taken in one order by every writer (no deadlock between two put_many), then
+        the rows of the entries it may replace deleted, chunks first. An entry not to
+        be replaced is left alone: its rows, if any, collide with the new ones
+        (UniqueViolation) and the transaction is rolled back."""
         n = self.names
-        # held until COMMIT: no collection runs between finding an object here and the listing committing
-        cur.execute(_XACT_LOCK_SHARED + f"; SELECT generation FROM {n.gc}", (n.store_lock,))
-        generation = cur.fetchone()[0]
+        locks = sorted({self._row_lock_key(p.run, p.step) for p in puts})
+        stmts, args = ["BEGIN", "SET LOCAL synchronous_commit = on"] + [_XACT_LOCK] * len(locks), list(locks)
+        replaced = [(p.run, p.step) for p in puts if p.overwrite]
+        if replaced:
+            which = " OR ".join(["(run = %s AND step = %s)"] * len(replaced))
+            keys = [v for key in replaced for v in key]
+            stmts += [f"DELETE FROM {n.chunks} WHERE {which}", f"DELETE FROM {n.manifest} WHERE {which}"]
+            args += keys + keys
+        return "; ".join(stmts), args
+
+    def _exists(self, puts: list[PreparedPut]) -> CheckpointExistsError:
+        """After a put refused for a key already taken: name the entry (not to be
+        replaced) whose checkpoint is there."""
+        kept = [p for p in puts if not p.overwrite]
+        try:
+            taken = {(r, s) for r, s in self._query(
+                f"SELECT run, step FROM {self.names.manifest} WHERE "
+                + " OR ".join(["(run = %s AND step = %s)"] * len(kept)), [v for p in kept for v in (p.run, p.step)])}
+        except AgckError:
+            taken = set()
+        p = next((p for p in kept if (p.run, p.step) in taken), kept[0])
+        return CheckpointExistsError("a checkpoint already exists here", ref=p.ref)
+
+    def _put_objects(self, cur, plans: list["content.Plan"], addresses: list[bytes], generation: int,
+                     found: set[bytes]) -> None:
+        """Send the objects of ``plans`` the store lacks. The store lock is held shared
+        (no collector deletes an object before this transaction ends); ``found`` are
+        those of ``addresses`` this store object did not know of that the store holds,
+        as of gc ``generation``. Another writer may send one of them first: the COPY
+        then fails on its key, and is done again, in a savepoint, without the ones
+        that have arrived."""
+        n = self.names
         if generation != self._known_generation:    # a collection ran: what this store knew may be gone
+            known_before = self._known_objects
             self._known_objects = set()
             self._known_generation = generation
-        known = self._known_objects
-        present = {a for a in plan.distinct if a in known}
-        present |= self._present(cur, [a for a in plan.distinct if a not in known])
+            found |= self._present(cur, [a for a in addresses if a in known_before])
+        present = {a for a in addresses if a in self._known_objects} | found
         for _ in range(_OBJECT_ROUNDS):
-            missing = plan.missing(present)
+            missing, seen = [], set(present)
+            for plan in plans:      # an object two of them hold is sent once
+                m = plan.missing(seen)
+                seen.update(a for a, _ in m)
+                missing += m
             if not missing:
                 return
             missing.sort()      # writers sending the same new objects meet them in one order: no deadlock
             stream = _ObjectsIn(missing)
-            cur.execute("SAVEPOINT agck_objects")
-            try:
-                cur.copy_expert(f"COPY {n.objects} (address, size, data) FROM STDIN (FORMAT binary)", stream,
-                                size=COPY_IO_SIZE)
+            try:     # the savepoint stays open to COMMIT, which commits what it holds
+                cur.copy_expert(f"SAVEPOINT agck_objects; COPY {n.objects} (address, size, data) FROM STDIN "
+                                "(FORMAT binary)", stream, size=COPY_IO_SIZE)
             except psycopg2.errors.UniqueViolation:
                 if stream.error is not None:
                     raise
@@ -906,15 +960,17 @@ class PostgresStore(Store):
                 raise
             if stream.error is not None:
                 raise stream.error
-            cur.execute("RELEASE SAVEPOINT agck_objects")
             return
         raise _Refused("other writers kept sending the same objects")
 
-    def _committed_objects(self, plan: "content.Plan") -> None:
+    def _committed_objects(self, plans: list["content.Plan"]) -> None:
         """After a put's COMMIT: its objects are in the store until a collection runs."""
+        if not plans:
+            return
         if len(self._known_objects) > _KNOWN_OBJECTS_MAX:
             self._known_objects = set()
-        self._known_objects.update(plan.distinct)
+        for plan in plans:
+            self._known_objects.update(plan.distinct)
 
     def _present(self, cur, addresses: list[bytes]) -> set[bytes]:
         cur.execute(f"SELECT address FROM {self.names.objects} WHERE address = ANY(%s::bytea[])", (addresses,))
@@ -922,8 +978,8 @@ class PostgresStore(Store):
 
     def _begin_and_delete(self, cur, run: str, step: int) -> bool:
         """Open a durable write transaction holding (run, step)'s lock and delete its
-        rows, chunks first; returns whether a checkpoint was there. Put and delete
-        both start this way, so they serialise on the same lock."""
+        rows, chunks first; returns whether a checkpoint was there. A put's
+        transaction takes the same lock (:meth:`_begin_sql`), so they serialise."""
         n = self.names
         cur.execute(
             "BEGIN; SET LOCAL synchronous_commit = on; " + _XACT_LOCK + "; "

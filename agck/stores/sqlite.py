@@ -23,7 +23,8 @@ checkpoint's own size (what :meth:`list` reports). By default
 (``incremental=True``) that container is a chunk listing (FORMAT.md, version
 1.1; ``listing`` is 1) and the checkpoint's content is kept in ``objects``,
 one row per distinct BLAKE3-256 address shared by every checkpoint holding
-those bytes. ``incremental=False`` stores standalone 1.0 containers. Writers
+those bytes; a container under ``min_chunked`` bytes (64 KiB) is stored
+standalone all the same. ``incremental=False`` stores standalone 1.0 containers. Writers
 and the collector each run in one ``BEGIN IMMEDIATE`` transaction, which
 SQLite serialises: no collection runs between a put finding an object and
 its COMMIT (:mod:`agck.stores.content`, rule 2), and a collection reads
@@ -39,6 +40,7 @@ never assembled in memory), then the manifest row. WAL mode with
 before it leaves nothing, not even objects. Objects no checkpoint refers to
 any more are deleted by :meth:`collect_garbage`. Opening a store of schema
 version 1 or 2 migrates it to 3 (checkpoints stay as they were written).
+``put_many`` writes several checkpoints in one such transaction.
 
 ``meta`` is kept twice: exactly, inside the container (``read().meta``), and
 as JSON text in the manifest for listing and querying (see :func:`meta_to_json`).
@@ -53,18 +55,18 @@ import time
 import urllib.parse
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Collection
+from typing import Any
 
-from .. import checkpoint, codec, failpoints
+from .. import codec, failpoints
 from ..checkpoint import Checkpoint
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                       DurabilityError, SchemaMismatchError, StoreConnectionError, StoreError,
                       UsageError)
 from ..memory import new_buffer
 from . import content
-from .base import CheckpointInfo, Store, check_identity, check_run, check_step
-from .sqlrows import (DEFAULT_CHUNK_SIZE, batches, check_checksum, check_chunk_size, check_identifier, chunk_plan,
-                      container_checksum, manifest_checksum, meta_json_text, split_chunks, sql_row)
+from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_run, check_step
+from .sqlrows import (DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalPuts, batches, check_checksum, check_chunk_size,
+                      check_identifier, chunk_plan, split_chunks, sql_row)
 
 SCHEMA_VERSION = 3
 _IN_BATCH = 500       # addresses per IN (...) list: well under SQLite's bound on query parameters
@@ -116,12 +118,12 @@ def _journal_mode_wal(c: sqlite3.Connection, busy_timeout: float) -> str:
             time.sleep(0.01)
 
 
-class SqliteStore(Store):
+class SqliteStore(TransactionalPuts, Store):
     """Checkpoints in one SQLite database file; safe to share between threads and processes."""
 
     def __init__(self, url: str | os.PathLike, *, prefix: str = "agck", chunk_size: int = DEFAULT_CHUNK_SIZE,
                  busy_timeout: float = 30.0, create: bool = True, incremental: bool = True,
-                 full_every: int | None = None):
+                 full_every: int | None = None, min_chunked: int = MIN_CHUNKED):
         super().__init__()
         url = os.fspath(url)
         self.path = sqlite_path(url)
@@ -134,7 +136,7 @@ class SqliteStore(Store):
         self.prefix = check_identifier(prefix, "table prefix")
         self.chunk_size = check_chunk_size(chunk_size)
         self._busy_timeout = busy_timeout
-        self._set_policy(incremental, full_every)
+        self._set_policy(incremental, full_every, min_chunked)
         self.last_put: content.Chunks | None = None
         p = self.prefix
         self._t_version, self._t_manifest, self._t_chunks = f"{p}_schema_version", f"{p}_manifest", f"{p}_chunks"
@@ -255,21 +257,9 @@ class SqliteStore(Store):
         return self._conn
 
     # -- writing ---------------------------------------------------------------
-    def put(self, run: str, step: int, state: Any, *, meta: Any = None, parent: int | None = None,
-            overwrite: bool = True, expect_unchanged: Collection[int] = (), epoch: int | None = None) -> str:
-        check_run(run)
-        step = check_step(step)
-        if parent is not None:
-            parent = check_step(parent, "parent")
-        ref = self.ref(run, step)
-        cache = self._write_cache(run, expect_unchanged, ref)
-        w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta,
-                              memo=cache.encoding if cache else None)
-        meta_text = meta_json_text(meta)
-        plan = listing = None
-        if cache is not None:   # splitting and hashing: before taking the database's write lock
-            plan = content.plan_chunks(w, cache, expect_unchanged=expect_unchanged, ref=ref)
-            listing = content.listing(w, plan.chunks, run=run, step=step, parent=parent, meta=meta)
+    def _write(self, puts: list[PreparedPut], epoch: int | None) -> None:
+        """One write transaction holding ``puts``."""
+        ref = puts[0].ref
         with self._lock:
             c = self._db()
             try:
@@ -278,28 +268,25 @@ class SqliteStore(Store):
                 raise DurabilityError(f"cannot start the write transaction: {e}", ref=ref) from None
             try:
                 if epoch is not None:
-                    self._check_epoch(c, run, epoch, ref)
-                key = (run, step)
-                exists = c.execute(f"SELECT 1 FROM {self._t_manifest} WHERE run = ? AND step = ?", key).fetchone()
-                if exists and not overwrite:
-                    raise CheckpointExistsError("a checkpoint already exists here", ref=ref)
-                c.execute(f"DELETE FROM {self._t_chunks} WHERE run = ? AND step = ?", key)
-                c.execute(f"DELETE FROM {self._t_manifest} WHERE run = ? AND step = ?", key)
+                    for run in dict.fromkeys(p.run for p in puts):
+                        self._check_epoch(c, run, epoch, ref)
+                for p in puts:
+                    key = (p.run, p.step)
+                    exists = c.execute(f"SELECT 1 FROM {self._t_manifest} WHERE run = ? AND step = ?",
+                                       key).fetchone()
+                    if exists and not p.overwrite:
+                        raise CheckpointExistsError("a checkpoint already exists here", ref=p.ref)
+                    c.execute(f"DELETE FROM {self._t_chunks} WHERE run = ? AND step = ?", key)
+                    c.execute(f"DELETE FROM {self._t_manifest} WHERE run = ? AND step = ?", key)
                 failpoints.hit("sqlite.before_insert")
-                if plan is None:
-                    total = w.total_len
-                    nchunks = self._write_chunks(c, run, step, checkpoint.stream(w), total)
-                    checksum, length = manifest_checksum(w.footer), total
-                else:
-                    self._write_objects(c, plan)
-                    failpoints.hit("sqlite.after_objects")
-                    total = len(listing)
-                    nchunks = self._write_chunks(c, run, step, [listing], total)
-                    checksum, length = container_checksum(listing), plan.chunks.total
-                c.execute(f"INSERT INTO {self._t_manifest} (run, step, parent, size, checksum, nchunks, "
-                          f"created_at, meta, length, listing) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                          (run, step, parent, total, checksum, nchunks, w.header.created_at_ns / 1e9, meta_text,
-                           length, int(plan is not None)))
+                for p in puts:
+                    if p.plan is not None:
+                        self._write_objects(c, p.plan)
+                        failpoints.hit("sqlite.after_objects")
+                    nchunks = self._write_chunks(c, p.run, p.step, p.parts(), p.total)
+                    c.execute(f"INSERT INTO {self._t_manifest} (run, step, parent, size, checksum, nchunks, "
+                              f"created_at, meta, length, listing) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                              p.manifest_row(nchunks))
                 failpoints.hit("sqlite.before_commit")
                 c.execute("COMMIT")
             except BaseException as e:
@@ -312,11 +299,12 @@ class SqliteStore(Store):
                 if isinstance(e, (sqlite3.Error, OSError)):
                     raise DurabilityError(f"write failed: {e}", ref=ref) from e
                 raise
-            self.last_put = plan.chunks if plan is not None else None
-        if cache is not None:
-            self._caches.give(run, cache)
+            last = puts[-1].plan
+            self.last_put = last.chunks if last is not None else None
+        for p in puts:
+            if p.cache is not None:
+                self._caches.give(p.run, p.cache)
         failpoints.hit("sqlite.after_commit")
-        return ref
 
     # -- fencing: a row per run in <prefix>_epochs ---------------------------------
     def begin_epoch(self, run: str) -> int:
@@ -573,8 +561,7 @@ class SqliteStore(Store):
                              "its own", ref=self.url, hint="use a database file")
         try:
             return SqliteStore(self.url, prefix=f"{self.prefix}_parts", chunk_size=self.chunk_size,
-                               busy_timeout=self._busy_timeout, create=create, incremental=self.incremental,
-                               full_every=self.full_every)
+                               busy_timeout=self._busy_timeout, create=create, **self._policy())
         except StoreConnectionError:
             if create:
                 raise

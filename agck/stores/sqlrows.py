@@ -1,6 +1,8 @@
 """Containers as chunk rows in SQL tables: what the SQLite and Postgres stores share.
 
-The chunk splitter (a container streamed into rows of at most ``chunk_size``
+A put prepared before its transaction begins (:func:`prepare_put`: encoded,
+split into chunks where the store is incremental), the chunk splitter (a
+container streamed into rows of at most ``chunk_size``
 bytes, hashed on the way), the manifest/chunk structure check run before any
 payload is read, the whole-container checksum check, row refs for messages,
 and the JSON form of ``meta`` kept in the manifest for listing and querying.
@@ -14,13 +16,17 @@ import base64
 import json
 import math
 import re
-from typing import Any, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
 from urllib.parse import unquote
 
 import xxhash
 
-from .. import format
+from .. import checkpoint, format
 from ..errors import AgckError, CorruptCheckpointError, StoreError
+from ..names import check_run, check_step
+from . import content
+from .base import PutEntry, Store, check_entries
 
 DEFAULT_CHUNK_SIZE = 64 << 20
 MAX_CHUNK_SIZE = 512 << 20        # SQLite's default blob limit is 1e9 bytes; Postgres bytea's is 1 GiB
@@ -125,6 +131,101 @@ def split_chunks(parts: Iterable, total: int, chunk_size: int, hasher=None) -> I
                 clen = min(chunk_size, total - idx * chunk_size)
     if done != total:
         raise AgckError(f"the container produced {done} bytes, not its announced {total}")
+
+
+# A standalone container up to this size is assembled before its transaction begins:
+# its footer (whose checksum the manifest row holds) is then known, so the manifest
+# row can travel with the chunk rows instead of after them.
+ASSEMBLED_MAX = 1 << 20
+
+
+@dataclass
+class PreparedPut:
+    """One checkpoint of a SQL write transaction, encoded (and split, when chunked)
+    before the transaction begins: the database's locks are held only while bytes move."""
+
+    run: str
+    step: int
+    parent: int | None
+    meta_text: str
+    w: format.ContainerWriter
+    plan: content.Plan | None           # None: a standalone container
+    listing: bytes | None               # the chunk listing, when chunked
+    ref: str
+    overwrite: bool
+    cache: content.WriteCache | None    # given back to the store once the put committed
+    data: bytes | None = None           # a small standalone container, assembled
+
+    def parts(self) -> Iterable:
+        """The container the chunk rows hold: the checkpoint itself, or its listing."""
+        if self.plan is not None:
+            return [self.listing]
+        return [self.data] if self.data is not None else checkpoint.stream(self.w)
+
+    @property
+    def ready(self) -> bool:
+        """Whether :meth:`manifest_row` is known before the chunk rows are streamed."""
+        return self.plan is not None or self.data is not None
+
+    @property
+    def total(self) -> int:
+        return self.w.total_len if self.plan is None else len(self.listing)
+
+    def manifest_row(self, nchunks: int) -> tuple:
+        """(run, step, parent, size, checksum, nchunks, created_at, meta, length, listing)."""
+        if self.plan is None:
+            checksum, length = manifest_checksum(self.w.footer), self.total
+        else:
+            checksum, length = container_checksum(self.listing), self.plan.chunks.total
+        return (self.run, self.step, self.parent, self.total, checksum, nchunks, self.w.header.created_at_ns / 1e9,
+                self.meta_text, length, self.plan is not None)
+
+
+def prepare_put(store: "Store", run: str, step: int, state: Any, *, meta: Any, parent: int | None,
+                overwrite: bool, expect_unchanged: Collection[int] = ()) -> PreparedPut:
+    """Encode (run, step) for ``store`` and, if the store chunks it, split it."""
+    check_run(run)
+    step = check_step(step)
+    if parent is not None:
+        parent = check_step(parent, "parent")
+    ref = store.ref(run, step)
+    cache = store._write_cache(run, expect_unchanged, ref)
+    w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta,
+                          memo=cache.encoding if cache else None)
+    cache = store._split_cache(run, w.total_len, cache, expect_unchanged)
+    plan = listing = data = None
+    if cache is not None:
+        plan = content.plan_chunks(w, cache, expect_unchanged=expect_unchanged, ref=ref)
+        listing = content.listing(w, plan.chunks, run=run, step=step, parent=parent, meta=meta)
+    elif w.total_len <= ASSEMBLED_MAX:
+        data = b"".join(w.parts())     # sets w.footer
+        if len(data) != w.total_len:
+            raise AgckError(f"the container produced {len(data)} bytes, not its announced {w.total_len}", ref=ref)
+    return PreparedPut(run, step, parent, meta_json_text(meta), w, plan, listing, ref, overwrite, cache, data)
+
+
+class TransactionalPuts:
+    """``put`` and ``put_many`` of a SQL store: each put encoded and split before the
+    store's ``_write(puts, epoch)`` writes them in one transaction."""
+
+    def put(self, run: str, step: int, state: Any, *, meta: Any = None, parent: int | None = None,
+            overwrite: bool = True, expect_unchanged: Collection[int] = (), epoch: int | None = None) -> str:
+        """Write a checkpoint in one transaction (see :meth:`Store.put`). The manifest's
+        ``meta`` column is the JSON form of ``meta`` (:func:`meta_to_json`: bytes as
+        ``{"$bytes": base64}``, non-string keys as strings); ``read().meta`` is always
+        the exact value."""
+        p = prepare_put(self, run, step, state, meta=meta, parent=parent, overwrite=overwrite,
+                        expect_unchanged=expect_unchanged)   # splitting and hashing: before the transaction
+        self._write([p], epoch)
+        return p.ref
+
+    def put_many(self, entries: Sequence[PutEntry]) -> list[str]:
+        """Write several checkpoints in one transaction (see :meth:`Store.put_many`)."""
+        puts = [prepare_put(self, e.run, e.step, e.state, meta=e.meta, parent=e.parent, overwrite=e.overwrite)
+                for e in check_entries(entries)]
+        if puts:
+            self._write(puts, None)
+        return [p.ref for p in puts]
 
 
 def nchunks_for(total: int, chunk_size: int) -> int:
