@@ -123,15 +123,19 @@ class ContainerWriter:
         if len(self.blobs) > MAX_BLOBS:
             raise ValueError(f"too many blobs: {len(self.blobs)} > {MAX_BLOBS}")
         # each blob starts at the next multiple of ALIGN after the one before it ends
-        sizes = np.fromiter(map(_NBYTES, self.blobs), dtype=np.uint64, count=len(self.blobs))
-        ends = np.cumsum((sizes + np.uint64(ALIGN - 1)) & np.uint64(~(ALIGN - 1) & (2**64 - 1)))
-        starts = np.empty_like(ends)
-        starts[:1] = 0
-        starts[1:] = ends[:-1]
-        pos = int(starts[-1] + sizes[-1]) if len(sizes) else 0
-        self.offsets = offsets = starts.tolist()
+        if self.blobs:
+            sizes = np.fromiter(map(_NBYTES, self.blobs), dtype=np.uint64, count=len(self.blobs))
+            ends = np.cumsum((sizes + np.uint64(ALIGN - 1)) & np.uint64(~(ALIGN - 1) & (2**64 - 1)))
+            starts = np.empty_like(ends)
+            starts[:1] = 0
+            starts[1:] = ends[:-1]
+            pos = int(starts[-1] + sizes[-1])
+            self.offsets = starts.tolist()
+            blob_table = np.stack([starts, sizes], axis=1).tolist()
+        else:     # plain data alone: no arrays to lay out (numpy's calls would cost more than the rest)
+            pos, self.offsets, blob_table = 0, [], []
         full_meta = dict(meta)
-        full_meta["blobs"] = np.stack([starts, sizes], axis=1).tolist()
+        full_meta["blobs"] = blob_table
         self.meta_bytes, spans = _pack_map(full_meta)
         # where each top-level value's bytes are in the container: (start, start of its
         # members or content, after a list's or bin's header; end)

@@ -6,7 +6,8 @@ Cases, alternated each round with their order rotated, after one warm-up round:
 
 - put and get of a checkpoint whose state is one float32 array channel of 16 MiB,
   and of 64 MiB (a fresh array each put: new content), plus a "messages" channel;
-- put and get of a small state: a few chat messages, about 10 KB in all;
+- put and get of a small state: a few chat messages, about 10 KB in all (50 timed
+  calls a round);
 - the floor for a put of new content: the array's bytes as one bytea row, sent in
   binary and committed (Postgres writes them through its WAL either way).
 
@@ -22,7 +23,8 @@ and never changes: the bytes each saver's tables grow by (pg_total_relation_size
 which shows whether the unchanged channel is written once or every step.
 
     pip install -e '.[test]' langgraph-checkpoint-postgres==3.2.0 'psycopg[binary]==3.3.9'
-    python scripts/bench_langgraph.py [--rounds 5] [--dsn postgresql://...] [--json F]
+    python scripts/bench_langgraph.py [--rounds 5] [--dsn postgresql://...] [--json F] [--sizes small,16,64]
+                                      [--no-graph]
 """
 
 from __future__ import annotations
@@ -118,6 +120,10 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--dsn", default=DSN)
     p.add_argument("--json")
+    p.add_argument("--sizes", default="small,16,64",
+                   help="the states to measure: small and/or MiB of the array channel (the small put measured "
+                        "alone, without large puts filling the server's WAL alongside: --sizes small)")
+    p.add_argument("--no-graph", action="store_true", help="skip the 100-super-step graph")
     a = p.parse_args(argv)
     from langgraph.checkpoint.postgres import PostgresSaver
     from psycopg import Connection
@@ -151,7 +157,8 @@ def main(argv=None) -> int:
     results: dict = {"rounds": a.rounds, "cases": {}, "graph_growth": {}}
     try:
         msgs = _messages()
-        sizes = [("small (~10 KB of messages)", None), ("16 MiB array", 16), ("64 MiB array", 64)]
+        sizes = [("small (~10 KB of messages)", None) if x == "small" else (f"{int(x)} MiB array", int(x))
+                 for x in a.sizes.split(",")]
         cases = []
         rng = np.random.default_rng(0)
         admin.cursor().execute(f"CREATE TABLE {schema}.floor (b bytea); "
@@ -170,9 +177,10 @@ def main(argv=None) -> int:
 
                 def renew(t=t, v=values):
                     t.next = v()
+                inner = 1 if mb else 50    # a few ms each: 50 timed calls a round
                 cases.append(benchio.Case(f"put {label} | {s.name}", lambda t=t: t.put(t.next), after=renew,
-                                          nbytes=(mb or 0) * MiB))
-                cases.append(benchio.Case(f"get {label} | {s.name}", t.get, nbytes=(mb or 0) * MiB))
+                                          nbytes=(mb or 0) * MiB, inner=inner))
+                cases.append(benchio.Case(f"get {label} | {s.name}", t.get, nbytes=(mb or 0) * MiB, inner=inner))
             if mb:
                 # the floor for a put of new content: the same bytes as one bytea row, sent in
                 # binary, committed (synchronous_commit on, as both savers' commits are)
@@ -205,13 +213,14 @@ def main(argv=None) -> int:
                     floor = med[f"put {label} | one INSERT of its bytes"]
                     print(f"| {op} {label} | floor: one INSERT of the array's bytes | {floor * 1e3:.1f} | "
                           f"PostgresSaver {ref / floor:.2f}x, agck {ours / floor:.2f}x of it |")
-        print("\n100 super-steps, a 16 MiB channel set once, then only a counter changes:\n")
-        print("| saver | tables grew by |")
-        print("|---|---:|")
-        for s in subjects:
-            grew = _graph_growth(s)
-            results["graph_growth"][s.name] = grew
-            print(f"| {s.name} | {grew / MiB:.1f} MiB |")
+        if not a.no_graph:
+            print("\n100 super-steps, a 16 MiB channel set once, then only a counter changes:\n")
+            print("| saver | tables grew by |")
+            print("|---|---:|")
+            for s in subjects:
+                grew = _graph_growth(s)
+                results["graph_growth"][s.name] = grew
+                print(f"| {s.name} | {grew / MiB:.1f} MiB |")
     finally:
         conn.close()
         store.close()
