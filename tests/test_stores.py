@@ -1424,3 +1424,35 @@ def test_a_stale_epoch_cannot_delete_or_prune(store):
     store.delete("r", 1, epoch=new)
     assert store.prune("r", keep_last=1, epoch=new) == [2]
     assert store.steps("r") == [3]
+
+
+def test_file_store_opened_by_processes_at_once(tmp_path, monkeypatch):
+    """Ranks opening one new store: another one may make the directory between this
+    one's look and its mkdir (test_four_ranks once failed so). Opening still succeeds."""
+    import agck.stores.file as file_mod
+    root = tmp_path / "store"
+    real_isdir = os.path.isdir
+    looks = []
+
+    def isdir_then_made_by_another(path):
+        found = real_isdir(path)
+        if os.fspath(path) == str(root) and not looks:
+            looks.append(path)
+            os.mkdir(root)            # the other rank, right after this one looked
+        return found
+
+    monkeypatch.setattr(file_mod.os.path, "isdir", isdir_then_made_by_another)
+    s = open_store(str(root))
+    monkeypatch.undo()
+    assert looks and s.runs() == []
+    s.put("r", 1, {"x": 1})
+    assert open_store(str(root), create=False).steps("r") == [1]
+
+
+def test_file_store_refuses_a_file_in_the_way(tmp_path):
+    (tmp_path / "f").write_text("not a store")
+    with pytest.raises(StoreConnectionError, match="a file is in the way"):
+        open_store(str(tmp_path / "f"))
+    with pytest.raises(StoreConnectionError, match="not a checkpoint directory"):
+        open_store(str(tmp_path / "missing"), create=False)
+    assert not (tmp_path / "missing").exists()

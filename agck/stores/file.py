@@ -66,7 +66,7 @@ class FileStore(Store):
         self.fs = fs or durable.REAL
         self.objects = ObjectDir(self.root, self.fs)
         if not os.path.isdir(self.root):
-            if not create or os.path.exists(self.root):
+            if not create:
                 raise StoreConnectionError("not a checkpoint directory", ref=self.root,
                                            hint="pass an existing directory, or create=True")
             try:
@@ -75,11 +75,14 @@ class FileStore(Store):
                 os.makedirs(os.path.dirname(self.root), exist_ok=True)
                 try:
                     self.fs.mkdir(self.root)
-                except FileExistsError:
+                except FileExistsError:     # another process (a rank) made it first, or a file is there
                     pass
                 self.fs.fsync_dir(os.path.dirname(self.root))
             except OSError as e:
                 raise StoreConnectionError(f"cannot create the store directory: {e.strerror}", ref=self.root) from None
+            if not os.path.isdir(self.root):
+                raise StoreConnectionError("not a checkpoint directory: a file is in the way", ref=self.root,
+                                           hint="pass a directory path")
 
     def _open_parts(self, create: bool) -> "FileStore | None":
         path = os.path.join(self.root, ".parts")   # not a run name: never listed as a run
