@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from typing import Any, Collection, Iterable, Sequence
 
-from .. import recovery, sharded
+from .. import checkpoint, format, recovery, sharded
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StaleEpochError, UsageError
 from ..recovery import Rejection  # noqa: F401  (re-exported: agck.stores.Rejection)
@@ -112,15 +112,19 @@ class Store(ABC):
             return None
         return cache
 
-    def _split_cache(self, run: str, total: int, cache: WriteCache | None,
-                     expect_unchanged: Collection[int]) -> WriteCache | None:
-        """``cache`` if a container of ``total`` bytes is to be chunked; None (the
-        cache given back) if it is small enough to be written standalone. One that
-        must confirm ``expect_unchanged`` tensors is always chunked."""
-        if cache is not None and total < self.min_chunked and not expect_unchanged:
+    def _encode(self, run: str, step: int, state: Any, *, meta: Any, parent: int | None,
+                expect_unchanged: Collection[int], ref: str) -> tuple[format.ContainerWriter, WriteCache | None]:
+        """Encode a put (with the run's encoding memo where it is chunked) and say how
+        it is written: with the cache to split it with, or None: standalone (not
+        incremental, a ``full_every`` put, or smaller than ``min_chunked`` and not
+        confirming ``expect_unchanged`` tensors; the cache is then given back)."""
+        cache = self._write_cache(run, expect_unchanged, ref)
+        w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta,
+                              memo=cache.encoding if cache else None)
+        if cache is not None and w.total_len < self.min_chunked and not expect_unchanged:
             self._caches.give(run, cache)
-            return None
-        return cache
+            cache = None
+        return w, cache
 
     # -- writing ---------------------------------------------------------------
     @abstractmethod

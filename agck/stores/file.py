@@ -106,10 +106,8 @@ class FileStore(Store):
         if parent is not None:
             parent = check_step(parent, "parent")
         path = self.path(run, step)
-        cache = self._write_cache(run, expect_unchanged, path)
-        w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta,
-                              memo=cache.encoding if cache else None)
-        cache = self._split_cache(run, w.total_len, cache, expect_unchanged)
+        w, cache = self._encode(run, step, state, meta=meta, parent=parent, expect_unchanged=expect_unchanged,
+                                ref=path)
         if cache is None:
             self._ensure_run_dir(os.path.dirname(path))
             with self._fenced(run, epoch, path):

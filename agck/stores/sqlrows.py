@@ -189,10 +189,7 @@ def prepare_put(store: "Store", run: str, step: int, state: Any, *, meta: Any, p
     if parent is not None:
         parent = check_step(parent, "parent")
     ref = store.ref(run, step)
-    cache = store._write_cache(run, expect_unchanged, ref)
-    w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta,
-                          memo=cache.encoding if cache else None)
-    cache = store._split_cache(run, w.total_len, cache, expect_unchanged)
+    w, cache = store._encode(run, step, state, meta=meta, parent=parent, expect_unchanged=expect_unchanged, ref=ref)
     plan = listing = data = None
     if cache is not None:
         plan = content.plan_chunks(w, cache, expect_unchanged=expect_unchanged, ref=ref)
