@@ -246,8 +246,12 @@ def test_values_round_trip(tmp_path):
     entry = saver.store.read(runs.values, checkpoint_key(cfg["configurable"]["checkpoint_id"]))
     paths = {d["path"] for d in entry.tensors}
     assert "state['arrays']['f32']" in paths and "state['tensors'][0]" in paths
-    kinds = {m[1] for m in entry.state["messages"]}
-    assert kinds == {lgmod._K_MSGPACK} and saver.serde.pickle_fallback is False
+    # a list of objects only is one msgpack value, as LangGraph's savers store a channel
+    mark, kind, data = entry.state["messages"]
+    assert (mark, kind) == (lgmod._MARK, lgmod._K_MSGPACK) and saver.serde.pickle_fallback is False
+    assert saver.serde.loads_typed(("msgpack", data)) == msgs
+    # a list that holds a tensor keeps the tensor raw, the objects beside it msgpack
+    assert type(entry.state["tensors"]) is list and isinstance(entry.state["tensors"][0], torch.Tensor)
 
 
 def test_pickle_and_unlisted_classes_are_refused(tmp_path):
@@ -258,6 +262,11 @@ def test_pickle_and_unlisted_classes_are_refused(tmp_path):
     with pytest.raises(EncodeError, match="Note, which is not on the saver's allowlist") as e:
         _put(saver, "t", {"note": Note("a", [1])}, {"note": 1}, {"note": 1})
     assert f"allowed_types=[({Note.__module__!r}, 'Note')]" in e.value.hint
+    # in a list of objects (encoded as one value) the refused item is still named
+    with pytest.raises(EncodeError, match=r"channel 'x'\[1\]: cannot encode .*Opaque without pickle"):
+        _put(saver, "t", {"x": [uuid.UUID(int=1), Opaque()]}, {"x": 1}, {"x": 1})
+    with pytest.raises(EncodeError, match=r"channel 'x'\[2\]: holds .*Note, which is not on"):
+        _put(saver, "t", {"x": [uuid.UUID(int=1), uuid.UUID(int=2), Note("a", [1])]}, {"x": 1}, {"x": 1})
     with pytest.raises(EncodeError, match=r"channel value state\['x'\]: cannot encode numpy array of object"):
         _put(saver, "t", {"x": np.array([Opaque()])}, {"x": 1}, {"x": 1})
     assert saver.get_tuple(_cfg("t")) is None                     # nothing was written

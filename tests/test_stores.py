@@ -18,7 +18,7 @@ import agck
 from agck import failpoints
 from agck.errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                          DurabilityError, InvalidRunNameError, SchemaMismatchError, SchemaUninitializedError,
-                         StoreConnectionError, StoreError)
+                         StoreConnectionError, StoreError, UsageError)
 from agck.stores import open_store
 
 from conftest import make_spec, pg_prefix
@@ -70,6 +70,12 @@ def test_list_runs_steps_order(store):
     assert store.steps("b") == [2, 7, 10]
     assert store.steps("a") == [7, 100]
     assert store.steps("nope") == []
+    # the newest few only, still ascending
+    assert store.steps("b", last=1) == [10] and store.steps("b", last=2) == [7, 10]
+    assert store.steps("b", last=5) == [2, 7, 10] and store.steps("nope", last=1) == []
+    for bad in (0, -1, True, 1.5, "1"):
+        with pytest.raises(UsageError, match="last must be a positive integer"):
+            store.steps("b", last=bad)
     infos = store.list()
     assert [(i.run, i.step) for i in infos] == [("A", 1), ("a", 7), ("a", 100), ("b", 2), ("b", 7), ("b", 10)]
     for i in infos:
@@ -323,10 +329,18 @@ def db_spec(request, tmp_path):
     return make_spec(request.param, request, tmp_path)
 
 
-@pytest.fixture
-def db(db_spec):
+@pytest.fixture(params=[("sqlite", None), ("postgres", "one statement"), ("postgres", "streamed")],
+                ids=["sqlite", "postgres", "postgres-streamed"])
+def db(request, tmp_path, monkeypatch):
     """A standalone container cut into many chunk rows (incremental checkpoints keep
-    only their small listing there; their own tests are further down)."""
+    only their small listing there; their own tests are further down). Postgres reads
+    a container this small with its manifest row in one statement; ``streamed`` makes
+    it take the path of a large one (a transaction, then a COPY)."""
+    kind, path = request.param
+    if path == "streamed":
+        from agck.stores import postgres
+        monkeypatch.setattr(postgres, "SMALL_READ_MAX", -1)
+    db_spec = make_spec(kind, request, tmp_path)
     _, url, opts = db_spec
     s = open_store(url, chunk_size=1024, incremental=False, **opts)
     t = Tamper(db_spec, s)

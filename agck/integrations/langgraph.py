@@ -310,6 +310,17 @@ _CTOR_EXTS = frozenset({_jsonplus.EXT_CONSTRUCTOR_SINGLE_ARG, _jsonplus.EXT_CONS
                         _jsonplus.EXT_CONSTRUCTOR_KW_ARGS, _jsonplus.EXT_PYDANTIC_V1, _jsonplus.EXT_PYDANTIC_V2})
 
 
+def _opaque(x: Any) -> bool:
+    """Whether ``_ValueCodec.encode`` hands ``x`` whole to LangGraph's msgpack serializer
+    (it is none of the values agck stores itself)."""
+    t = type(x)
+    if t in _PLAIN_SCALARS or t is list or t is tuple or t is set or t is frozenset or t is bytearray \
+            or t is _DeltaSnapshot or isinstance(x, (dict, np.ndarray, np.generic)):
+        return False
+    torch = sys.modules.get("torch")
+    return torch is None or not isinstance(x, torch.Tensor)
+
+
 class _Refused(Exception):
     def __init__(self, msg: str, hint: str | None = None):
         super().__init__(msg)
@@ -345,6 +356,18 @@ class _ValueCodec:
             return x
         size[0] += 5
         if t is list:
+            if len(x) > 1 and all(map(_opaque, x)):
+                # a list of objects only (a chat's messages): one msgpack for the list, as
+                # LangGraph's own savers store it, instead of one per item; the same bytes
+                # per item, so it decodes to the same list. On refusal the items are
+                # encoded one by one, to name the item refused.
+                try:
+                    data = self._msgpack(x)
+                except _Refused:
+                    pass
+                else:
+                    size[0] += len(data)
+                    return (_MARK, _K_MSGPACK, data)
             return [self._item(v, i, size) for i, v in enumerate(x)]
         if isinstance(x, dict):   # OrderedDict, defaultdict: come back as dict, as from any saver
             return {self._item(k, "<key>", size): self._item(v, k, size) for k, v in x.items()}
@@ -1044,7 +1067,7 @@ class AgckSaver(BaseCheckpointSaver[int]):
                 return self._load(runs, key, expect_id=cid, expect=(thread_id, ns))
             except _Damage as d:
                 raise self._damaged(runs, key, thread_id, ns, cid, d) from None
-        for key in reversed(self.store.steps(runs.records)):
+        for key in self._newest_first(runs.records):
             try:
                 t = self._load(runs, key, expect=(thread_id, ns))
             except _Damage as d:
@@ -1057,6 +1080,15 @@ class AgckSaver(BaseCheckpointSaver[int]):
             if t is not None:
                 return t
         return None
+
+    def _newest_first(self, run: str) -> Iterator[int]:
+        """The run's steps, newest first: the newest asked for alone (the one almost
+        always wanted: a long thread's get costs no more than a short one's), the rest
+        only if the caller goes on."""
+        newest = self.store.steps(run, last=1)
+        yield from newest
+        if newest:
+            yield from (s for s in reversed(self.store.steps(run)) if s < newest[0])
 
     def list(self, config: RunnableConfig | None, *, filter: dict[str, Any] | None = None,
              before: RunnableConfig | None = None, limit: int | None = None) -> Iterator[CheckpointTuple]:

@@ -58,6 +58,15 @@ class PutEntry:
 MIN_CHUNKED = 64 << 10
 
 
+def check_last(last: Any) -> int | None:
+    """``steps(run, last=...)``: None (every step) or a positive integer."""
+    if last is None:
+        return None
+    if isinstance(last, numbers.Integral) and not isinstance(last, bool) and last > 0:
+        return int(last)
+    raise UsageError(f"last must be a positive integer or None, not {last!r}")
+
+
 class Store(ABC):
     """Backend interface. Implementations must be safe to share between threads."""
 
@@ -217,8 +226,9 @@ class Store(ABC):
         """Run names, sorted."""
 
     @abstractmethod
-    def steps(self, run: str) -> list[int]:
-        """The run's steps, ascending; the cheapest listing the backend has."""
+    def steps(self, run: str, *, last: int | None = None) -> list[int]:
+        """The run's steps, ascending; the cheapest listing the backend has.
+        ``last``: only the newest ``last`` of them (the SQL stores read no more rows)."""
 
     @abstractmethod
     def read(self, run: str, step: int, *, verify: bool = True, map_location=None) -> Checkpoint:

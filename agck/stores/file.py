@@ -35,7 +35,7 @@ from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError,
                       DurabilityError, FormatError, InvalidRunNameError, StoreConnectionError, StoreError, UnsupportedVersionError)
 from ..names import MAX_STEP
 from . import content
-from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_run, check_step
+from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
 from .objectdir import ObjectDir
 
 SUFFIX = ".agck"
@@ -203,12 +203,14 @@ class FileStore(Store):
             raise StoreConnectionError(f"cannot list the store: {e.strerror}", ref=self.root) from None
         return sorted(n for n in names if _is_run_name(n) and os.path.isdir(os.path.join(self.root, n)))
 
-    def steps(self, run: str) -> list[int]:
+    def steps(self, run: str, *, last: int | None = None) -> list[int]:
+        last = check_last(last)
         try:
             names = os.listdir(self._run_dir(run))
         except (FileNotFoundError, NotADirectoryError):
             return []
-        return sorted(s for s in map(parse_step_filename, names) if s is not None)
+        steps = sorted(s for s in map(parse_step_filename, names) if s is not None)
+        return steps if last is None else steps[-last:]
 
     def list(self, run: str | None = None) -> list[CheckpointInfo]:
         out = []

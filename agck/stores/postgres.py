@@ -84,7 +84,7 @@ from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError,
                       StoreError)
 from ..memory import new_buffer
 from . import content
-from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_run, check_step
+from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
 from .sqlrows import (DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalPuts, check_chunk_size, check_checksum,
                       check_identifier, chunk_plan, dsn_secrets, dsn_without_password, nchunks_for, redact_dsn,
                       split_chunks, sql_row)
@@ -105,6 +105,7 @@ _KNOWN_OBJECTS_MAX = 1 << 22
 # How much COPY data one read() hands to libpq, and one write() gets back at most:
 # large enough that per-call Python overhead vanishes, small enough to stay in cache.
 COPY_IO_SIZE = 4 << 20
+SMALL_READ_MAX = 256 << 10   # a standalone container up to this size is read in one statement
 
 _XACT_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))"
 _XACT_LOCK_SHARED = "SELECT pg_advisory_xact_lock_shared(hashtextextended(%s, 0))"
@@ -1060,10 +1061,14 @@ class PostgresStore(TransactionalPuts, Store):
     def runs(self) -> list[str]:
         return [r for (r,) in self._query(f"SELECT DISTINCT run FROM {self.names.manifest} ORDER BY run")]
 
-    def steps(self, run: str) -> list[int]:
+    def steps(self, run: str, *, last: int | None = None) -> list[int]:
         check_run(run)
-        return [s for (s,) in self._query(f"SELECT step FROM {self.names.manifest} WHERE run = %s ORDER BY step",
-                                          (run,))]
+        last = check_last(last)
+        if last is None:
+            return [s for (s,) in self._query(f"SELECT step FROM {self.names.manifest} WHERE run = %s ORDER BY step",
+                                              (run,))]
+        return [s for (s,) in reversed(self._query(
+            f"SELECT step FROM {self.names.manifest} WHERE run = %s ORDER BY step DESC LIMIT %s", (run, last)))]
 
     def list(self, run: str | None = None) -> list[CheckpointInfo]:
         n = self.names
@@ -1081,17 +1086,51 @@ class PostgresStore(TransactionalPuts, Store):
         map_location = codec.check_map_location(map_location)
         n = self.names
         chunk_ref = lambda i: self._chunk_ref(run, step, i)  # noqa: E731
+        layout = (f"SELECT m.size, m.checksum, m.nchunks, c.idxs, c.lens{{data}} FROM {n.manifest} m "
+                  f"LEFT JOIN LATERAL (SELECT array_agg(idx ORDER BY idx) AS idxs, "
+                  f"array_agg(octet_length(data) ORDER BY idx) AS lens{{agg}} FROM {n.chunks} "
+                  f"WHERE run = m.run AND step = m.step) c ON true "
+                  f"WHERE m.run = %s AND m.step = %s")
+        with self._lock:
+            cur = self._cursor()
+            try:
+                # A small standalone container comes with its manifest row, in one statement
+                # (one snapshot): one round trip. Anything else, or a listing found there,
+                # is read below in one transaction.
+                cur.execute(layout.format(
+                    data=", c.data", agg=", string_agg(data, ''::bytea ORDER BY idx) FILTER "
+                                         "(WHERE m.size <= %s AND m.listing IS NOT TRUE) AS data"),
+                    (SMALL_READ_MAX, run, step))
+                row = cur.fetchone()
+                if row is None:
+                    raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref,
+                                                  hint=f"store.steps({run!r}) lists the steps")
+                size, checksum, nchunks, idxs, lens, data = row
+                expected = chunk_plan(size, nchunks, idxs or [], lens or [], manifest_ref=ref, chunk_ref=chunk_ref)
+                if data is not None:
+                    if len(data) != size:   # chunk_plan has checked each row's length in this snapshot
+                        raise CorruptCheckpointError(f"the chunks hold {len(data)} bytes, not the manifest's {size}",
+                                                     ref=ref, section="chunks")
+                    buf = new_buffer(size)
+                    memoryview(buf).cast("B")[:] = memoryview(data).cast("B")
+                    check_checksum(buf, checksum, ref)
+                    addresses = content.listed_addresses(buf, verify=verify, ref=ref)
+                    data = None if addresses is not None else buf
+            except BaseException as e:
+                self._abort(cur)
+                if isinstance(e, psycopg2.Error):
+                    raise self._db_error(e, "read failed", ref) from None
+                raise
+        if data is not None:
+            ck = content.decode(data, content.fetcher({}, []), verify=verify, map_location=map_location, ref=ref)
+            check_identity(ck, run, step, ref)
+            return ck
         with self._lock:
             cur = self._cursor()
             try:
                 # One snapshot for the manifest, the chunk layout, the data and the objects.
-                cur.execute(
-                    "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; "
-                    f"SELECT m.size, m.checksum, m.nchunks, c.idxs, c.lens FROM {n.manifest} m "
-                    f"LEFT JOIN LATERAL (SELECT array_agg(idx ORDER BY idx) AS idxs, "
-                    f"array_agg(octet_length(data) ORDER BY idx) AS lens FROM {n.chunks} "
-                    f"WHERE run = m.run AND step = m.step) c ON true "
-                    f"WHERE m.run = %s AND m.step = %s", (run, step))
+                cur.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; " + layout.format(data="", agg=""),
+                            (run, step))
                 row = cur.fetchone()
                 if row is None:
                     raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref,

@@ -64,7 +64,7 @@ from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError,
                       UsageError)
 from ..memory import new_buffer
 from . import content
-from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_run, check_step
+from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
 from .sqlrows import (DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalPuts, batches, check_checksum, check_chunk_size,
                       check_identifier, chunk_plan, split_chunks, sql_row)
 
@@ -414,10 +414,14 @@ class SqliteStore(TransactionalPuts, Store):
     def runs(self) -> list[str]:
         return [r for (r,) in self._query(f"SELECT DISTINCT run FROM {self._t_manifest} ORDER BY run")]
 
-    def steps(self, run: str) -> list[int]:
+    def steps(self, run: str, *, last: int | None = None) -> list[int]:
         check_run(run)
-        return [s for (s,) in self._query(f"SELECT step FROM {self._t_manifest} WHERE run = ? ORDER BY step",
-                                          (run,))]
+        last = check_last(last)
+        if last is None:
+            return [s for (s,) in self._query(f"SELECT step FROM {self._t_manifest} WHERE run = ? ORDER BY step",
+                                              (run,))]
+        return [s for (s,) in reversed(self._query(
+            f"SELECT step FROM {self._t_manifest} WHERE run = ? ORDER BY step DESC LIMIT ?", (run, last)))]
 
     def list(self, run: str | None = None) -> list[CheckpointInfo]:
         cols = "run, step, coalesce(length, size), created_at, parent, meta, checksum"
