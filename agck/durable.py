@@ -205,6 +205,9 @@ class FileSystem:
     def mkdir(self, path: str) -> None:
         os.mkdir(path)
 
+    def rmdir(self, path: str) -> None:
+        os.rmdir(path)
+
     def fsync_dir(self, path: str) -> None:
         fd = os.open(path or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         try:

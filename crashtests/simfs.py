@@ -212,6 +212,14 @@ class SimFS(durable.FileSystem):
             self.live[d][name] = ("d", p)
             self._record("create", d, name, ("d", p))
 
+    def rmdir(self, path: str) -> None:
+        self._tick("rmdir")
+        super().rmdir(path)
+        d, name = self._split(path)
+        self.live.pop(os.path.abspath(path), None)
+        if self._tracked(d) and self.live[d].pop(name, None) is not None:
+            self._record("unlink", d, name)
+
     def fsync_dir(self, path: str) -> None:
         self._tick("fsync_dir")
         p = os.path.abspath(path or ".")

@@ -37,6 +37,18 @@ def test_unsynced_write_is_dropped_at_crash(tmp_path):
         sim.write(0, b"x")           # the machine is off
 
 
+def test_rmdir_without_parent_fsync_may_be_lost(tmp_path):
+    sim = SimFS(str(tmp_path / "root"))
+    d = os.path.join(sim.root, "run")
+    sim.mkdir(d)
+    sim.fsync_dir(sim.root)
+    sim.rmdir(d)
+    assert not os.path.exists(d)
+    sim.crash()
+    assert sim.image_tree(sim.choose(random.Random(0), "none")[1]) == {"run": None}
+    assert sim.image_tree(sim.choose(random.Random(0), "all")[1]) == {}
+
+
 def test_rename_without_dir_fsync_may_be_lost(tmp_path):
     sim = SimFS(str(tmp_path / "root"))
     tmp, final = os.path.join(sim.root, "tmp"), os.path.join(sim.root, "final")

@@ -406,7 +406,11 @@ def test_delete_for_runs_and_prune_free_values(tmp_path):
     assert np.array_equal(only.checkpoint["channel_values"]["big"], np.ones(5))
     assert saver.store.steps(runs.values) == [keys[2], keys[3]]     # r3's own and r2's (its 'big')
     assert saver.store.steps(runs.own("huge")) == [keys[3]]
-    assert [r for r in saver.store.runs() if ".w" in r and saver.store.steps(r)] == [runs.writes(keys[3])]
+    # the pruned checkpoints' runs (pending writes, values) leave no empty run behind
+    assert [r for r in saver.store.runs() if ".w" in r] == [runs.writes(keys[3])]
+    assert all(saver.store.steps(r) for r in saver.store.runs())
+    saver.delete_thread("t")
+    assert saver.store.runs() == []
 
 
 def _extend(state, writes):

@@ -1470,3 +1470,50 @@ def test_file_store_refuses_a_file_in_the_way(tmp_path):
     with pytest.raises(StoreConnectionError, match="not a checkpoint directory"):
         open_store(str(tmp_path / "missing"), create=False)
     assert not (tmp_path / "missing").exists()
+
+
+def test_file_store_delete_of_a_runs_last_step_removes_its_directory(tmp_path):
+    s = open_store(str(tmp_path / "store"))
+    s.put("a", 1, {"x": 1})
+    s.put("a", 2, {"x": 2})
+    s.put("b", 1, np.ones(100_000, dtype=np.float32))     # an incremental (chunked) one too
+    s.delete("a", 1)
+    assert s.runs() == ["a", "b"]
+    s.delete("a", 2)
+    s.delete("b", 1)
+    assert s.runs() == [] and not (tmp_path / "store" / "a").exists()
+    assert s.steps("a") == [] and s.list("a") == []
+    s.put("a", 3, {"x": 3})                                # the run comes back with its next put
+    assert s.steps("a") == [3] and s.read("a", 3).state == {"x": 3}
+    # a fenced run's directory holds its epoch and lock: it stays, and so does the fencing
+    e = s.begin_epoch("f")
+    s.put("f", 1, {"x": 1}, epoch=e)
+    s.delete("f", 1, epoch=e)
+    assert s.epoch("f") == e and "f" in s.runs() and s.steps("f") == []
+
+
+def test_file_store_put_survives_a_delete_removing_its_run_directory(tmp_path):
+    """Another process deletes the run's last checkpoint between this put making sure
+    the run directory is there and writing into it: the put makes it again."""
+    from agck import durable
+    root = tmp_path / "store"
+
+    class DeletedMeanwhile(durable.FileSystem):
+        times = 0
+
+        def open_new(self, path):
+            d = os.path.dirname(path)
+            if os.path.basename(d) == "r" and self.times < 2:
+                self.times += 1
+                for name in os.listdir(d):
+                    os.unlink(os.path.join(d, name))
+                os.rmdir(d)                           # the other process's delete, just now
+            return super().open_new(path)
+
+    fs = DeletedMeanwhile()
+    s = open_store(str(root), fs=fs)
+    s.put("r", 1, {"x": 1})
+    assert fs.times == 2 and s.steps("r") == [1] and s.read("r", 1).state == {"x": 1}
+    fs.times = -10                                    # every try finds its directory gone: the error says so
+    with pytest.raises(DurabilityError, match="write failed"):
+        s.put("r", 2, {"x": 2})

@@ -27,7 +27,7 @@ import os
 import re
 import shlex
 from contextlib import contextmanager
-from typing import Any, Collection
+from typing import Any, Callable, Collection
 
 from .. import checkpoint, durable, format
 from ..checkpoint import Checkpoint
@@ -40,6 +40,7 @@ from .objectdir import ObjectDir
 
 SUFFIX = ".agck"
 _STEP_DIGITS = 12
+_RUN_DIR_TRIES = 3      # a put's attempts when deletes keep removing its (emptied) run directory
 _STEP_NAME_RE = re.compile(r"[0-9]{12,19}\.agck", re.ASCII)
 
 
@@ -109,12 +110,13 @@ class FileStore(Store):
         w, cache = self._encode(run, step, state, meta=meta, parent=parent, expect_unchanged=expect_unchanged,
                                 ref=path)
         if cache is None:
-            self._ensure_run_dir(os.path.dirname(path))
-            with self._fenced(run, epoch, path):
-                durable.write_atomic(path, checkpoint.stream(w), overwrite=overwrite, size=w.total_len, fs=self.fs)
+            def write():
+                with self._fenced(run, epoch, path):
+                    durable.write_atomic(path, checkpoint.stream(w), overwrite=overwrite, size=w.total_len,
+                                         fs=self.fs)
+            self._in_run_dir(path, write)
             self.last_put = None
             return path
-        self._ensure_run_dir(os.path.dirname(path))
         if not overwrite and os.path.exists(path):   # before writing chunks; link(2) below still decides
             raise CheckpointExistsError("a checkpoint already exists here", ref=path)
         with self.objects.locked():   # no chunk we rely on can be collected until the listing is durable
@@ -123,8 +125,11 @@ class FileStore(Store):
                                           ref=path)
             batch.sync()
             listing = content.listing(w, chunks, run=run, step=step, parent=parent, meta=meta)
-            with self._fenced(run, epoch, path):
-                durable.write_atomic(path, [listing], overwrite=overwrite, size=len(listing), fs=self.fs)
+
+            def write():
+                with self._fenced(run, epoch, path):
+                    durable.write_atomic(path, [listing], overwrite=overwrite, size=len(listing), fs=self.fs)
+            self._in_run_dir(path, write)
         self._caches.give(run, cache)
         self.last_put = chunks
         return path
@@ -132,10 +137,14 @@ class FileStore(Store):
     # -- fencing: <run>/.epoch, under a flock on <run>/.lock --------------------
     def begin_epoch(self, run: str) -> int:
         d = self._run_dir(run)
-        self._ensure_run_dir(d)
-        with self._run_locked(run, exclusive=True):
-            epoch = (self._read_epoch(run) or 0) + 1
-            durable.write_atomic(os.path.join(d, ".epoch"), [b"%d\n" % epoch], fs=self.fs)
+        epoch = 0
+
+        def write():
+            nonlocal epoch
+            with self._run_locked(run, exclusive=True):
+                epoch = (self._read_epoch(run) or 0) + 1
+                durable.write_atomic(os.path.join(d, ".epoch"), [b"%d\n" % epoch], fs=self.fs)
+        self._in_run_dir(os.path.join(d, ".epoch"), write)
         return epoch
 
     def epoch(self, run: str) -> int | None:
@@ -161,7 +170,7 @@ class FileStore(Store):
         try:
             fd = os.open(os.path.join(d, ".lock"), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
         except OSError as e:
-            raise DurabilityError(f"cannot open the run's lock: {e.strerror}", ref=d) from None
+            raise DurabilityError(f"cannot open the run's lock: {e.strerror}", ref=d) from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             yield
@@ -185,6 +194,31 @@ class FileStore(Store):
     def _ensure_run_dir(self, d: str) -> None:
         durable.make_dir(self.fs, d, self.root, "run directory")
 
+    def _in_run_dir(self, path: str, write: Callable[[], None]) -> None:
+        """``write()`` (which makes a file in ``path``'s run directory), with the directory
+        in place: a delete of the run's last checkpoint (another thread's, another
+        process's) removes the directory, and may do so between this one making sure
+        it is there and writing into it."""
+        d = os.path.dirname(path)
+        for attempt in range(_RUN_DIR_TRIES):
+            self._ensure_run_dir(d)
+            try:
+                return write()
+            except DurabilityError as e:
+                gone = isinstance(e.__cause__, FileNotFoundError) and not os.path.isdir(d)
+                if not gone or attempt == _RUN_DIR_TRIES - 1:
+                    raise
+
+    def _drop_run_dir_if_empty(self, d: str) -> None:
+        """Remove a run directory its last checkpoint has left, so that runs() (and a
+        LangGraph thread's per-checkpoint runs) do not accumulate empty ones. A file
+        there (a fenced run's lock, a put's temp file) keeps it. Not made durable:
+        one a crash brings back is empty, and lists no steps."""
+        try:
+            self.fs.rmdir(d)
+        except OSError:
+            pass
+
     def delete(self, run: str, step: int, *, epoch: int | None = None) -> None:
         step = check_step(step)
         path = self.path(run, step)
@@ -194,6 +228,7 @@ class FileStore(Store):
             except FileNotFoundError:
                 raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=path) from None
             self.fs.fsync_dir(os.path.dirname(path))
+        self._drop_run_dir_if_empty(os.path.dirname(path))
 
     # -- reading ---------------------------------------------------------------
     def runs(self) -> list[str]:
