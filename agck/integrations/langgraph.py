@@ -79,7 +79,9 @@ sets are stored as themselves (msgpack). Any other object (LangChain messages,
 documents, ``Send``, ``Interrupt``, ``Command``, datetimes, UUIDs; pydantic
 models, dataclasses and enums once allowed, below) is stored as the bytes of
 LangGraph's own ``JsonPlusSerializer`` in its msgpack mode, and comes back as
-that serializer returns it (a tuple inside such an object as a list). Never
+that serializer returns it (a tuple inside such an object as a list); a list
+of such objects only (a chat's messages) is stored as one such value, as
+LangGraph's savers store a channel, and comes back as the same list. Never
 pickle: the serializer is made without ``pickle_fallback``, anything it cannot
 encode without pickle is refused (``agck.EncodeError`` naming the channel), and
 only its "msgpack" form is ever stored or read.
