@@ -1095,32 +1095,29 @@ class PostgresStore(TransactionalPuts, Store):
             cur = self._cursor()
             try:
                 # A small standalone container comes with its manifest row, in one statement
-                # (one snapshot): one round trip. Anything else, or a listing found there,
-                # is read below in one transaction.
+                # (one snapshot, no transaction to end): one round trip. Anything else, or a
+                # listing found there, is read below in one transaction.
                 cur.execute(layout.format(
                     data=", c.data", agg=", string_agg(data, ''::bytea ORDER BY idx) FILTER "
                                          "(WHERE m.size <= %s AND m.listing IS NOT TRUE) AS data"),
                     (SMALL_READ_MAX, run, step))
                 row = cur.fetchone()
-                if row is None:
-                    raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref,
-                                                  hint=f"store.steps({run!r}) lists the steps")
-                size, checksum, nchunks, idxs, lens, data = row
-                expected = chunk_plan(size, nchunks, idxs or [], lens or [], manifest_ref=ref, chunk_ref=chunk_ref)
-                if data is not None:
-                    if len(data) != size:   # chunk_plan has checked each row's length in this snapshot
-                        raise CorruptCheckpointError(f"the chunks hold {len(data)} bytes, not the manifest's {size}",
-                                                     ref=ref, section="chunks")
-                    buf = new_buffer(size)
-                    memoryview(buf).cast("B")[:] = memoryview(data).cast("B")
-                    check_checksum(buf, checksum, ref)
-                    addresses = content.listed_addresses(buf, verify=verify, ref=ref)
-                    data = None if addresses is not None else buf
-            except BaseException as e:
+            except psycopg2.Error as e:
                 self._abort(cur)
-                if isinstance(e, psycopg2.Error):
-                    raise self._db_error(e, "read failed", ref) from None
-                raise
+                raise self._db_error(e, "read failed", ref) from None
+        if row is None:
+            raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref,
+                                          hint=f"store.steps({run!r}) lists the steps")
+        size, checksum, nchunks, idxs, lens, data = row
+        chunk_plan(size, nchunks, idxs or [], lens or [], manifest_ref=ref, chunk_ref=chunk_ref)
+        if data is not None:
+            if len(data) != size:   # chunk_plan has checked each row's length in this snapshot
+                raise CorruptCheckpointError(f"the chunks hold {len(data)} bytes, not the manifest's {size}",
+                                             ref=ref, section="chunks")
+            buf = new_buffer(size)
+            memoryview(buf).cast("B")[:] = memoryview(data).cast("B")
+            check_checksum(buf, checksum, ref)
+            data = buf if content.listed_addresses(buf, verify=verify, ref=ref) is None else None
         if data is not None:
             ck = content.decode(data, content.fetcher({}, []), verify=verify, map_location=map_location, ref=ref)
             check_identity(ck, run, step, ref)
