@@ -192,8 +192,7 @@ def main(argv=None) -> int:
 
                 def insert_small(b=small):
                     conn.execute("INSERT INTO floor_small (b) VALUES (%b)", [b])
-                cases.append(benchio.Case(f"put {label} | one INSERT of its bytes", insert_small,
-                                          after=lambda: None, inner=inner))
+                cases.append(benchio.Case(f"put {label} | one INSERT of its bytes", insert_small, inner=inner))
             else:
                 # the floor for a put of new content: the same bytes as one bytea row, sent in
                 # binary, committed (synchronous_commit on, as both savers' commits are)

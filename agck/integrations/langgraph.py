@@ -314,7 +314,7 @@ _CTOR_EXTS = frozenset({_jsonplus.EXT_CONSTRUCTOR_SINGLE_ARG, _jsonplus.EXT_CONS
 
 def _opaque(x: Any) -> bool:
     """Whether ``_ValueCodec.encode`` hands ``x`` whole to LangGraph's msgpack serializer
-    (it is none of the values agck stores itself)."""
+    (it is none of the values agck stores itself): the one definition encode dispatches on."""
     t = type(x)
     if t in _PLAIN_SCALARS or t is list or t is tuple or t is set or t is frozenset or t is bytearray \
             or t is _DeltaSnapshot or isinstance(x, (dict, np.ndarray, np.generic)):
@@ -357,6 +357,10 @@ class _ValueCodec:
             size[0] += len(x) if t is str or t is bytes else 9
             return x
         size[0] += 5
+        if _opaque(x):
+            data = self._msgpack(x)
+            size[0] += len(data)
+            return (_MARK, _K_MSGPACK, data)
         if t is list:
             if len(x) > 1 and all(map(_opaque, x)):
                 # a list of objects only (a chat's messages): one msgpack for the list, as
@@ -390,11 +394,8 @@ class _ValueCodec:
         if t is bytearray:
             size[0] += len(x)
             return (_MARK, _K_BYTEARRAY, bytes(x))
-        if t is _DeltaSnapshot:
-            return (_MARK, _K_DELTA, self._item(x.value, ".value", size))
-        data = self._msgpack(x)
-        size[0] += len(data)
-        return (_MARK, _K_MSGPACK, data)
+        # what is left is a _DeltaSnapshot: everything else was dispatched above or is opaque
+        return (_MARK, _K_DELTA, self._item(x.value, ".value", size))
 
     def _item(self, v, where, size):
         try:

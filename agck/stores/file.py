@@ -136,16 +136,14 @@ class FileStore(Store):
 
     # -- fencing: <run>/.epoch, under a flock on <run>/.lock --------------------
     def begin_epoch(self, run: str) -> int:
-        d = self._run_dir(run)
-        epoch = 0
+        path = os.path.join(self._run_dir(run), ".epoch")
 
-        def write():
-            nonlocal epoch
+        def write() -> int:
             with self._run_locked(run, exclusive=True):
                 epoch = (self._read_epoch(run) or 0) + 1
-                durable.write_atomic(os.path.join(d, ".epoch"), [b"%d\n" % epoch], fs=self.fs)
-        self._in_run_dir(os.path.join(d, ".epoch"), write)
-        return epoch
+                durable.write_atomic(path, [b"%d\n" % epoch], fs=self.fs)
+            return epoch
+        return self._in_run_dir(path, write)
 
     def epoch(self, run: str) -> int | None:
         return self._read_epoch(check_run(run))
@@ -194,7 +192,7 @@ class FileStore(Store):
     def _ensure_run_dir(self, d: str) -> None:
         durable.make_dir(self.fs, d, self.root, "run directory")
 
-    def _in_run_dir(self, path: str, write: Callable[[], None]) -> None:
+    def _in_run_dir(self, path: str, write: Callable[[], Any]) -> Any:
         """``write()`` (which makes a file in ``path``'s run directory), with the directory
         in place: a delete of the run's last checkpoint (another thread's, another
         process's) removes the directory, and may do so between this one making sure

@@ -1063,12 +1063,9 @@ class PostgresStore(TransactionalPuts, Store):
 
     def steps(self, run: str, *, last: int | None = None) -> list[int]:
         check_run(run)
-        last = check_last(last)
-        if last is None:
-            return [s for (s,) in self._query(f"SELECT step FROM {self.names.manifest} WHERE run = %s ORDER BY step",
-                                              (run,))]
-        return [s for (s,) in reversed(self._query(
-            f"SELECT step FROM {self.names.manifest} WHERE run = %s ORDER BY step DESC LIMIT %s", (run, last)))]
+        return [s for (s,) in reversed(self._query(   # LIMIT NULL: no limit
+            f"SELECT step FROM {self.names.manifest} WHERE run = %s ORDER BY step DESC LIMIT %s",
+            (run, check_last(last))))]
 
     def list(self, run: str | None = None) -> list[CheckpointInfo]:
         n = self.names

@@ -416,12 +416,9 @@ class SqliteStore(TransactionalPuts, Store):
 
     def steps(self, run: str, *, last: int | None = None) -> list[int]:
         check_run(run)
-        last = check_last(last)
-        if last is None:
-            return [s for (s,) in self._query(f"SELECT step FROM {self._t_manifest} WHERE run = ? ORDER BY step",
-                                              (run,))]
+        limit = check_last(last) or -1     # SQLite: a negative LIMIT is none
         return [s for (s,) in reversed(self._query(
-            f"SELECT step FROM {self._t_manifest} WHERE run = ? ORDER BY step DESC LIMIT ?", (run, last)))]
+            f"SELECT step FROM {self._t_manifest} WHERE run = ? ORDER BY step DESC LIMIT ?", (run, limit)))]
 
     def list(self, run: str | None = None) -> list[CheckpointInfo]:
         cols = "run, step, coalesce(length, size), created_at, parent, meta, checksum"
