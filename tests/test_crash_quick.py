@@ -159,6 +159,9 @@ def test_writeback_hint_failures_never_fail_a_write(tmp_path, monkeypatch):
 
 
 # --- the quick campaign ----------------------------------------------------------------
+# Every fault kind on every store, a few trials each, for a run of pytest alone. The
+# README's test command runs `scripts/crash_campaign --ci` first (the same faults, more
+# trials) and deselects these (-m "not campaign").
 
 def _run(tmp_path, stores, faults, counts, seed):
     cfg = campaign.Config(stores=stores, faults=faults, out=str(tmp_path / "report"), seed=seed,
@@ -171,6 +174,7 @@ def _run(tmp_path, stores, faults, counts, seed):
     return rep
 
 
+@pytest.mark.campaign
 def test_quick_campaign_file_and_sqlite(tmp_path):
     counts = {"kill": 3, "failpoint": 3, "powerloss": 25, "corrupt": 40}
     rep = _run(tmp_path, ("file", "sqlite"), ("kill", "failpoint", "powerloss", "corrupt"), counts, seed=7)
@@ -181,6 +185,7 @@ def test_quick_campaign_file_and_sqlite(tmp_path):
     assert os.path.exists(tmp_path / "report" / "crash_report.json")
 
 
+@pytest.mark.campaign
 @pytest.mark.skipif(pgcluster.available() is not None, reason=f"no private Postgres: {pgcluster.available()}")
 def test_quick_campaign_postgres(tmp_path):
     counts = {"kill": 2, "failpoint": 2, "pgkill": 1, "corrupt": 25}

@@ -590,9 +590,7 @@ def test_sql_collector_beside_writers_never_leaves_a_missing_chunk(db_spec):
     opts = {**opts, "init": False} if kind == "postgres" else opts
     first = open_store(url, **{**opts, "init": True} if kind == "postgres" else opts)
     errors: list = []
-    # SQLite serializes the collector and the writers on its one write lock: fewer rounds
-    # (50 there, still with collections between a delete and the put relying on its content)
-    n = 150 if kind == "postgres" else 50
+    n = 150
     writers = [threading.Thread(target=_churn, args=(url, opts, w, n, errors)) for w in range(2)]
     stop = threading.Event()
     collected = []
@@ -602,6 +600,7 @@ def test_sql_collector_beside_writers_never_leaves_a_missing_chunk(db_spec):
         try:
             while not stop.is_set():
                 collected.append(g.collect_garbage().deleted_chunks)
+                stop.wait(0.002)    # looping back to back it starved the writers (SQLite: a busy writer sleeps, retries)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
         finally:
@@ -616,7 +615,7 @@ def test_sql_collector_beside_writers_never_leaves_a_missing_chunk(db_spec):
     stop.set()
     c.join(60)
     assert not errors, errors
-    assert sum(collected) > 0 and len(collected) > 10
+    assert sum(1 for c in collected if c) > 10     # collections that deleted, between the writers' puts
     t = Tamper(db_spec, first)
     try:
         for w in range(2):
