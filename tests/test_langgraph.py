@@ -456,6 +456,78 @@ def test_copy_thread_carries_values_and_writes(tmp_path):
     assert saver.get_tuple(_cfg("dst", "n:1")).pending_writes[0][2] == [AIMessage("y")]
 
 
+def test_large_values_of_the_longest_names(tmp_path):
+    """A thread, namespace and channel of 64 characters each name a large value's run of
+    more than 200 characters: it is hashed; copying the thread to a short id (and back to
+    a long one) names the copies afresh, so they are found."""
+    saver = AgckSaver(str(tmp_path / "s"))
+    thread, ns, chan = "t" * 64, "n" * 64, "c" * 64
+    big = np.arange(1 << 14, dtype=np.float64)                    # 128 KiB: a run of its own
+    _put(saver, thread, {chan: big}, {chan: 1}, {chan: 1}, ns=ns)
+    runs = lgmod._Runs.of(thread, ns)
+    assert runs.own(chan).startswith(runs.base + "bh") and len(runs.own(chan)) <= 200
+    assert saver.store.steps(runs.own(chan))
+    assert np.array_equal(saver.get_tuple(_cfg(thread, ns)).checkpoint["channel_values"][chan], big)
+    saver.copy_thread(thread, "s")
+    assert saver.store.steps(lgmod._Runs.of("s", ns).base + "br" + chan)     # short enough: not hashed
+    saver.copy_thread("s", "u" * 64)
+    saver.delete_thread(thread)
+    for t in ("s", "u" * 64):
+        assert np.array_equal(saver.get_tuple(_cfg(t, ns)).checkpoint["channel_values"][chan], big)
+
+
+def test_a_child_with_a_lower_id_than_its_parent_keeps_the_unchanged_values(tmp_path):
+    """A thread continued on a host whose clock is behind: the child's id sorts before its
+    parent's. The channels it did not change are still the parent's values."""
+    saver = AgckSaver(str(tmp_path / "s"))
+    early, late = sorted(str(uuid6(clock_seq=i)) for i in range(2))
+    cp = _checkpoint({"messages": ["hi"], "x": 1}, {"messages": 1, "x": 1})
+    cp["id"] = late
+    parent = saver.put(_cfg("t"), cp, {"source": "loop", "step": 0, "parents": {}}, {"messages": 1, "x": 1})
+    cp = _checkpoint({"messages": ["hi"], "x": 5}, {"messages": 1, "x": 2})
+    cp["id"] = early
+    saver.put(parent, cp, {"source": "loop", "step": 1, "parents": {}}, {"x": 2})
+    child = saver.get_tuple(_cfg("t", cid=early))
+    assert child.checkpoint["channel_values"] == {"messages": ["hi"], "x": 5}
+    assert child.parent_config["configurable"]["checkpoint_id"] == late
+
+
+def test_delete_thread_killed_part_way_leaves_whole_older_checkpoints(tmp_path):
+    """delete_thread deletes a thread's records newest first: stopped part way, what is
+    left is the older checkpoints, each with its parent and values."""
+    saver = AgckSaver(str(tmp_path / "s"))
+    cfg, ids = None, []
+    for i in range(4):
+        cfg = _put(saver, "t", {"n": i}, {"n": i + 1}, {"n": i + 1}, parent=cfg, step=i)
+        ids.append(cfg["configurable"]["checkpoint_id"])
+    deleted, delete = [], saver.store.delete
+
+    def dying(run, step, **kw):
+        if len(deleted) == 2:
+            raise KeyboardInterrupt     # the process stopped here
+        delete(run, step, **kw)
+        deleted.append((run, step))
+    saver.store.delete = dying
+    with pytest.raises(KeyboardInterrupt):
+        saver.delete_thread("t")
+    saver.store.delete = delete
+    left = list(saver.list(_cfg("t")))
+    assert [t.checkpoint["id"] for t in left] == ids[:2][::-1]
+    for t in left:
+        assert t.checkpoint["channel_values"] == {"n": ids.index(t.checkpoint["id"])}
+        assert t.parent_config is None or t.parent_config["configurable"]["checkpoint_id"] in ids[:2]
+
+
+def test_list_of_an_empty_config_and_a_bound_of_the_wrong_type(tmp_path):
+    saver = AgckSaver(str(tmp_path / "s"))
+    a = _put(saver, "a", {"n": 1}, {"n": 1}, {"n": 1})
+    _put(saver, "b", {"n": 2}, {"n": 1}, {"n": 1})
+    assert {t.config["configurable"]["thread_id"] for t in saver.list({})} == {"a", "b"}   # as for None
+    bound = {"configurable": {"checkpoint_id": uuid.UUID(a["configurable"]["checkpoint_id"])}}
+    with pytest.raises(UsageError, match="str"):
+        list(saver.list(_cfg("a"), before=bound))
+
+
 class Counter(TypedDict):
     log: Annotated[list, operator.add]
     big: np.ndarray

@@ -25,7 +25,8 @@ A thread's namespace (``thread_id``, ``checkpoint_ns``) owns these runs, where
     lg.T.N.v            the values of the channels a checkpoint changed
                         (``new_versions`` of ``put``) that are smaller than 64 KiB
                         stored, one store checkpoint per LangGraph checkpoint
-    lg.T.N.b<C>         the values of channel C (encoded as T is) of 64 KiB or more
+    lg.T.N.b<C>         the values of channel C (encoded as T is, or hashed when the
+                        name would pass the store's 200 characters) of 64 KiB or more
                         stored (tensors, long histories), one store checkpoint per
                         version: reading a checkpoint reads the large values it
                         holds, never one another channel was stored with, and the
@@ -62,7 +63,9 @@ the store: on SQLite and Postgres one transaction (one commit), on the file
 store one file after another with the record last. Either way it is durable
 before ``put`` returns, and a crash leaves a checkpoint either complete or not
 there (on the file store, at worst an unreferenced values entry). Deleting (``delete_thread``, ``prune``,
-``delete_for_runs``) removes store checkpoints; on an incremental store the
+``delete_for_runs``) removes store checkpoints, records before the values they
+use and a thread's records newest first, so a crash part way leaves older
+checkpoints whole; on an incremental store the
 chunks they no longer use are freed by ``saver.store.collect_garbage()`` (``agck
 gc STORE``).
 
@@ -212,9 +215,14 @@ class _Damage(Exception):
 _RAW_NAME = re.compile(r"[A-Za-z0-9_\-:@+=]{0,64}", re.ASCII)
 
 
+_MAX_RUN = 200     # agck.names: a store's run names are 1-200 characters
+
+
 def _name_part(s: str) -> str:
-    if _RAW_NAME.fullmatch(s):
-        return "r" + s
+    return "r" + s if _RAW_NAME.fullmatch(s) else _hashed(s)
+
+
+def _hashed(s: str) -> str:
     return "h" + hashlib.blake2b(s.encode("utf-8", "surrogatepass"), digest_size=20).hexdigest()
 
 
@@ -244,7 +252,10 @@ class _Runs:
         return f"{self.base}w{key:016x}"
 
     def own(self, channel: str) -> str:
-        return f"{self.base}b{_name_part(channel)}"
+        name = f"{self.base}b{_name_part(channel)}"
+        if len(name) > _MAX_RUN:   # a thread, namespace and channel of 64 characters each
+            name = f"{self.base}b{_hashed(channel)}"
+        return name
 
 
 def _thread_prefix(thread_id: str) -> str:
@@ -802,9 +813,12 @@ class AgckSaver(BaseCheckpointSaver[int]):
                 where_txt: str) -> dict:
         """Where the values of unchanged channels are: in the parent's record if it has
         them at these versions (what LangGraph does), else in the newest earlier record
-        that has. A channel found nowhere is left out, as LangGraph's own savers do."""
+        that has (two branches forked from one checkpoint can give one version two values,
+        so a later record is not searched). A channel found nowhere is left out, as
+        LangGraph's own savers do."""
         found: dict[str, Any] = {}
-        candidates: Iterable[int] = [parent_key] if parent_key is not None and parent_key < key else []
+        # the parent whatever its key: a child made on a host whose clock is behind has a lower id
+        candidates: Iterable[int] = [parent_key] if parent_key is not None and parent_key != key else []
         tried = set()
         hit = self._recall(runs.records, parent_key, parent_id) if candidates else None
         if hit is not None:
@@ -1097,7 +1111,7 @@ class AgckSaver(BaseCheckpointSaver[int]):
              before: RunnableConfig | None = None, limit: int | None = None) -> Iterator[CheckpointTuple]:
         if limit is not None and limit <= 0:
             return
-        if config is not None:
+        if config:     # None or {}: every thread, as LangGraph's own savers do
             thread_id, ns = self._thread_ns(config, require_ns=False)
             cid = get_checkpoint_id(config)
             if ns is not None:
@@ -1109,6 +1123,9 @@ class AgckSaver(BaseCheckpointSaver[int]):
             thread_id = ns = cid = None
             runs_list = [r for r in self.store.runs() if _is_records_run(r)]
         before_id = get_checkpoint_id(before) if before else None
+        if before_id is not None and not isinstance(before_id, str):
+            raise UsageError(f"list(before=...) has checkpoint_id {before_id!r} of type {type(before_id).__name__}",
+                             hint="pass the checkpoint id as a string (str(id)), as LangGraph's configs hold it")
         before_key = checkpoint_key(before_id) if before_id else None
         only_key = None
         if cid:
@@ -1141,7 +1158,8 @@ class AgckSaver(BaseCheckpointSaver[int]):
                     did = self._identify(runs, key, None, None, None)[2]
                     if did is None or did >= before_id:
                         continue
-                raise self._damaged(runs, key, None, None, None, d) from None
+                known = expect or (None, None)
+                raise self._damaged(runs, key, *known, cid or None, d) from None
             if t is None:
                 continue
             conf = t.config["configurable"]
@@ -1211,8 +1229,10 @@ class AgckSaver(BaseCheckpointSaver[int]):
 
     # -- deleting and copying -----------------------------------------------------------
     def _delete_steps(self, run: str, steps: Iterable[int] | None = None) -> None:
+        """Delete ``steps`` of ``run`` (all of them when None, newest first: a crash part way
+        through a thread's records leaves its older checkpoints, each with its parents)."""
         self._forget()   # a put must not take a deleted checkpoint's value entries from memory
-        for s in (self.store.steps(run) if steps is None else steps):
+        for s in (reversed(self.store.steps(run)) if steps is None else steps):
             try:
                 self.store.delete(run, s)
             except CheckpointNotFoundError:
@@ -1350,7 +1370,8 @@ class AgckSaver(BaseCheckpointSaver[int]):
         sp, dp = _thread_prefix(src), _thread_prefix(dst)
         runs = [r for r in self.store.runs() if r.startswith(sp) and _is_lg_run(r)]
         for run in sorted(runs, key=lambda r: (r.endswith(".c"), r)):
-            target = dp + run[len(sp):]
+            kind = run[run.rindex(".") + 1:]
+            target_runs = _Runs(dp + run[len(sp):run.rindex(".") + 1])
             for s in self.store.steps(run):
                 try:
                     ck = self.store.read(run, s)
@@ -1358,16 +1379,18 @@ class AgckSaver(BaseCheckpointSaver[int]):
                     continue
                 except AgckError as e:
                     if is_verdict(e):
-                        base, kind = run[:run.rindex(".") + 1], run[run.rindex(".") + 1:]
                         key = int(kind[1:], 16) if kind[0] == "w" else s
-                        runs_ = _Runs(base)
-                        raise self._damaged(runs_, key, None, None, None,
+                        raise self._damaged(_Runs(run[:run.rindex(".") + 1]), key, None, None, None,
                                             _Damage(f"a stored entry of {run}", e, self.store.ref(run, s))) from None
                     raise
                 meta = ck.meta
                 if not isinstance(meta, dict) or meta.get("thread_id") != src:
                     continue    # another thread's, under a colliding name
                 meta = {**meta, "thread_id": dst}
+                # a large value's run is named from its channel anew: the target's thread id
+                # may make the name one that is hashed (or no longer hashed)
+                target = target_runs.own(meta["channel"]) if kind[0] == "b" and isinstance(
+                    meta.get("channel"), str) else target_runs.base + kind
                 self.store.put(target, s, ck.state, meta=meta, parent=ck.parent)
 
     # -- async: the sync methods in a worker thread ----------------------------------------
