@@ -570,10 +570,12 @@ class _Encoder:
             if name is None:
                 raise _Unencodable(f"cannot encode numpy dtype {x!r}")
             return msgpack.ExtType(EXT_NP_DTYPE, self.pack(name))
+        # A subclass keeps its characters, not what its __str__ or __bytes__ says: str() of a
+        # (str, Enum) member is 'Mode.TRAIN', not its value 'train'.
         if isinstance(x, str):
-            return str(x)
+            return str.__str__(x)
         if isinstance(x, bytes):
-            return bytes(x)
+            return bytes.__getitem__(x, slice(None))
         if isinstance(x, (bytearray, memoryview)):
             return bytes(x)
         hint = ""

@@ -200,6 +200,29 @@ def test_dict_subclasses_and_buffers_decode_as_plain():
     assert got["ba"] == b"xy" and got["mv"] == b"zz"
 
 
+def test_str_and_bytes_subclasses_keep_their_characters():
+    """A subclass loads back as the base type with its own characters, whatever its
+    __str__ or __bytes__ says (str() of a (str, Enum) member is its name)."""
+    import enum
+
+    class Mode(str, enum.Enum):
+        TRAIN = "train"
+
+    class Loud(str):
+        def __str__(self):
+            return "LOUD"
+
+    class Raw(bytes):
+        def __bytes__(self):
+            return b"other"
+
+    state = {"mode": Mode.TRAIN, Mode.TRAIN: [Loud("quiet")], "raw": Raw(b"xy")}
+    got = roundtrip(state)
+    assert got == {"mode": "train", "train": ["quiet"], "raw": b"xy"}
+    assert type(got["mode"]) is str and type(got["raw"]) is bytes
+    assert agck.loads(agck.dumps({}, meta={"mode": Mode.TRAIN, "l": Loud("q")})).meta == {"mode": "train", "l": "q"}
+
+
 def test_numpy_scalars_and_dtypes():
     state = [np.float16(1.5), np.int64(-3), np.uint8(255), np.bool_(False), np.complex64(1j),
              np.datetime64("2024-01-01T00:00:00", "s"), np.timedelta64(-5, "ns"),

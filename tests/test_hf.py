@@ -174,6 +174,37 @@ def test_fresh_run_and_usage_errors(tmp_path):
     with pytest.raises(UsageError):
         write_manifest(tmp_path / "odd")
     assert write_manifest(tmp_path / "odd", step=3).endswith(MANIFEST_NAME)
+    (tmp_path / "checkpoint-6").mkdir()
+    with pytest.raises(UsageError, match="named for step 6"):     # verify_checkpoint would never pass it
+        write_manifest(tmp_path / "checkpoint-6", step=4)
+    for bad in (None, 6):
+        with pytest.raises(UsageError, match="must be a path"):
+            newest_valid_checkpoint(bad)
+        with pytest.raises(UsageError, match="must be a path"):
+            verify_checkpoint(bad)
+    with pytest.raises(agck.CorruptCheckpointError, match="not there"):   # a verdict: rotation may race a scan
+        verify_checkpoint(tmp_path / "checkpoint-8")
+
+
+def test_callback_refuses_what_it_does_not_cover_and_warns(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from transformers import TrainerControl, TrainerState
+    cb = AgckCallback()
+
+    def args(**kw):
+        return SimpleNamespace(**{"world_size": 1, "output_dir": str(tmp_path), "save_total_limit": None,
+                                  "load_best_model_at_end": False, **kw})
+    with pytest.raises(UsageError, match="2 processes"):    # at Trainer(...), before a resume loads anything
+        cb.on_init_end(args(world_size=2), TrainerState(), TrainerControl())
+    with pytest.raises(UsageError, match="hyperparameter search"):
+        cb.on_train_begin(args(), TrainerState(trial_name="run-0", trial_params={"lr": 1e-3}), TrainerControl())
+    for limit, best, warned in ((1, False, True), (2, True, True), (2, False, False), (3, True, False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="agck.integrations.hf"):
+            cb.on_train_begin(args(save_total_limit=limit, load_best_model_at_end=best), TrainerState(),
+                              TrainerControl())
+        assert ("save_total_limit" in caplog.text) == warned, (limit, best)
 
 
 def test_adopt_with_write_manifest(run_copy):

@@ -289,6 +289,44 @@ def test_unencodable_entries_are_refused_by_path(tmp_path):
     assert not os.path.exists(tmp_path / "x.ckpt")
 
 
+def test_newest_is_the_time_written_in_the_container_not_the_files(tmp_path):
+    """A directory copied without its file times (cp, aws s3 cp) keeps its order: the
+    time each container's header says it was written decides."""
+    io, d = AgckCheckpointIO(), tmp_path / "ck"
+    for step in (10, 9):                      # step 9 written last: the branch resumed from earlier
+        io.save_checkpoint({"epoch": 0, "global_step": step, "optimizer_states": [], "state_dict": {},
+                            "pytorch-lightning_version": pl.__version__}, d / f"step={step}.ckpt")
+    os.utime(d / "step=9.ckpt", ns=(1, 1))    # a copy gave the older file the later time
+    assert newest_valid_checkpoint(d) == str(d / "step=9.ckpt")
+    (d / "junk.ckpt").write_bytes(b"x" * 100)   # no header: its file time, then judged
+    assert newest_valid_checkpoint(d) == str(d / "step=9.ckpt")
+    assert [os.path.basename(r.path) for r in scan_checkpoints(d).rejected] == ["junk.ckpt"]
+
+
+def test_malformed_and_odd_checkpoints_are_verdicts_or_usage_errors(tmp_path):
+    io = AgckCheckpointIO()
+    for i, restore in enumerate((5, [["odict", [[1]]]], [["odict", ["missing"]]])):
+        agck.save(tmp_path / f"m{i}.ckpt", {"epoch": 0, "optimizer_states": [], "pytorch-lightning_version": "2"},
+                  meta={"lightning": {"format": 1, "restore": restore}})
+        with pytest.raises(agck.MalformedCheckpointError, match="conversion records"):
+            io.load_checkpoint(tmp_path / f"m{i}.ckpt")
+    scan = scan_checkpoints(tmp_path)                  # passed over, not raised
+    assert scan.path is None and len(scan.rejected) == 3
+    # a NaN key cannot be looked up again: what it holds is not recorded, so the file loads
+    io.save_checkpoint({"h": {float("nan"): collections.OrderedDict(a=1)}}, tmp_path / "nan.ckpt")
+    assert list(io.load_checkpoint(tmp_path / "nan.ckpt")["h"].values()) == [{"a": 1}]
+    for bad in (None, 3):
+        with pytest.raises(agck.UsageError, match="str or os.PathLike"):
+            io.load_checkpoint(bad)
+    agck.save(tmp_path / "plain.ckpt", {"state_dict": {}})
+    with pytest.raises(agck.UsageError, match="neither"):
+        load_from_checkpoint(Net(), tmp_path / "plain.ckpt")
+    with pytest.raises(agck.UsageError, match="hparams_file"):
+        load_from_checkpoint(Net, tmp_path / "plain.ckpt", hparams_file="h.yaml")
+    with pytest.raises(agck.FormatError, match="not a Lightning checkpoint"):
+        load_from_checkpoint(Net, tmp_path / "plain.ckpt", weights_only=True)
+
+
 def test_readme_example_fits_then_resumes_at_its_last_step(tmp_path):
     from readme_examples import run_as_script
     assert run_as_script("AgckCheckpointIO()", tmp_path) == ["12", "12"]

@@ -61,11 +61,16 @@ What it does not guarantee
   so the callback cannot stop it. With ``save_total_limit=1`` the previous
   checkpoint is gone before the new one is verified, and a crash in that window
   leaves nothing to resume from (a warning says so at the start of training);
-  use 2 or more.
+  use 2 or more, 3 or more with ``load_best_model_at_end`` (the best checkpoint
+  takes a slot, so with 2 that window leaves only the best).
 - One process. With several ranks, files of other ranks may still be in flight
   when rank 0 writes the manifest, so the callback refuses to run there
-  (``UsageError``). Hyperparameter search (``run-<trial>/`` directories) is not
-  covered.
+  (``UsageError``, at ``Trainer(...)``). Hyperparameter search (``run-<trial>/``
+  directories) is not covered: the callback refuses it (``UsageError``).
+- ``save_strategy="best"`` decides to save after evaluation, when no callback
+  runs before the save: a checkpoint directory rewritten in place (the same
+  step saved again) keeps its old manifest until the new one is written, which
+  the rewritten files fail (sizes and XXH3 are checked), never pass.
 - A callback that writes into the checkpoint directory in ``on_save`` after
   this one makes the directory fail verification (an unlisted file): add
   :class:`AgckCallback` last.
@@ -79,6 +84,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 try:
     import transformers
@@ -147,6 +153,12 @@ def _hash_file(path: str, *, sync: bool) -> tuple[int, int]:
     return size, h.intdigest()
 
 
+def _abspath(path: Any, what: str) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise UsageError(f"{what} must be a path (str or os.PathLike), not {type(path).__name__}")
+    return os.path.abspath(os.fspath(path))
+
+
 def _fsync_dir(path: str) -> None:
     durable.REAL.fsync_dir(path)
 
@@ -160,7 +172,7 @@ def write_manifest(checkpoint_dir: str | os.PathLike, *, step: int | None = None
     Raises :class:`UsageError` for a directory that is not a checkpoint
     directory or holds something other than files and directories, and
     :class:`DurabilityError` when a file cannot be read or synced."""
-    d = os.path.abspath(os.fspath(checkpoint_dir))
+    d = _abspath(checkpoint_dir, "checkpoint_dir")
     m = _CHECKPOINT_RE.match(os.path.basename(d))
     if not os.path.isdir(d):
         raise UsageError("not a directory", ref=d, hint="pass the checkpoint-<step> directory Trainer wrote")
@@ -171,6 +183,9 @@ def write_manifest(checkpoint_dir: str | os.PathLike, *, step: int | None = None
         step = int(m.group(1))
     if type(step) is not int or step < 0:
         raise UsageError(f"step must be an int >= 0, not {step!r}", ref=d)
+    if m is not None and int(m.group(1)) != step:   # verify_checkpoint would always reject it
+        raise UsageError(f"step={step} but the directory is named for step {m.group(1)}", ref=d,
+                         hint="leave step= out, or pass the step in the directory's name")
     try:
         files, dirs = _walk(d)
         table = []
@@ -185,6 +200,7 @@ def write_manifest(checkpoint_dir: str | os.PathLike, *, step: int | None = None
             _fsync_dir(os.path.join(d, rel))
         _fsync_dir(d)
         _fsync_dir(os.path.dirname(d))      # the checkpoint-<step> entry itself
+        _fsync_dir(os.path.dirname(os.path.dirname(d)))   # and output_dir's, made by Trainer just before
     except OSError as e:
         where = e.filename or d
         raise DurabilityError(f"cannot make the checkpoint durable: {e.strerror or e}", ref=os.fspath(where),
@@ -264,8 +280,11 @@ def verify_checkpoint(checkpoint_dir: str | os.PathLike) -> int:
     errors (:class:`StoreConnectionError` for a permission problem,
     :class:`UnsupportedVersionError` for a manifest of a newer agck) say
     nothing about the checkpoint."""
-    d = os.path.abspath(os.fspath(checkpoint_dir))
+    d = _abspath(checkpoint_dir, "checkpoint_dir")
     m = _CHECKPOINT_RE.match(os.path.basename(d))
+    if not os.path.isdir(d):    # a verdict all the same: rotation may delete it while a scan runs
+        raise CorruptCheckpointError("the checkpoint directory is not there (deleted, or a wrong path)", ref=d,
+                                     section="file")
     try:
         table = _read_manifest(d, int(m.group(1)) if m else None)
         present, _ = _walk(d)
@@ -337,7 +356,7 @@ def scan_checkpoints(output_dir: str | os.PathLike) -> CheckpointScan:
     each one passed over with its reason. Raises whatever is not a verdict on a
     checkpoint (a permission problem, a manifest of a newer agck): walking past
     those could resume from an older state for no reason."""
-    out = os.path.abspath(os.fspath(output_dir))
+    out = _abspath(output_dir, "output_dir")
     cands = _candidates(out)
     scan = CheckpointScan(output_dir=out, path=None, step=None, candidates=len(cands))
     for step, path in cands:
@@ -387,16 +406,32 @@ class AgckCallback(TrainerCallback):
     ``trainer.add_callback(AgckCallback())``. Add it after any callback that
     writes into the checkpoint directory."""
 
+    def on_init_end(self, args, state, control, **kwargs):
+        self._check_world(args)     # at Trainer(...): before a resume loads anything
+
     def on_train_begin(self, args, state, control, **kwargs):
+        self._check_world(args)     # again for a callback added after Trainer(...)
+        if state.trial_name is not None or state.trial_params is not None:
+            raise UsageError("AgckCallback does not cover hyperparameter search: its trials save to "
+                             "run-<trial>/checkpoint-<step>, which the callback does not follow",
+                             ref=args.output_dir, hint="remove AgckCallback for the search; add it to the final "
+                             "training run")
+        if args.save_total_limit == 1 or (args.save_total_limit == 2 and args.load_best_model_at_end):
+            logger.warning("agck: save_total_limit=%d%s: Trainer deletes the previous checkpoint before the "
+                           "new one is verified, so a crash during a save leaves %s to resume from; use "
+                           "save_total_limit=%d or more", args.save_total_limit,
+                           " with load_best_model_at_end (the best checkpoint takes a slot)"
+                           if args.save_total_limit == 2 else "",
+                           "only the best checkpoint" if args.save_total_limit == 2 else "nothing",
+                           args.save_total_limit + 1)
+
+    @staticmethod
+    def _check_world(args) -> None:
         if args.world_size > 1:
             raise UsageError(f"AgckCallback verifies single-process checkpoints; this run has "
                              f"{args.world_size} processes", ref=args.output_dir,
                              hint="train in one process, or remove AgckCallback (files of other ranks may "
                              "still be in flight when the manifest would be written)")
-        if args.save_total_limit == 1:
-            logger.warning("agck: save_total_limit=1: Trainer deletes the previous checkpoint before the new "
-                           "one is verified, so a crash during a save leaves nothing to resume from; "
-                           "use save_total_limit=2 or more")
 
     def _about_to_save(self, args, state, control) -> None:
         if control.should_save and state.is_world_process_zero:

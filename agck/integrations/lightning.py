@@ -86,8 +86,9 @@ was interrupted is older than the top-k file written just before it. Resume with
 
     trainer.fit(model, ckpt_path=newest_valid_checkpoint("ckpts/"))
 
-It returns the newest ``*.ckpt`` file of the directory (by modification time)
-that fully verifies and holds training state, logging every newer one it passed
+It returns the newest ``*.ckpt`` file of the directory (by the time written in
+its header, which a copy of the directory keeps) that fully verifies and holds
+training state, logging every newer one it passed
 over with the reason; None when the directory holds no checkpoint (a first run
 starts fresh); and raises :class:`agck.NoValidCheckpointError` when it holds
 some but none verifies (``strict=False``: None). :func:`scan_checkpoints`
@@ -108,7 +109,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import durable
+from .. import durable, format
 from ..checkpoint import load as _agck_load, save as _agck_save
 from ..errors import (AgckError, CorruptCheckpointError, DependencyError, DurabilityError, EncodeError, FormatError,
                       MalformedCheckpointError, NoValidCheckpointError, UsageError)
@@ -174,7 +175,8 @@ class _ToPlain:
         self.leaf = _leaf_types()
 
     def record(self, kind: str, keys: tuple, extra=None) -> None:
-        if all(type(k) in _PLAIN_KEY_TYPES for k in keys):   # the record must itself be plain meta
+        # the record must itself be plain meta, and its keys found again (a NaN key never is)
+        if all(type(k) in _PLAIN_KEY_TYPES and k == k for k in keys):
             self.records.append([kind, list(keys)] if extra is None else [kind, list(keys), extra])
 
     def items(self, x: dict, keys: tuple) -> dict:
@@ -230,13 +232,17 @@ def _plain_module_metadata(md) -> dict | None:
 def _rebuild(state: dict, records, ref: str) -> dict:
     """Apply the recorded conversions back, innermost first (a tuple on the way is rebuilt)."""
     root: list = [{}, None]                 # [children by key, (kind, extra) or None]
-    for rec in records:
-        if not isinstance(rec, list) or len(rec) not in (2, 3) or not isinstance(rec[1], list):
-            raise ValueError(f"bad conversion record {rec!r}")
-        node = root
-        for k in rec[1]:
-            node = node[0].setdefault(k, [{}, None])
-        node[1] = (rec[0], rec[2] if len(rec) == 3 else None)
+
+    def tree():
+        if not isinstance(records, list):
+            raise ValueError(f"conversion records are a {type(records).__name__}, not a list")
+        for rec in records:
+            if not isinstance(rec, list) or len(rec) not in (2, 3) or not isinstance(rec[1], list):
+                raise ValueError(f"bad conversion record {rec!r}")
+            node = root
+            for k in rec[1]:
+                node = node[0].setdefault(k, [{}, None])
+            node[1] = (rec[0], rec[2] if len(rec) == 3 else None)
 
     def apply(obj, node):
         children, conv = node
@@ -274,6 +280,7 @@ def _rebuild(state: dict, records, ref: str) -> dict:
         raise ValueError(f"unknown conversion {kind!r}")
 
     try:
+        tree()
         return apply(state, root)
     except (KeyError, IndexError, TypeError, ValueError, RecursionError) as e:
         raise MalformedCheckpointError(f"its Lightning conversion records do not fit its state: {e}", ref=ref,
@@ -281,6 +288,9 @@ def _rebuild(state: dict, records, ref: str) -> dict:
 
 
 def _local_path(path) -> str:
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise UsageError(f"a checkpoint path must be a str or os.PathLike, not {type(path).__name__}",
+                         hint="AgckCheckpointIO reads and writes local files by path")
     p = os.fspath(path)
     if isinstance(p, bytes):
         p = os.fsdecode(p)
@@ -474,9 +484,10 @@ class CheckpointScan:
 
 
 def scan_checkpoints(dirpath, pattern: str = "*.ckpt", *, weights_only_ok: bool = False) -> CheckpointScan:
-    """Walk the ``pattern`` files of ``dirpath`` from the newest (modification
-    time of the file, or of a symlink's target; at equal times a file before a
-    link to it) and stop at the first that fully verifies and is a Lightning
+    """Walk the ``pattern`` files of ``dirpath`` from the newest (the time each
+    container's header says it was written, so copying a directory does not
+    reorder it; the modification time of a file whose header cannot be read; at
+    equal times a file before a link to it) and stop at the first that fully verifies and is a Lightning
     checkpoint holding training state (``weights_only_ok=True`` also accepts
     ``save_weights_only`` files, which cannot resume ``fit``).
 
@@ -513,7 +524,8 @@ def scan_checkpoints(dirpath, pattern: str = "*.ckpt", *, weights_only_ok: bool 
                     f"{err.strerror}"
         except FileNotFoundError:
             continue                     # removed while we looked
-        found.append((st.st_mtime_ns, 0 if link else 1, e.name, e.path, st, why))
+        written = _written_at(e.path) if why is None else None
+        found.append((st.st_mtime_ns if written is None else written, 0 if link else 1, e.name, e.path, st, why))
     found.sort(reverse=True)
     scan.candidates = len(found)
     judged: dict = {}                    # (dev, inode) -> rejection reason: a link and its target judged once
@@ -535,6 +547,15 @@ def scan_checkpoints(dirpath, pattern: str = "*.ckpt", *, weights_only_ok: bool 
         log.info("%s: newest checkpoint that verifies%s", scan.path,
                  f" ({len(scan.rejected)} newer passed over)" if scan.rejected else "")
     return scan
+
+
+def _written_at(path: str) -> int | None:
+    """The creation time in the container's header (checked by its own XXH3), or None."""
+    try:
+        with open(path, "rb") as f:
+            return format.parse_header(f.read(format.HEADER_SIZE), ref=path).created_at_ns
+    except (OSError, AgckError):
+        return None      # judged in its turn
 
 
 def _judge(path: str, weights_only_ok: bool):
@@ -585,15 +606,22 @@ def load_from_checkpoint(cls, checkpoint_path, map_location=None, strict: bool |
     from lightning.pytorch.core.saving import _load_state
     from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
     path = _local_path(checkpoint_path)
+    if not isinstance(cls, type) or not issubclass(cls, (pl.LightningModule, pl.LightningDataModule)):
+        raise UsageError(f"{cls!r} is neither a LightningModule nor a LightningDataModule class", ref=path,
+                         hint="pass the class whose checkpoint this is")
+    if "hparams_file" in kwargs:
+        raise UsageError("hparams_file is not supported: the checkpoint holds its hyperparameters", ref=path,
+                         hint="pass the values to override as keyword arguments")
+    kwargs.pop("weights_only", None)     # nothing here is unpickled, whatever it says
     checkpoint = AgckCheckpointIO().load_checkpoint(path, map_location=map_location)
+    if "pytorch-lightning_version" not in checkpoint:
+        raise FormatError("verifies, but is not a Lightning checkpoint (no pytorch-lightning_version)", ref=path,
+                          hint="load it with agck.load")
     checkpoint = _pl_migrate_checkpoint(checkpoint, checkpoint_path=path)
     checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
     checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
     if issubclass(cls, pl.LightningDataModule):
         return _load_state(cls, checkpoint, **kwargs)
-    if not issubclass(cls, pl.LightningModule):
-        raise UsageError(f"{cls!r} is neither a LightningModule nor a LightningDataModule class", ref=path,
-                         hint="pass the class whose checkpoint this is")
     model = _load_state(cls, checkpoint, strict=strict, **kwargs)
     state_dict = checkpoint.get("state_dict") or {}
     device = next((t.device for t in state_dict.values() if isinstance(t, torch.Tensor)), None)
