@@ -24,10 +24,12 @@ states, and a fingerprint of the software and hardware. Capture happens at a
 step boundary and is by value: in async mode every mutable part of the state
 (containers, sets, bytearrays, arrays, tensors, state_dict() results) is copied
 there, the tensors into reusable staging buffers (pinned host memory for CUDA
-tensors, one synchronization), and encoding plus the durable write run on a
-background thread; at most ``max_in_flight`` snapshots are pending
-(backpressure). A failed write is raised on the next step or at close, never
-swallowed.
+tensors, one synchronization per device), and encoding plus the durable write
+run on a background thread; at most ``max_in_flight`` (1-64) snapshots are
+pending (backpressure). A failed write is raised on the next step or at close,
+never swallowed, naming its step and the steps queued behind it that were not
+written; an exception of ``on_durable`` is raised as a ``SnapshotError`` that
+says the checkpoint itself is durable.
 
 What a SIGKILL loses: the steps completed since ``last_durable_step``, and
 nothing else.
@@ -327,7 +329,7 @@ class _Stager:
         its bytes against that snapshot while it writes (``expect_unchanged``)."""
         self.memo: dict[int, Any] = {}
         self.n = 0
-        self.cuda = False
+        self.cuda: set = set()      # the devices whose copies into pinned memory are in flight
         self.used: set = set()
         self.seen = seen
         self.now: dict[int, tuple] = {}
@@ -335,15 +337,15 @@ class _Stager:
         self.referenced_bytes = 0
         out = self._walk(tree)
         self.seen = None
-        if self.cuda:
-            torch.cuda.synchronize()
+        for device in self.cuda:    # synchronize() alone waits for the current device only
+            torch.cuda.synchronize(device)
         del self.memo
         if len(self.used) != len(self.pool):
             self.pool = {k: v for k, v in self.pool.items() if k in self.used}
         return out
 
     def plan(self, tree: Any) -> list[tuple[tuple, Callable[[], Any]]]:
-        self.memo, self.n, self.cuda, self.used, self.missing = {}, 0, False, set(), []
+        self.memo, self.n, self.cuda, self.used, self.missing = {}, 0, set(), set(), []
         self.dry = True
         try:
             self._walk(tree)
@@ -425,7 +427,8 @@ class _Stager:
             if src.is_conj():
                 src = src.resolve_conj()
             buf.copy_(src, non_blocking=pin)
-            self.cuda |= pin
+            if pin:
+                self.cuda.add(x.device)
             out = buf
             if isinstance(x, torch.nn.Parameter) or x.requires_grad:
                 # keep what the codec records (Parameter, requires_grad, device) without copying again
@@ -545,10 +548,68 @@ def _thread_cpu() -> tuple[float, float | None]:
 
 # --- the engine -------------------------------------------------------------------
 
+class _Signals:
+    """SIGTERM and SIGINT while snapshotters are open: one handler, which passes the
+    signal to the newest open one. The handlers found before the first are put back
+    when the last closes, whatever order they close in (each keeping its own
+    predecessor's would leave a closed one's handler installed)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    owners: list = []       # open snapshotters, newest last
+    saved: dict = {}        # signal -> the handler before the first owner
+
+    @classmethod
+    def add(cls, snap) -> None:
+        if not cls.owners:
+            for sig in cls.SIGNALS:
+                try:
+                    cls.saved[sig] = signal.signal(sig, cls.dispatch)
+                except (ValueError, OSError):
+                    pass
+        cls.owners.append(snap)
+
+    @classmethod
+    def remove(cls, snap) -> None:
+        if snap in cls.owners:
+            cls.owners.remove(snap)
+            if not cls.owners:
+                cls.restore_all()
+
+    @classmethod
+    def restore_all(cls) -> None:
+        cls.owners.clear()
+        for sig, old in cls.saved.items():
+            try:
+                if signal.getsignal(sig) == cls.dispatch:    # not one installed after ours
+                    signal.signal(sig, old)
+            except (ValueError, OSError, TypeError):
+                pass
+        cls.saved.clear()
+
+    @classmethod
+    def dispatch(cls, signum, frame) -> None:
+        if cls.owners:
+            cls.owners[-1]._on_signal(signum, frame)
+        else:      # all closed in the meantime: as if we had never been here
+            cls.restore_all()
+            signal.raise_signal(signum)
+
+
 def _count(value: Any, name: str) -> int:
     if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1:
         return int(value)
     raise UsageError(f"{name} must be a positive integer, not {value!r}")
+
+
+MAX_IN_FLIGHT = 64     # each slot holds a staged copy of the whole state
+
+
+def _in_flight(value: Any) -> int:
+    n = _count(value, "max_in_flight")
+    if n > MAX_IN_FLIGHT:
+        raise UsageError(f"max_in_flight must be at most {MAX_IN_FLIGHT}, not {value!r}",
+                         hint="each pending snapshot holds a staged copy of the whole state")
+    return n
 
 
 def _options(every: int, *, resume: bool = True, mode: str = "auto", max_in_flight: int = 1,
@@ -569,7 +630,7 @@ def _options(every: int, *, resume: bool = True, mode: str = "auto", max_in_flig
     encode_plain({"fingerprint": None, "user": meta, "snapshot": True}, "meta")
     meta = copy.deepcopy(meta)
     return {"every": _count(every, "every"), "resume": resume, "mode": mode,
-            "max_in_flight": _count(max_in_flight, "max_in_flight"), "on_durable": on_durable, "meta": meta,
+            "max_in_flight": _in_flight(max_in_flight), "on_durable": on_durable, "meta": meta,
             "handle_signals": handle_signals, "capture_rng": capture_rng, "distributed": distributed}
 
 
@@ -641,7 +702,8 @@ class Snapshotter:
         self._cv = threading.Condition()
         self._closed = False
         self._stop_signal: int | None = None
-        self._old_handlers: dict = {}
+        self._error_step: int | None = None
+        self._skipped: list[int] = []             # steps queued behind a failed write, not written
         self._async: bool | None = None if mode == "auto" else mode == "async"
         self._fingerprint: dict | None = None
         self._prepared = False                    # staging buffers made ahead of the first snapshot
@@ -820,11 +882,21 @@ class Snapshotter:
             return
         self._start_worker()
         stager = self._free_stagers.get()          # backpressure: waits while max_in_flight are pending
-        self.raise_pending()
-        # ({} still notes this staging's tensors, for the snapshot after it)
-        seen = self._seen if self._seen and self._can_confirm_unchanged() else {}
-        staged = stager.stage(tree, seen)
-        failpoints.hit("snapshot.after_stage")
+        try:     # any failure from here gives the stager back: the next snapshot would wait for it forever
+            self.raise_pending()
+            # ({} still notes this staging's tensors, for the snapshot after it)
+            seen = self._seen if self._seen and self._can_confirm_unchanged() else {}
+            try:
+                staged = stager.stage(tree, seen)
+            except AgckError:
+                raise
+            except Exception as e:
+                raise SnapshotError(f"staging step {step} of run {self.run!r} failed: {type(e).__name__}: {e}",
+                                    hint="nothing was written; the previous checkpoint is untouched") from e
+            failpoints.hit("snapshot.after_stage")
+        except BaseException:
+            self._free_stagers.put(stager)
+            raise
         with self._cv:
             self._pending += 1
         self._queue.put((step, staged, meta, stager))
@@ -857,7 +929,12 @@ class Snapshotter:
         self.last_durable_step = step
         self.last_durable_ref = ref
         if self.on_durable is not None:
-            self.on_durable(step, ref)
+            try:
+                self.on_durable(step, ref)
+            except Exception as e:
+                raise SnapshotError(f"on_durable raised for step {step} of run {self.run!r}: {type(e).__name__}: "
+                                    f"{e}", ref=ref, hint="the checkpoint itself is durable; fix the callback"
+                                    ) from e
 
     def _start_worker(self) -> None:
         if self._worker is not None:
@@ -922,6 +999,8 @@ class Snapshotter:
                     ref = self._persist(step, staged, meta, self.last_durable_step, stager)
                     self._seen = stager.now
                     self._acknowledge(step, ref)
+                else:            # queued behind a failure, not written: said with it
+                    self._skipped.append(step)
             except ContentChangedError as e:
                 # A tensor taken uncopied changed without its version counter saying so, or
                 # while it was read: this snapshot cannot hold the step's state, so it is not
@@ -932,7 +1011,7 @@ class Snapshotter:
                             "tensor", step, self.run, e)
             except BaseException as e:  # surfaced to the pipeline thread, never swallowed
                 self._seen = {}
-                self._error = e
+                self._error, self._error_step = e, step
             finally:
                 del staged
                 self._free_stagers.put(stager)
@@ -945,10 +1024,13 @@ class Snapshotter:
         e = self._error
         if e is not None:
             self._error = None
-            if isinstance(e, AgckError):
-                raise SnapshotError(f"a background snapshot failed: {e}", ref=getattr(e, "ref", None),
-                                    hint="the previous checkpoint is untouched") from e
-            raise SnapshotError(f"a background snapshot failed: {type(e).__name__}: {e}",
+            skipped, self._skipped = self._skipped, []
+            if isinstance(e, SnapshotError):      # already says what happened (on_durable)
+                raise e
+            also = f"; steps {skipped} queued behind it were not written either" if skipped else ""
+            what = f"the background snapshot of step {self._error_step} of run {self.run!r} failed"
+            cause = str(e) if isinstance(e, AgckError) else f"{type(e).__name__}: {e}"
+            raise SnapshotError(f"{what}: {cause}{also}", ref=getattr(e, "ref", None),
                                 hint="the previous checkpoint is untouched") from e
 
     def flush(self) -> None:
@@ -1000,27 +1082,17 @@ class Snapshotter:
 
     # -- signals ---------------------------------------------------------------
     def _install_signals(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
-            except (ValueError, OSError):
-                pass
+        if threading.current_thread() is threading.main_thread():
+            _Signals.add(self)
 
     def _restore_signals(self) -> None:
-        for sig, old in self._old_handlers.items():
-            try:
-                signal.signal(sig, old)
-            except (ValueError, OSError, TypeError):
-                pass
-        self._old_handlers.clear()
+        _Signals.remove(self)
 
     def _on_signal(self, signum, frame) -> None:
         # The state is mid-step here; the final checkpoint is taken at the next
         # step boundary, then the signal is re-raised with the old handler.
         if self._stop_signal is not None:  # a second signal: stop now
-            self._restore_signals()
+            _Signals.restore_all()
             signal.raise_signal(signum)
             return
         self._stop_signal = signum

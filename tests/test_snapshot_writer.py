@@ -13,6 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import agck  # noqa: E402
 from agck import Snapshotter  # noqa: E402
 from agck import snapshot as snapshot_mod  # noqa: E402
 
@@ -97,3 +98,107 @@ def test_staging_buffers_are_made_before_the_first_snapshot(tmp_path):
         assert torch.equal(got.restore({"t": None, "small": None})["t"], state["t"])
     finally:
         got.close()
+
+
+# --- failures of the background write, and signal handlers ---------------------------------
+
+def _failing_puts(snap, fail_from: int):
+    """Make the store's puts of steps >= fail_from fail, slowly enough to queue behind."""
+    put = snap.store.put
+
+    def failing(run, step, *a, **kw):
+        if step >= fail_from:
+            time.sleep(0.05)
+            raise OSError(28, "No space left on device")
+        return put(run, step, *a, **kw)
+    snap.store.put = failing
+
+
+def test_a_failed_background_write_neither_deadlocks_nor_hides_its_step(tmp_path):
+    """The failure is raised at the next snapshot, naming its step; that snapshot gives
+    its staging slot back, so the ones after it (and close) do not wait forever."""
+    state = {"w": torch.zeros(1000)}
+    snap = Snapshotter(str(tmp_path), "run", every=1, mode="async", handle_signals=False)
+    snap.restore(state)
+    snap.snapshot(1, state)
+    snap.flush()
+    _failing_puts(snap, 2)
+    snap.snapshot(2, state)
+    with pytest.raises(agck.SnapshotError, match=r"step 2 of run 'run' failed: .*No space left"):
+        snap.snapshot(3, state)         # waits for step 2's write, then reports it
+    errors = []
+
+    def next_snapshot():
+        try:
+            snap.snapshot(4, state)
+            snap.flush()
+        except agck.SnapshotError as e:
+            errors.append(e)
+    t = threading.Thread(target=next_snapshot, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive()     # it used to wait forever for the slot the failed snapshot kept
+    assert len(errors) == 1 and "step 4" in str(errors[0])
+    del snap.store.put          # the store's own again
+    snap.close()
+    assert snap.last_durable_step == 1
+
+
+def test_writes_queued_behind_a_failure_are_named(tmp_path):
+    state = {"w": torch.zeros(1000)}
+    snap = Snapshotter(str(tmp_path), "run", every=1, mode="async", max_in_flight=3, handle_signals=False)
+    snap.restore(state)
+    _failing_puts(snap, 1)
+    for step in (1, 2, 3):
+        snap.snapshot(step, state)
+    with pytest.raises(agck.SnapshotError, match=r"step 1 .*steps \[2, 3\] queued behind it were not written"):
+        snap.flush()
+    snap.close()
+
+
+def test_staging_failure_is_a_snapshot_error_and_frees_the_slot(tmp_path, monkeypatch):
+    state = {"w": torch.zeros(10)}
+    snap = Snapshotter(str(tmp_path), "run", every=1, mode="async", handle_signals=False)
+    snap.restore(state)
+    real = snapshot_mod._Stager.stage
+    monkeypatch.setattr(snapshot_mod._Stager, "stage", lambda self, tree, seen: (_ for _ in ()).throw(
+        RuntimeError("cannot allocate pinned memory")))
+    with pytest.raises(agck.SnapshotError, match="staging step 1 of run 'run' failed: RuntimeError"):
+        snap.snapshot(1, state)
+    monkeypatch.setattr(snapshot_mod._Stager, "stage", real)
+    snap.snapshot(2, state)             # the slot came back: no wait
+    snap.close()
+    assert snap.last_durable_step == 2
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_on_durable_error_says_the_checkpoint_is_durable(tmp_path, mode):
+    def boom(step, ref):
+        raise ValueError("callback bug")
+    state = {"w": np.arange(4)}
+    snap = Snapshotter(str(tmp_path), "run", every=1, mode=mode, handle_signals=False, on_durable=boom)
+    snap.restore(state)
+    with pytest.raises(agck.SnapshotError, match="on_durable raised for step 1 .*ValueError") as ei:
+        snap.snapshot(1, state)
+        snap.flush()
+    assert "durable" in ei.value.hint and snap.last_durable_step == 1
+    snap.on_durable = None
+    snap.close()
+
+
+def test_max_in_flight_is_bounded(tmp_path):
+    with pytest.raises(agck.UsageError, match="at most 64"):
+        Snapshotter(str(tmp_path), "run", every=1, max_in_flight=10 ** 12)
+
+
+def test_signal_handlers_go_back_whatever_order_snapshotters_close_in(tmp_path):
+    import signal
+    before = signal.getsignal(signal.SIGTERM)
+    a = Snapshotter(str(tmp_path / "a"), "a", every=1, mode="sync")
+    b = Snapshotter(str(tmp_path / "b"), "b", every=1, mode="sync")
+    a.close()                                             # not in reverse order of opening
+    signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+    assert b._stop_signal == signal.SIGTERM and a._stop_signal is None     # the open one has it
+    b._stop_signal = None
+    b.close()
+    assert signal.getsignal(signal.SIGTERM) is before
