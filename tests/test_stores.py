@@ -1017,6 +1017,100 @@ def pg(pg_dsn, pg_schema):
     s.close()
 
 
+def test_pg_reconnect_forgets_which_objects_the_database_holds(pg_dsn, pg_schema):
+    """After a reconnect a put asks again which objects the database holds: a failover
+    or a restore may have lost ones this store object saw committed."""
+    from agck.stores.postgres import PostgresStore
+    s = PostgresStore(pg_dsn, prefix=pg_prefix(), schema=pg_schema, init=True)
+    try:
+        x = np.arange(300_000, dtype=np.int64)
+        s.put("r", 1, {"x": x})
+        admin = _autocommit(pg_dsn)
+        admin.cursor().execute(f"DELETE FROM {pg_schema}.{s.prefix}_objects")    # the database lost them
+        admin.close()
+        s._conn.close()                  # and the connection went with it
+        s.put("r", 2, {"x": x})          # the same content: sent again
+        assert np.array_equal(s.read("r", 2).state["x"], x)
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_pg_server_errors_at_commit_are_not_called_ambiguous(pg_dsn, pg_schema, incremental):
+    """A lock timeout (the server's verdict: rolled back) is a plain write failure, not
+    'may or may not have been written', and the store goes on working. (A standalone
+    checkpoint's statements and COMMIT travel in one exchange with its COPY.)"""
+    from agck.stores.postgres import PostgresStore
+    pg = PostgresStore(pg_dsn, prefix=pg_prefix(), schema=pg_schema, init=True, incremental=incremental)
+    pg.put("r", 0, state_for(0))
+    holder = _autocommit(pg_dsn)
+    holder.cursor().execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", (pg._row_lock_key("r", 1),))
+    pg._conn.cursor().execute("SET lock_timeout = 200")
+    try:
+        with pytest.raises(DurabilityError) as ei:
+            pg.put("r", 1, state_for(1))
+        assert "lock timeout" in str(ei.value) and "may or may not" not in str(ei.value)
+    finally:
+        holder.close()
+        pg._conn.cursor().execute("RESET lock_timeout")
+    pg.put("r", 1, state_for(1))
+    assert pg.steps("r") == [0, 1]
+    pg.close()
+
+
+def test_pg_epoch_before_any_begin_epoch_is_stale(pg):
+    with pytest.raises(agck.StaleEpochError):
+        pg.put("r", 1, state_for(1), epoch=1)
+    pg.put("r", 1, state_for(1))        # the connection is fine
+
+
+@pytest.mark.parametrize("length", [35, 36, 41])
+def test_parts_of_a_store_with_a_long_prefix(db_spec, length):
+    kind, url, opts = db_spec
+    prefix = ("p" + pg_prefix())[:8].ljust(length, "x")
+    s = open_store(url, **{**opts, "prefix": prefix})
+    try:
+        parts = s.parts_store(create=True)
+        parts.put("r", 1, state_for(1))
+        assert_state(parts.read("r", 1), 1)
+        assert len(parts.prefix) <= 41 and parts.prefix != s.prefix
+        parts.close()
+    finally:
+        s.close()
+
+
+def test_sqlite_failed_commit_leaves_no_transaction_open():
+    from agck.stores.sqlite import _immediate
+
+    class Conn:
+        in_transaction = False
+
+        def __init__(self):
+            self.log = []
+
+        def execute(self, sql):
+            self.log.append(sql)
+            if sql == "BEGIN IMMEDIATE":
+                self.in_transaction = True
+            elif sql == "COMMIT":
+                raise sqlite3.OperationalError("disk I/O error")     # SQLite leaves the transaction open
+            elif sql == "ROLLBACK":
+                self.in_transaction = False
+
+    c = Conn()
+    with pytest.raises(sqlite3.OperationalError):
+        with _immediate(c):
+            pass
+    assert c.log == ["BEGIN IMMEDIATE", "COMMIT", "ROLLBACK"] and not c.in_transaction
+
+
+def _autocommit(dsn):
+    import psycopg2
+    c = psycopg2.connect(dsn)
+    c.autocommit = True
+    return c
+
+
 _KILL_SCRIPT = """
 import sys, numpy as np
 from agck.stores import open_store

@@ -86,8 +86,8 @@ from ..memory import new_buffer
 from . import content
 from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
 from .sqlrows import (DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalPuts, check_chunk_size, check_checksum,
-                      check_identifier, chunk_plan, dsn_secrets, dsn_without_password, nchunks_for, redact_dsn,
-                      split_chunks, sql_row)
+                      check_identifier, chunk_plan, dsn_secrets, dsn_without_password, nchunks_for, parts_prefix,
+                      redact_dsn, split_chunks, sql_row)
 
 SCHEMA_VERSION = 3
 
@@ -536,7 +536,7 @@ class PostgresStore(TransactionalPuts, Store):
         self._connect_timeout = connect_timeout
         self._conn = None
         self._closed = False
-        self._known_objects: set[bytes] = set()   # committed by this store object, as of _known_generation
+        self._known_objects: set[bytes] = set()   # committed through this connection, as of _known_generation
         self._known_generation = None
         self._inherited = []      # a parent's connections, kept open: closing one would end the parent's session
         self._connect()
@@ -564,6 +564,10 @@ class PostgresStore(TransactionalPuts, Store):
         conn.autocommit = True   # transactions are explicit: BEGIN travels with the first statement
         self._conn = conn
         self._pid = os.getpid()
+        # what another session committed is known again only by asking: a failover or a
+        # restore may have lost objects this store object saw committed
+        self._known_objects = set()
+        self._known_generation = None
 
     def _cursor(self):
         if self._closed:
@@ -607,7 +611,7 @@ class PostgresStore(TransactionalPuts, Store):
 
     def _open_parts(self, create: bool) -> "PostgresStore | None":
         try:
-            return PostgresStore(self._dsn, prefix=f"{self.prefix}_parts", schema=self.schema,
+            return PostgresStore(self._dsn, prefix=parts_prefix(self.prefix), schema=self.schema,
                                  chunk_size=self.chunk_size, init=create, connect_timeout=self._connect_timeout,
                                  **self._policy())
         except SchemaUninitializedError:
@@ -833,7 +837,9 @@ class PostgresStore(TransactionalPuts, Store):
                 except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
                     if stream.error is not None:
                         raise stream.error from None
-                    raise self._commit_failed(e, ref) from None
+                    if self._commit_unknown(e):
+                        raise self._commit_failed(e, ref) from None
+                    raise       # the server's verdict (a lock or statement timeout, disk full): rolled back
                 if stream.error is not None:
                     raise stream.error
             else:
@@ -862,7 +868,9 @@ class PostgresStore(TransactionalPuts, Store):
                 try:
                     cur.execute(commit, values)
                 except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
-                    raise self._commit_failed(e, ref) from None
+                    if self._commit_unknown(e):
+                        raise self._commit_failed(e, ref) from None
+                    raise       # the server's verdict (a lock or statement timeout, disk full): rolled back
             self._committed_objects(plans)
         except BaseException as e:
             if stream is not None and stream.error is not None and isinstance(e, psycopg2.Error):
@@ -884,6 +892,12 @@ class PostgresStore(TransactionalPuts, Store):
         """A statement psycopg2 interpolated (in the connection's encoding) as text,
         to put in front of a COPY."""
         return sql.decode(psycopg2.extensions.encodings.get(self._conn.encoding, "utf-8"))
+
+    def _commit_unknown(self, e: psycopg2.Error) -> bool:
+        """Whether a write ended without the server's verdict on it (the connection lost,
+        no SQLSTATE), so its COMMIT may have happened. An error the server sent (a lock
+        or statement timeout, a deadlock, a full disk) rolled the transaction back."""
+        return e.pgcode is None or self._conn is None or bool(self._conn.closed)
 
     def _commit_failed(self, e: psycopg2.Error, ref: str) -> DurabilityError:
         return DurabilityError(
@@ -1017,7 +1031,10 @@ class PostgresStore(TransactionalPuts, Store):
     def _check_epoch(self, cur, run: str, epoch: int, ref: str) -> None:
         """In a write transaction, before COMMIT: refuse unless ``epoch`` is the run's
         newest. The row stays share-locked until COMMIT, so begin_epoch waits for it."""
-        cur.execute(f"SELECT epoch FROM {self.names.epochs} WHERE run = %s FOR SHARE", (run,))
+        try:
+            cur.execute(f"SELECT epoch FROM {self.names.epochs} WHERE run = %s FOR SHARE", (run,))
+        except psycopg2.errors.UndefinedTable:   # no begin_epoch yet on this store: no epoch is the newest
+            raise self._stale(run, epoch, None, ref) from None
         row = cur.fetchone()
         if row is None or row[0] != epoch:
             raise self._stale(run, epoch, None if row is None else row[0], ref)

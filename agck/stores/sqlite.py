@@ -66,7 +66,7 @@ from ..memory import new_buffer
 from . import content
 from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
 from .sqlrows import (DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalPuts, batches, check_checksum, check_chunk_size,
-                      check_identifier, chunk_plan, split_chunks, sql_row)
+                      check_identifier, chunk_plan, parts_prefix, split_chunks, sql_row)
 
 SCHEMA_VERSION = 3
 _IN_BATCH = 500       # addresses per IN (...) list: well under SQLite's bound on query parameters
@@ -95,13 +95,14 @@ def _immediate(c: sqlite3.Connection):
     c.execute("BEGIN IMMEDIATE")
     try:
         yield
+        c.execute("COMMIT")    # a COMMIT that fails (I/O, disk full) may leave the transaction open
     except BaseException:
-        try:
-            c.execute("ROLLBACK")
-        except sqlite3.Error:
-            pass
+        if c.in_transaction:
+            try:
+                c.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
         raise
-    c.execute("COMMIT")
 
 
 def _journal_mode_wal(c: sqlite3.Connection, busy_timeout: float) -> str:
@@ -561,7 +562,7 @@ class SqliteStore(TransactionalPuts, Store):
             raise UsageError("an in-memory SQLite store cannot hold multi-rank checkpoints: each rank opens "
                              "its own", ref=self.url, hint="use a database file")
         try:
-            return SqliteStore(self.url, prefix=f"{self.prefix}_parts", chunk_size=self.chunk_size,
+            return SqliteStore(self.url, prefix=parts_prefix(self.prefix), chunk_size=self.chunk_size,
                                busy_timeout=self._busy_timeout, create=create, **self._policy())
         except StoreConnectionError:
             if create:

@@ -13,6 +13,7 @@ of psycopg2 so that any layer can hide a password.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import math
 import re
@@ -39,6 +40,15 @@ def check_identifier(value: Any, what: str) -> str:
         raise StoreError(f"invalid {what} {value!r}",
                          hint="use 1-41 characters of a-z, 0-9 and '_', not starting with a digit")
     return value
+
+
+def parts_prefix(prefix: str) -> str:
+    """The table prefix of a store's multi-rank parts: ``<prefix>_parts``, or for a
+    prefix too long for that, its first 24 characters and a hash of the whole."""
+    name = f"{prefix}_parts"
+    if _IDENT_RE.fullmatch(name):
+        return name
+    return f"{prefix[:24]}_{hashlib.blake2b(prefix.encode(), digest_size=4).hexdigest()}_parts"
 
 
 def check_chunk_size(chunk_size: Any) -> int:
