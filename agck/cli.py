@@ -269,13 +269,15 @@ def cmd_ls(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .recovery import verify_store
+    from .recovery import is_verdict, verify_store
     if _file_or_store(args, args.target, "verify"):
         try:
             _load_file(args.target, verify=True)
-        except CorruptCheckpointError as e:
+        except AgckError as e:    # judged as a store's scan judges it (a damaged magic too)
+            if not is_verdict(e):
+                raise
             _emit(args, {"ok": 0, "corrupt": 1, "rejected": [{"ref": args.target, "reason": e.reason,
-                                                              "section": e.section}]},
+                                                              "section": getattr(e, "section", None)}]},
                   lambda: f"CORRUPT {args.target}: {e.reason}")
             return EXIT_WALKED_BACK
         _emit(args, {"ok": 1, "corrupt": 0, "rejected": []}, lambda: f"OK {args.target}")
@@ -324,7 +326,9 @@ def cmd_recover(args) -> int:
         checkpoint.save(args.restore_to, ck.state, run=ck.run, step=ck.step, parent=ck.parent, meta=ck.meta)
     lines = []
     for rec in results:
-        if rec.checkpoint is None:
+        if rec.checkpoint is None and not rec.candidates:
+            lines.append(f"{rec.run}: no checkpoints")
+        elif rec.checkpoint is None:
             lines.append(f"{rec.run}: NOTHING VALID among {rec.candidates} checkpoints")
         else:
             how = f", walked back past {len(rec.rejected)}" if rec.rejected else ""

@@ -24,6 +24,7 @@ uint8 tensors: nothing is pickled.
 from __future__ import annotations
 
 import datetime
+import logging
 from typing import Any, Collection
 
 import msgpack
@@ -33,6 +34,8 @@ from .checkpoint import Checkpoint
 from .errors import (AgckError, CheckpointNotFoundError, ContentChangedError, SnapshotError, StaleEpochError,
                      UsageError)
 from .recovery import Rejection, is_verdict
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -138,10 +141,18 @@ class ShardedRun:
         self.store, self.run, self.group = store, run, group
         self.rank, self.world_size = group.rank, group.size
         self._committed: set[tuple[int, int]] = set()   # (epoch, step) this object committed
-        # rank 0 makes the parts namespace (tables, a directory) before the others open it
+        # rank 0 makes the parts namespace (tables, a directory) before the others open it;
+        # its failure is sent to them, none waits for a rank that raised
+        err = None
         if self.rank == 0:
-            self.parts = store.parts_store()
-        group.barrier()
+            try:
+                self.parts = store.parts_store()
+            except Exception as e:
+                err = _describe(e)
+        err = group.broadcast(err)
+        if err is not None:
+            raise SnapshotError(f"run {run!r}: rank 0 could not open the store's parts namespace: {err}",
+                                ref=store.url)
         if self.rank != 0:
             self.parts = store.parts_store()
 
@@ -172,8 +183,9 @@ class ShardedRun:
         if self.rank == 0:
             try:
                 removed = sharded.clean_partial(self.store, self.run)
-            except AgckError:
-                removed = []    # only housekeeping: `agck recover --clean` reports what is left
+            except Exception as e:   # only housekeeping: `agck recover --clean` reports what is left
+                log.warning("agck: run %r: removing partial parts failed: %s", self.run, _describe(e))
+                removed = []
         self.group.barrier()
         return removed
 
@@ -202,8 +214,8 @@ class ShardedRun:
         newer incarnation fenced this one, else :class:`SnapshotError` naming the
         ranks that failed and why."""
         nonce = sharded.new_nonce()
-        pr = self.part_run(epoch)
         try:
+            pr = self.part_run(epoch)     # in here: its name check can fail on some ranks only
             if (epoch, step) in self._committed:
                 # its parts are what the commit record binds: rewriting one would unbind the
                 # acknowledged step (a job that resumes takes a new epoch, and new part runs)
@@ -211,7 +223,7 @@ class ShardedRun:
                                  hint="checkpoint a later step, or begin a new epoch to rewrite it")
             self.parts.put(pr, step, state, parent=parent, expect_unchanged=expect_unchanged,
                            meta=sharded.part_meta(self.run, step, epoch, self.rank, self.world_size, nonce))
-            mine = {"ok": True, "nonce": nonce}
+            mine = {"ok": True, "nonce": nonce, "step": step, "epoch": epoch}
         except ContentChangedError as e:
             mine = {"ok": False, "changed": True, "error": _describe(e)}
         except Exception as e:   # reported to every rank: none may wait in the gather for this one
@@ -219,6 +231,14 @@ class ShardedRun:
         failpoints.hit("dist.after_part")
         outcomes = self.group.all_gather(mine)
         failed = {r: o for r, o in enumerate(outcomes) if not o["ok"]}
+        if not failed:      # one commit binds one step of one epoch: every rank must be writing it
+            asked = {(o["step"], o["epoch"]) for o in outcomes}
+            if len(asked) > 1:
+                failed = {r: {"error": f"it wrote step {o['step']} of epoch {o['epoch']}"}
+                          for r, o in enumerate(outcomes) if (o["step"], o["epoch"]) != (step, epoch)}
+                if not failed:      # this rank is the odd one out
+                    failed = {self.rank: {"error": f"the others wrote "
+                                          f"{sorted(asked - {(step, epoch)})} (step, epoch)"}}
         if failed:
             why = "; ".join(f"rank {r}: {o['error']}" for r, o in sorted(failed.items()))
             if all(o.get("changed") for o in failed.values()):
@@ -256,7 +276,17 @@ class ShardedRun:
         """The newest step every rank can restore: (commit, this rank's part, the newer
         steps rejected (newest first, each naming the ranks whose part failed), the
         number of candidates). (None, None, rejected, n) when none can."""
-        steps = self.group.broadcast(self.store.steps(self.run) if self.rank == 0 else None)
+        listed = None
+        if self.rank == 0:
+            try:
+                listed = {"steps": self.store.steps(self.run)}
+            except Exception as e:
+                listed = {"error": _describe(e)}
+        listed = self.group.broadcast(listed)
+        if "error" in listed:
+            raise SnapshotError(f"run {self.run!r}: rank 0 could not list the run's steps: {listed['error']}",
+                                ref=self.store.url)
+        steps = listed["steps"]
         rejected: list[Rejection] = []
         for step in reversed(steps):
             commit = part = None

@@ -146,6 +146,24 @@ def is_temp_name(name: str) -> bool:
     return name.startswith(".") and TEMP_MARK in name
 
 
+def temp_writer_alive(name: str) -> bool:
+    """Whether the process that made temp file ``name`` (its pid is in the name,
+    :func:`temp_name_for`) still runs on this machine: its write may be in flight."""
+    try:
+        pid = int(name.split(TEMP_MARK, 1)[1].split(".", 1)[0])
+    except (IndexError, ValueError):
+        return False
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:      # EPERM: another user's process, alive
+        return True
+    return True
+
+
 class FileSystem:
     """The system calls durable writes use. Subclassed by the crash harness."""
 
@@ -535,16 +553,22 @@ def _write_atomic(path: str, parts: Iterable, *, overwrite: bool, size: int | No
 
 def make_dir(fs: FileSystem, path: str, parent: str, what: str = "directory") -> None:
     """Create ``path`` (in ``parent``) if missing, and make its entry durable by
-    fsync'ing ``parent``. Raises :class:`DurabilityError`."""
-    if os.path.isdir(path):
+    fsync'ing ``parent``, also when it was there already, once per file system
+    object: another process may have made it and been killed before its fsync.
+    Raises :class:`DurabilityError`."""
+    synced = fs.__dict__.setdefault("_synced_dirs", set())
+    there = os.path.isdir(path)
+    if there and path in synced:
         return
+    if not there:
+        try:
+            fs.mkdir(path)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise DurabilityError(f"cannot create the {what}: {e.strerror}", ref=path) from None
     try:
-        fs.mkdir(path)
-    except FileExistsError:
-        return
-    except OSError as e:
-        raise DurabilityError(f"cannot create the {what}: {e.strerror}", ref=path) from None
-    try:
-        fs.fsync_dir(parent)  # the new directory entry must survive too
+        fs.fsync_dir(parent)  # the directory's entry must survive too
     except OSError as e:
         raise DurabilityError(f"fsync of {parent} failed: {e.strerror}", ref=parent) from None
+    synced.add(path)

@@ -205,8 +205,9 @@ def part_runs(store, run: str | None = None) -> list[tuple[str, str, int, int]]:
 def partial_parts(store, run: str | None = None) -> list[PartialPart]:
     """Every part of ``run`` (of every run) that no commit record binds.
 
-    A part of the run's current epoch at a step newer than its newest committed one
-    may be a checkpoint in flight: listed with ``removable=False``."""
+    A part of the run's current epoch may be a checkpoint in flight (at a new step,
+    or rewriting an older one: a resumed job, a DCP save of an existing step):
+    listed with ``removable=False``. Once a newer epoch begins, it is removable."""
     found = part_runs(store, run)
     if not found:
         return []
@@ -218,7 +219,6 @@ def partial_parts(store, run: str | None = None) -> list[PartialPart]:
         by_run.setdefault(r, []).append((pr, epoch, rank))
     for r, prs in sorted(by_run.items()):
         steps = set(store.steps(r))
-        newest = max(steps) if steps else -1
         current = store.epoch(r)
         for pr, epoch, rank in sorted(prs):
             for step in parts.steps(pr):
@@ -233,7 +233,7 @@ def partial_parts(store, run: str | None = None) -> list[PartialPart]:
                         "the step's commit record does not verify or is not multi-rank"
                 else:
                     reason = f"the step was committed by epoch {c.epoch} with {c.world_size} ranks"
-                in_flight = current is not None and epoch >= current and step > newest
+                in_flight = current is not None and epoch >= current
                 out.append(PartialPart(r, step, epoch, rank, parts.ref(pr, step), reason, removable=not in_flight))
     return out
 

@@ -703,6 +703,8 @@ class Snapshotter:
         self._closed = False
         self._stop_signal: int | None = None
         self._error_step: int | None = None
+        self._failed = 0           # background writes that failed (the writer's count)
+        self._raised = 0           # of those, raised in the pipeline's thread
         self._skipped: list[int] = []             # steps queued behind a failed write, not written
         self._async: bool | None = None if mode == "auto" else mode == "async"
         self._fingerprint: dict | None = None
@@ -899,7 +901,7 @@ class Snapshotter:
             raise
         with self._cv:
             self._pending += 1
-        self._queue.put((step, staged, meta, stager))
+        self._queue.put((step, staged, meta, stager, self._raised))
         self._taken = step
         self.blocked_seconds.append(time.perf_counter() - t0)
 
@@ -993,9 +995,12 @@ class Snapshotter:
                 for stager, _ in item.jobs:
                     self._free_stagers.put(stager)
                 continue
-            step, staged, meta, stager = item
+            step, staged, meta, stager, raised = item
             try:
-                if self._error is None:
+                # written unless a write failed that the pipeline had not been told of when it
+                # queued this one: decided by the queue's order alone, so ranks of one job,
+                # whose writes fail together, write (or skip) the same steps
+                if self._failed == raised:
                     ref = self._persist(step, staged, meta, self.last_durable_step, stager)
                     self._seen = stager.now
                     self._acknowledge(step, ref)
@@ -1011,7 +1016,9 @@ class Snapshotter:
                             "tensor", step, self.run, e)
             except BaseException as e:  # surfaced to the pipeline thread, never swallowed
                 self._seen = {}
-                self._error, self._error_step = e, step
+                self._failed += 1          # before _error: raise_pending reads them in the other order
+                self._error_step = step
+                self._error = e
             finally:
                 del staged
                 self._free_stagers.put(stager)
@@ -1024,6 +1031,7 @@ class Snapshotter:
         e = self._error
         if e is not None:
             self._error = None
+            self._raised = self._failed
             skipped, self._skipped = self._skipped, []
             if isinstance(e, SnapshotError):      # already says what happened (on_durable)
                 raise e

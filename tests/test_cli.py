@@ -59,17 +59,32 @@ def test_recover_walks_back_and_names_every_rejection(store, capsys):
     assert "checksum mismatch" in reasons and "truncated" in reasons and "step 10" in reasons
 
 
+def _dead_pid() -> int:
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(p.stdout)
+
+
 def test_recover_text_restore_to_and_clean(store, capsys, tmp_path):
     flip(store.path("r", 50))
-    tmp = os.path.join(store.root, "r", ".000000000060.agck.tmp.123.abcd")
+    tmp = os.path.join(store.root, "r", f".000000000060.agck.tmp.{_dead_pid()}.abcd")     # its writer is gone
     open(tmp, "wb").write(b"partial")
+    live = os.path.join(store.root, "r", f".000000000070.agck.tmp.{os.getpid()}.abcd")   # a put in flight
+    open(live, "wb").write(b"being written")
     out_file = tmp_path / "restored.agck"
     code, out, _ = run_cli(capsys, "recover", store.root, "--run", "r", "--restore-to", out_file, "--clean")
     assert code == 1
     assert "last valid step 40" in out and "rejected step 50" in out and "(removed)" in out
-    assert not os.path.exists(tmp)
+    assert not os.path.exists(tmp) and os.path.exists(live) and "000000000070" not in out
     ck = agck.load(out_file)
     assert ck.step == 40 and torch.equal(ck.state["w"], torch.full((16,), 40.0))
+
+
+def test_verify_of_a_file_judges_a_damaged_magic_as_damage(store, capsys):
+    data = bytearray(open(store.path("r", 10), "rb").read())
+    data[0] ^= 0xFF
+    open(store.path("r", 10), "wb").write(data)
+    code, out, _ = run_cli(capsys, "verify", store.path("r", 10), "--json")
+    assert code == 1 and json.loads(out)["corrupt"] == 1
 
 
 def test_recover_nothing_valid_exit_3(tmp_path, capsys):

@@ -64,6 +64,23 @@ def restore_only(rank, world, url, opts, run, out):
     pathlib.Path(out, f"rank{rank}.bin").write_bytes(msgpack.packb(result))
 
 
+def different_steps(rank, world, url, out):
+    """Rank 0 writes step 10 while rank 1 writes step 20: no commit may bind them."""
+    from agck.distributed import Group, ShardedRun
+    store = open_store(url)
+    run = ShardedRun(store, "r", Group())
+    epoch = run.begin_epoch()
+    try:
+        run.write(10 if rank == 0 else 20, {"x": rank}, meta=None, parent=None, epoch=epoch)
+        result = {"ok": True}
+    except agck.AgckError as e:
+        result = {"ok": False, "type": type(e).__name__, "message": str(e)}
+    result["steps"] = store.steps("r")
+    run.close()
+    store.close()
+    pathlib.Path(out, f"rank{rank}.bin").write_bytes(msgpack.packb(result))
+
+
 def group_messages(rank, world, out):
     """Messages shorter and longer than one inline frame, each way."""
     from agck.distributed import Group
@@ -348,6 +365,34 @@ def test_cli_lists_and_cleans_partial_steps(tmp_path, out):
     with open_store(url) as store:
         assert sharded.partial_parts(store, "r") == []
         assert agck.recover(store, "r").step == 3
+
+
+def test_ranks_writing_different_steps_commit_nothing_and_all_raise(tmp_path, out):
+    assert launch(_target(different_steps), 2, (str(tmp_path / "store"), str(out))) == [0, 0]
+    results = _results(out, 2)
+    assert [r["ok"] for r in results] == [False, False] and [r["steps"] for r in results] == [[], []]
+    assert all(r["type"] == "SnapshotError" and "wrote step" in r["message"] for r in results)
+
+
+def test_a_part_of_the_current_epoch_below_the_newest_step_may_be_in_flight(tmp_path):
+    """A resumed job rewriting a step below a rejected newer one: its part, not yet
+    bound, is kept by the cleaner until a newer epoch begins."""
+    with open_store(str(tmp_path / "s")) as store:
+        parts = store.parts_store()
+        e1 = store.begin_epoch("r")
+        for step in (100, 150):
+            pr = sharded.part_run("r", e1, 0)
+            parts.put(pr, step, {"x": step}, meta=sharded.part_meta("r", step, e1, 0, 1, "n%d" % step))
+            commit = sharded.Commit(run="r", step=step, epoch=e1, world_size=1,
+                                    parts=[sharded.PartRef(0, pr, "n%d" % step)])
+            store.put("r", step, commit.state(), epoch=e1)
+        e2 = store.begin_epoch("r")
+        parts.put(sharded.part_run("r", e2, 0), 120, {"x": 120}, meta=sharded.part_meta("r", 120, e2, 0, 1, "m"))
+        [p] = sharded.partial_parts(store, "r")
+        assert (p.step, p.epoch, p.removable) == (120, e2, False)
+        assert sharded.clean_partial(store, "r") == [] and parts.steps(sharded.part_run("r", e2, 0)) == [120]
+        store.begin_epoch("r")
+        assert [p.removable for p in sharded.partial_parts(store, "r")] == [True]
 
 
 def test_group_messages_of_any_length(out):

@@ -252,3 +252,34 @@ def test_write_parts_to_an_open_file(tmp_path, small_chunks):
             assert open(path, "rb").read() == want
             if not direct:
                 assert not any(on for on, _ in spy.writes)
+
+
+def test_make_dir_of_an_existing_directory_makes_its_entry_durable_once(tmp_path):
+    """Another process may have made the directory and been killed before fsync'ing its
+    parent: the first use here fsyncs the parent all the same, later ones do not."""
+    synced = []
+
+    class Recording(durable.FileSystem):
+        def fsync_dir(self, path):
+            synced.append(path)
+            super().fsync_dir(path)
+
+    fs = Recording()
+    d = tmp_path / "run"
+    d.mkdir()                                   # made by someone else, entry not fsync'd
+    durable.make_dir(fs, str(d), str(tmp_path))
+    durable.make_dir(fs, str(d), str(tmp_path))
+    assert synced == [str(tmp_path)]
+    d.rmdir()                                   # gone (a delete of the run's last step): made again
+    durable.make_dir(fs, str(d), str(tmp_path))
+    assert d.is_dir() and synced == [str(tmp_path)] * 2
+
+
+def test_temp_writer_alive_reads_the_pid_in_the_name():
+    import subprocess
+    import sys
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True).stdout)
+    assert durable.temp_writer_alive(os.path.basename(durable.temp_name_for("/x/000000000001.agck")))
+    assert not durable.temp_writer_alive(f".000000000001.agck.tmp.{dead}.abcd")
+    assert not durable.temp_writer_alive(".junk.tmp.notapid.x") and not durable.temp_writer_alive(".a.tmp.0.x")

@@ -308,9 +308,11 @@ class FileStore(Store):
         for d in dirs:
             try:
                 names = os.listdir(d)
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):
                 continue
-            out += [os.path.join(d, n) for n in sorted(names) if durable.is_temp_name(n)]
+            # a temp file whose writer still runs is a put in flight, not a leftover
+            out += [os.path.join(d, n) for n in sorted(names)
+                    if durable.is_temp_name(n) and not durable.temp_writer_alive(n)]
         return out
 
     def clean_orphans(self, run: str | None = None) -> list[str]:
