@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from typing import Any, Collection
+from typing import Any, Callable, Collection
 
 import msgpack
 
@@ -141,20 +141,26 @@ class ShardedRun:
         self.store, self.run, self.group = store, run, group
         self.rank, self.world_size = group.rank, group.size
         self._committed: set[tuple[int, int]] = set()   # (epoch, step) this object committed
-        # rank 0 makes the parts namespace (tables, a directory) before the others open it;
-        # its failure is sent to them, none waits for a rank that raised
-        err = None
-        if self.rank == 0:
-            try:
-                self.parts = store.parts_store()
-            except Exception as e:
-                err = _describe(e)
-        err = group.broadcast(err)
-        if err is not None:
-            raise SnapshotError(f"run {run!r}: rank 0 could not open the store's parts namespace: {err}",
-                                ref=store.url)
+        # rank 0 makes the parts namespace (tables, a directory) before the others open it
+        self.parts = self._from_rank0(store.parts_store, "open the store's parts namespace", send=False)
         if self.rank != 0:
             self.parts = store.parts_store()
+
+    def _from_rank0(self, fn: Callable[[], Any], what: str, *, send: bool = True) -> Any:
+        """``fn()`` on rank 0; its value (``send``) or its failure reaches every rank, so
+        none waits in a collective for a rank that raised."""
+        out: dict = {}
+        value = None
+        if self.rank == 0:
+            try:
+                value = fn()
+                out = {"value": value if send else None}
+            except Exception as e:
+                out = {"error": _describe(e)}
+        out = self.group.broadcast(out)
+        if "error" in out:
+            raise SnapshotError(f"run {self.run!r}: rank 0 could not {what}: {out['error']}", ref=self.store.url)
+        return out["value"] if send else value
 
     def close(self) -> None:
         self.group.close()
@@ -164,17 +170,7 @@ class ShardedRun:
 
     def begin_epoch(self) -> int:
         """Rank 0 begins a new incarnation of the run; every rank gets its epoch."""
-        out = None
-        if self.rank == 0:
-            try:
-                out = {"epoch": self.store.begin_epoch(self.run)}
-            except Exception as e:
-                out = {"error": _describe(e)}
-        out = self.group.broadcast(out)
-        if "error" in out:
-            raise SnapshotError(f"run {self.run!r}: rank 0 could not begin a new epoch: {out['error']}",
-                                ref=self.store.url)
-        return out["epoch"]
+        return self._from_rank0(lambda: self.store.begin_epoch(self.run), "begin a new epoch")
 
     def clean_partial(self) -> list[str]:
         """Rank 0 removes the parts no commit record binds and none can any more
@@ -276,17 +272,7 @@ class ShardedRun:
         """The newest step every rank can restore: (commit, this rank's part, the newer
         steps rejected (newest first, each naming the ranks whose part failed), the
         number of candidates). (None, None, rejected, n) when none can."""
-        listed = None
-        if self.rank == 0:
-            try:
-                listed = {"steps": self.store.steps(self.run)}
-            except Exception as e:
-                listed = {"error": _describe(e)}
-        listed = self.group.broadcast(listed)
-        if "error" in listed:
-            raise SnapshotError(f"run {self.run!r}: rank 0 could not list the run's steps: {listed['error']}",
-                                ref=self.store.url)
-        steps = listed["steps"]
+        steps = self._from_rank0(lambda: self.store.steps(self.run), "list the run's steps")
         rejected: list[Rejection] = []
         for step in reversed(steps):
             commit = part = None
