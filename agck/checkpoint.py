@@ -7,6 +7,7 @@ Joins the codec (state <-> tensors and tree) and the container format
 
 from __future__ import annotations
 
+import errno
 import mmap as _mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -225,6 +226,13 @@ def read_file(path: str, *, mmap: bool = True):
                           hint="to read a store, use agck.open_store(path)") from None
     except PermissionError:  # this process's rights, not the file's bytes: never a verdict on it
         raise StoreConnectionError("permission denied", ref=path, hint="check the file's permissions") from None
+    except OSError as e:
+        if e.errno == errno.EIO:   # the bytes cannot be read back: a verdict, as damage is
+            raise CorruptCheckpointError(f"cannot read the file: {e.strerror}", ref=path, section="file",
+                                         hint="the storage returned an I/O error; an earlier checkpoint is used"
+                                         ) from None
+        raise StoreConnectionError(f"cannot read the file: {e.strerror or e}", ref=path,
+                                   hint="the file itself was not judged; fix the cause and read it again") from None
 
 
 def inspect(path_or_bytes, *, verify: bool = False) -> dict:

@@ -1613,3 +1613,51 @@ def test_file_store_put_survives_a_delete_removing_its_run_directory(tmp_path):
     fs.times = -10                                    # every try finds its directory gone: the error says so
     with pytest.raises(DurabilityError, match="write failed"):
         s.put("r", 2, {"x": 2})
+
+
+def test_file_store_read_racing_a_prune_and_a_collection_is_not_found_not_corrupt(tmp_path):
+    """A listing deleted while read, its chunks collected meanwhile: gone, not damaged;
+    one replaced meanwhile is read again."""
+    from agck.stores.file import FileStore
+    s = FileStore(tmp_path / "s")
+    s.put("r", 1, state_for(1, n=200_000))
+    real = s.objects.read_into
+
+    def racing(address, view):     # the first chunk read finds the checkpoint pruned and collected
+        s.objects.read_into = real
+        s.delete("r", 1)
+        s.collect_garbage()
+        return real(address, view)
+    s.objects.read_into = racing
+    with pytest.raises(CheckpointNotFoundError, match="deleted while it was read"):
+        s.read("r", 1)
+
+    s.put("r", 2, state_for(2, n=200_000))
+
+    def replacing(address, view):  # the checkpoint is rewritten with other content meanwhile
+        s.objects.read_into = real
+        s.put("r", 2, state_for(7, n=200_000))
+        s.collect_garbage()
+        return real(address, view)
+    s.objects.read_into = replacing
+    assert_state(s.read("r", 2), 7, n=200_000)
+
+
+def test_an_io_error_reading_a_checkpoint_is_a_verdict_other_errors_are_not(tmp_path, monkeypatch):
+    import builtins
+    import errno
+    from agck import checkpoint
+    from agck.recovery import is_verdict
+    path = str(tmp_path / "x.agck")
+    agck.save(path, {"x": 1})
+    real_open = builtins.open
+    for code, verdict in ((errno.EIO, True), (errno.EMFILE, False)):
+        def failing(p, *a, code=code, **kw):
+            if p == path:
+                raise OSError(code, os.strerror(code), p)
+            return real_open(p, *a, **kw)
+        monkeypatch.setattr(builtins, "open", failing)
+        with pytest.raises(AgckError) as ei:
+            checkpoint.read_file(path)
+        monkeypatch.setattr(builtins, "open", real_open)
+        assert is_verdict(ei.value) == verdict and os.strerror(code) in str(ei.value)

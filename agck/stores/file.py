@@ -242,6 +242,8 @@ class FileStore(Store):
             names = os.listdir(self._run_dir(run))
         except (FileNotFoundError, NotADirectoryError):
             return []
+        except OSError as e:
+            raise StoreConnectionError(f"cannot list run {run!r}: {e.strerror}", ref=self._run_dir(run)) from None
         steps = sorted(s for s in map(parse_step_filename, names) if s is not None)
         return steps if last is None else steps[-last:]
 
@@ -270,11 +272,28 @@ class FileStore(Store):
         if not os.path.exists(path):
             raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=path,
                                           hint=f"`agck ls {shlex.quote(self.root)} --run {run}` lists the steps")
-        buf = checkpoint.read_file(path, mmap=True)
-        ck = content.decode(buf, self.objects.get, verify=verify, map_location=map_location, ref=path,
-                            fetch_into=self.objects.read_into)
-        check_identity(ck, run, step, path)
-        return ck
+        for attempt in range(2):
+            try:
+                before = os.stat(path)
+            except FileNotFoundError:
+                break
+            buf = checkpoint.read_file(path, mmap=True)
+            try:
+                ck = content.decode(buf, self.objects.get, verify=verify, map_location=map_location, ref=path,
+                                    fetch_into=self.objects.read_into)
+            except CorruptCheckpointError:
+                # A listing deleted (a prune) or replaced while read, and its chunks collected
+                # meanwhile, is gone or changed, not damaged: read again what is there now
+                try:
+                    now = os.stat(path)
+                except FileNotFoundError:
+                    break
+                if (now.st_dev, now.st_ino) == (before.st_dev, before.st_ino) or attempt:
+                    raise
+                continue
+            check_identity(ck, run, step, path)
+            return ck
+        raise CheckpointNotFoundError(f"no checkpoint at step {step} (deleted while it was read)", ref=path)
 
     # -- shared content --------------------------------------------------------
     def collect_garbage(self) -> content.Collected:
