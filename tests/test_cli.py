@@ -401,3 +401,12 @@ def test_db_takes_the_prefix_in_the_url_and_its_hints_run_verbatim(pg_dsn, pg_sc
     assert code == 0 and json.loads(out) == []
     code, _, err = run_cli(capsys, "db", "status", url, "--prefix", "other")
     assert code == 2 and "disagrees" in err
+
+
+def test_gc_of_a_directory_that_holds_no_chunks_creates_nothing(tmp_path, capsys):
+    d = tmp_path / "Documents"
+    d.mkdir()
+    (d / "notes.txt").write_text("mine")
+    code, out, _ = run_cli(capsys, "gc", d)
+    assert code == 0 and "deleted 0 chunks" in out
+    assert sorted(os.listdir(d)) == ["notes.txt"]

@@ -225,7 +225,16 @@ class FileStore(Store):
                 self.fs.unlink(path)
             except FileNotFoundError:
                 raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=path) from None
-            self.fs.fsync_dir(os.path.dirname(path))
+            except OSError as e:
+                raise DurabilityError(f"cannot delete the checkpoint: {e.strerror}", ref=path,
+                                      hint="check the directory's permissions and the storage") from None
+            try:
+                self.fs.fsync_dir(os.path.dirname(path))
+            except FileNotFoundError:
+                pass     # another delete removed the emptied run directory: the entry went with it
+            except OSError as e:
+                raise DurabilityError(f"deleted, but fsync of its directory failed: {e.strerror}", ref=path,
+                                      hint="the deletion may not survive a crash; check the storage") from None
         self._drop_run_dir_if_empty(os.path.dirname(path))
 
     # -- reading ---------------------------------------------------------------
@@ -301,7 +310,10 @@ class FileStore(Store):
         Holds the chunk lock exclusively, so it waits for writers in progress and
         they wait for it. A listing that is damaged keeps no chunk alive (nothing
         could ever rebuild its content); one that cannot be read here (an I/O
-        error, a newer format) stops the collection before anything is deleted."""
+        error, a newer format) stops the collection before anything is deleted.
+        A store that never held a chunk has nothing to collect and is left as it is."""
+        if not os.path.isdir(self.objects.dir):
+            return content.Collected(listings=0, live_chunks=0, deleted_chunks=0, deleted_bytes=0)
         with self.objects.locked(exclusive=True):
             live: set[bytes] = set()
             listings, damaged = 0, []
