@@ -287,7 +287,7 @@ class ShardedRun:
                                      "values and RNG states) cannot be resharded", "usage": True}
                 else:
                     part = sharded.read_part(self.store, commit, self.rank, map_location=map_location)
-                    mine = {"ok": True}
+                    mine = {"ok": True, "commit": [commit.epoch, [p.nonce for p in commit.parts]]}
             except AgckError as e:
                 if is_verdict(e) or isinstance(e, CheckpointNotFoundError):
                     mine = {"reject": getattr(e, "reason", str(e)), "ref": getattr(e, "ref", None),
@@ -311,6 +311,12 @@ class ShardedRun:
                                     ref=self.store.ref(self.run, step))
             bad = [(r, o) for r, o in enumerate(outcomes) if "reject" in o]
             if not bad:
+                if any(o["commit"] != outcomes[0]["commit"] for o in outcomes):
+                    # rewritten between two ranks' reads (a newer incarnation committed the
+                    # step again): restoring would mix parts of two attempts at it
+                    raise SnapshotError(f"the commit record of step {step} of run {self.run!r} changed while the "
+                                        "ranks read it", ref=self.store.ref(self.run, step),
+                                        hint="another job is writing this run; stop it, then restore again")
                 return commit, part, rejected, len(steps)
             r, o = bad[0]
             rejected.append(Rejection(run=self.run, step=step, ref=o.get("ref") or self.store.ref(self.run, step),

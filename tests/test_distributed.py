@@ -395,6 +395,46 @@ def test_a_part_of_the_current_epoch_below_the_newest_step_may_be_in_flight(tmp_
         assert [p.removable for p in sharded.partial_parts(store, "r")] == [True]
 
 
+def test_ranks_that_read_two_commit_records_of_one_step_restore_nothing(tmp_path):
+    """A newer incarnation rewrote the step's commit record between two ranks' reads:
+    the restore refuses to mix parts of two attempts (rank 0's side, the other rank's
+    answer given by a stand-in group)."""
+    from agck.distributed import ShardedRun
+
+    class TwoRanks:
+        rank, size = 0, 2
+
+        def __init__(self, other):
+            self.other = other
+
+        def broadcast(self, value):
+            return value
+
+        def all_gather(self, mine):
+            return [mine, self.other(mine)]
+
+        def barrier(self):
+            pass
+
+        def close(self):
+            pass
+
+    with open_store(str(tmp_path / "s")) as store:
+        parts = store.parts_store()
+        e1 = store.begin_epoch("r")
+        refs = []
+        for rank in range(2):
+            pr = sharded.part_run("r", e1, rank)
+            parts.put(pr, 3, {"rank": rank}, meta=sharded.part_meta("r", 3, e1, rank, 2, f"n{rank}"))
+            refs.append(sharded.PartRef(rank, pr, f"n{rank}"))
+        store.put("r", 3, sharded.Commit(run="r", step=3, epoch=e1, world_size=2, parts=refs).state(), epoch=e1)
+        commit, part, _, _ = ShardedRun(store, "r", TwoRanks(lambda mine: mine)).find()
+        assert commit.step == 3 and part.state == {"rank": 0}
+        other = ShardedRun(store, "r", TwoRanks(lambda mine: {**mine, "commit": [e1 + 1, ["m0", "m1"]]}))
+        with pytest.raises(agck.SnapshotError, match="changed while the ranks read it"):
+            other.find()
+
+
 def test_group_messages_of_any_length(out):
     assert launch(_target(group_messages), 3, (str(out),)) == [0, 0, 0]
     assert _results(out, 3) == [[True] * 10] * 3
