@@ -24,6 +24,7 @@ import os
 import secrets
 import sys
 import threading
+import weakref
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -551,12 +552,15 @@ def _write_atomic(path: str, parts: Iterable, *, overwrite: bool, size: int | No
                 pass
 
 
+_SYNCED_DIRS: "weakref.WeakKeyDictionary[FileSystem, set]" = weakref.WeakKeyDictionary()   # by make_dir
+
+
 def make_dir(fs: FileSystem, path: str, parent: str, what: str = "directory") -> None:
     """Create ``path`` (in ``parent``) if missing, and make its entry durable by
     fsync'ing ``parent``, also when it was there already, once per file system
     object: another process may have made it and been killed before its fsync.
     Raises :class:`DurabilityError`."""
-    synced = fs.__dict__.setdefault("_synced_dirs", set())
+    synced = _SYNCED_DIRS.setdefault(fs, set())
     there = os.path.isdir(path)
     if there and path in synced:
         return

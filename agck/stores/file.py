@@ -278,14 +278,14 @@ class FileStore(Store):
     def read(self, run: str, step: int, *, verify: bool = True, map_location=None) -> Checkpoint:
         step = check_step(step)
         path = self.path(run, step)
-        if not os.path.exists(path):
-            raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=path,
-                                          hint=f"`agck ls {shlex.quote(self.root)} --run {run}` lists the steps")
         for attempt in range(2):
             try:
                 before = os.stat(path)
             except FileNotFoundError:
-                break
+                if attempt:
+                    break
+                raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=path, hint=f"`agck ls "
+                                              f"{shlex.quote(self.root)} --run {run}` lists the steps") from None
             buf = checkpoint.read_file(path, mmap=True)
             try:
                 ck = content.decode(buf, self.objects.get, verify=verify, map_location=map_location, ref=path,

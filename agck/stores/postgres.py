@@ -536,8 +536,6 @@ class PostgresStore(TransactionalPuts, Store):
         self._connect_timeout = connect_timeout
         self._conn = None
         self._closed = False
-        self._known_objects: set[bytes] = set()   # committed through this connection, as of _known_generation
-        self._known_generation = None
         self._inherited = []      # a parent's connections, kept open: closing one would end the parent's session
         self._connect()
         self.names = _Names(self._conn, self.prefix, self.schema)
@@ -564,9 +562,9 @@ class PostgresStore(TransactionalPuts, Store):
         conn.autocommit = True   # transactions are explicit: BEGIN travels with the first statement
         self._conn = conn
         self._pid = os.getpid()
-        # what another session committed is known again only by asking: a failover or a
-        # restore may have lost objects this store object saw committed
-        self._known_objects = set()
+        # objects committed through this connection, as of gc generation _known_generation;
+        # forgotten with it: a failover or a restore may have lost them
+        self._known_objects: set[bytes] = set()
         self._known_generation = None
 
     def _cursor(self):
