@@ -69,19 +69,23 @@ class CheckedChunks:
     def __bool__(self) -> bool:   # it means "verify"
         return True
 
-    def first_mismatch(self, addresses: Sequence[bytes], sizes: Sequence[int], data) -> int | None:
-        """The index of the first chunk of ``data`` (the chunks' bytes, in order) that
-        does not match its address, checking only those not checked before."""
+    def mismatches(self, addresses: Sequence[bytes], sizes: Sequence[int], data) -> list[int]:
+        """The indexes of the chunks of ``data`` (the chunks' bytes, in order) that do
+        not match their address, checking only those not checked before."""
         view = memoryview(data).cast("B")
-        pos = 0
+        pos, bad, wrong = 0, [], set()
         for i, (a, n) in enumerate(zip(addresses, sizes)):
-            if a not in self.addresses:
+            if a in wrong:
+                bad.append(i)
+            elif a not in self.addresses:
                 if address(view[pos:pos + n]) != a:
-                    return i
-                self.addresses.add(a)
-                self.hashed_bytes += n
+                    bad.append(i)
+                    wrong.add(a)
+                else:
+                    self.addresses.add(a)
+                    self.hashed_bytes += n
             pos += n
-        return None
+        return bad
 
 
 def _byte_view(part) -> memoryview:

@@ -66,6 +66,20 @@ class MalformedCheckpointError(CorruptCheckpointError):
     """Checksums match but the structure is invalid (hostile or buggy writer)."""
 
 
+class DamagedChunkError(CorruptCheckpointError):
+    """A chunked checkpoint cannot be rebuilt: chunks it lists are missing from the
+    store, or hold bytes that do not match their address. ``damaged`` and
+    ``missing`` are the addresses (32 bytes each). The store that raised it has
+    quarantined them, so the next put holding their content writes it afresh,
+    which also heals every checkpoint listing them (README, "Damaged chunks")."""
+
+    def __init__(self, message: str, *, ref: str | None = None, hint: str | None = None,
+                 damaged: tuple = (), missing: tuple = ()):
+        super().__init__(message, ref=ref, hint=hint, section="chunk")
+        self.damaged = tuple(damaged)
+        self.missing = tuple(missing)
+
+
 class DependencyError(AgckError):
     """A library this checkpoint needs (torch) is missing or broken here. Says
     nothing about the checkpoint: recovery does not walk back past it."""

@@ -194,9 +194,10 @@ def test_a_damaged_or_missing_chunk_is_corruption_and_recovery_walks_back(tmp_pa
     with pytest.raises(errors.CorruptCheckpointError) as e:
         store.read("r", 2)
     assert e.value.section == "chunk"
+    assert isinstance(e.value, errors.DamagedChunkError) and "quarantined" in e.value.reason
+    assert not os.path.exists(mine[0])     # the read quarantined it: missing from now on
     rec = recover_run(store, "r")
     assert rec.step == 1 and rec.rejected[0].section == "chunk"
-    os.unlink(mine[0])
     with pytest.raises(errors.CorruptCheckpointError, match="missing"):
         store.read("r", 2)
 

@@ -11,6 +11,8 @@ a step whose old checkpoint failed verification.
 
 from __future__ import annotations
 
+import itertools
+import logging
 import numbers
 import threading
 from abc import ABC, abstractmethod
@@ -22,7 +24,10 @@ from ..checkpoint import Checkpoint
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StaleEpochError, UsageError
 from ..recovery import Rejection  # noqa: F401  (re-exported: agck.stores.Rejection)
 from ..names import check_run, check_step
-from .content import WriteCache, WriteCaches, cannot_confirm
+from .content import (DEFAULT_VERIFY_REUSED, QuarantinedChunk, ScrubReport, WriteCache, WriteCaches, cannot_confirm,
+                      check_verify_reused)
+
+log = logging.getLogger("agck")
 
 @dataclass
 class CheckpointInfo:
@@ -75,19 +80,27 @@ class Store(ABC):
     incremental = False
     full_every: int | None = None
     min_chunked = MIN_CHUNKED
+    verify_reused = DEFAULT_VERIFY_REUSED
 
     def __init__(self):
         self._lock = threading.RLock()
         self._caches = WriteCaches()   # what the last put of each run found, for incremental puts
         self._parts: Store | None = None
+        self._turns = itertools.count()   # the sample of reused chunks each put re-reads (content.reread)
 
-    def _set_policy(self, incremental, full_every, min_chunked=MIN_CHUNKED) -> None:
+    def _set_policy(self, incremental, full_every, min_chunked=MIN_CHUNKED,
+                    verify_reused=DEFAULT_VERIFY_REUSED) -> None:
         """``incremental``: keep checkpoints as chunk listings sharing content.
         ``full_every=K``: the first put of each run by this store object, and
         every K-th after it, is a standalone container all the same, so damage
         to one shared chunk can reach at most the checkpoints since the last
         standalone one (README, "Incremental checkpoints"). ``min_chunked``: a
-        container of fewer bytes is written standalone (0: every one is chunked)."""
+        container of fewer bytes is written standalone (0: every one is chunked).
+        ``verify_reused``: what a chunked put checks of the chunks it reuses before
+        relying on them: ``"none"`` (that they exist), ``"size"`` (their stored size),
+        ``"sample"`` (the default: their size, and the bytes of one address bucket in
+        16, a different one each put) or ``"full"`` (every reused chunk's bytes); a
+        damaged one is quarantined and written afresh by that put (README, "Damaged chunks")."""
         if not isinstance(incremental, bool):
             raise UsageError(f"incremental must be True or False, not {incremental!r}")
         if full_every is not None and (not isinstance(full_every, numbers.Integral) or isinstance(full_every, bool)
@@ -98,10 +111,16 @@ class Store(ABC):
         self.incremental = incremental
         self.full_every = None if full_every is None else int(full_every)
         self.min_chunked = int(min_chunked)
+        self.verify_reused = check_verify_reused(verify_reused)
 
     def _policy(self) -> dict:
         """The options that make another store of this backend write as this one does."""
-        return {"incremental": self.incremental, "full_every": self.full_every, "min_chunked": self.min_chunked}
+        return {"incremental": self.incremental, "full_every": self.full_every, "min_chunked": self.min_chunked,
+                "verify_reused": self.verify_reused}
+
+    def _reread_turn(self) -> int:
+        """Which share of its reused chunks this put re-reads (``verify_reused="sample"``)."""
+        return next(self._turns)
 
     def _write_cache(self, run: str, expect_unchanged: Collection[int] = (), ref: str | None = None
                      ) -> WriteCache | None:
@@ -274,6 +293,61 @@ class Store(ABC):
             self.collect_garbage()
             sharded.clean_partial(self, run)   # the parts of pruned multi-rank steps
         return deleted
+
+    # -- damaged chunks ----------------------------------------------------------
+    def quarantine(self, addresses) -> dict[bytes, str]:
+        """Take chunks found damaged out of use. Each address is re-read under the
+        collector's lock (no writer is between relying on it and committing): a chunk
+        whose stored bytes are indeed damaged is moved out of the object table, kept
+        for inspection (:meth:`quarantined`); a missing one is recorded as such. In
+        both cases every writer looks again before relying on that address, so the
+        next put holding its content writes it afresh, healing every checkpoint that
+        lists it. Returns each address's verdict: ``quarantined``, ``missing`` or
+        ``intact`` (its stored bytes match: a misread, left in place). Stores that
+        share no content between checkpoints have nothing to quarantine."""
+        return {}
+
+    def quarantined(self) -> list[QuarantinedChunk]:
+        """The chunks quarantined in this store, oldest first."""
+        return []
+
+    def scrub(self, *, quarantine: bool = True, progress=None) -> ScrubReport:
+        """Re-hash every stored chunk (restic's ``check --read-data``, ZFS's scrub),
+        read every chunk listing, and report each chunk that is damaged or missing
+        with the checkpoints it breaks; with ``quarantine`` (the default) quarantine
+        them (:meth:`quarantine`). Standalone containers hold no shared chunks:
+        ``agck verify`` checks them. ``progress(nbytes)`` is called per chunk."""
+        rep = self._scrub(progress)
+        if quarantine:
+            bad = [bytes.fromhex(d.address) for d in rep.damaged + rep.missing]
+            if bad:
+                verdicts = self.quarantine(bad)
+                for d in rep.damaged + rep.missing:
+                    d.quarantined = verdicts.get(bytes.fromhex(d.address))
+        return rep
+
+    def _scrub(self, progress) -> ScrubReport:
+        return ScrubReport(url=self.url)
+
+    def _damage_found(self, e) -> None:
+        """A read found chunks damaged or missing (:class:`agck.errors.DamagedChunkError`):
+        quarantine them before the error reaches the caller. A failure to quarantine
+        is logged, never raised in place of the damage itself."""
+        addresses = list(dict.fromkeys(e.damaged + e.missing))
+        if not addresses:
+            return
+        try:
+            verdicts = self.quarantine(addresses)
+        except Exception as q:   # the damage is the error to report; quarantine is best effort here
+            log.warning("agck: could not quarantine %d damaged chunk(s) of %s: %s", len(addresses), self.url, q)
+            return
+        n = sum(1 for v in verdicts.values() if v == "quarantined")
+        if e.missing and not n:
+            held = {q.address for q in self.quarantined()}
+            n = sum(1 for a in e.missing if a.hex() in held)
+        if n:
+            e.reason += (f"; {n} damaged chunk(s) quarantined: the next put holding their content writes it "
+                         "afresh, which heals this checkpoint")
 
     def collect_garbage(self):
         """Delete stored content that no checkpoint refers to any more (chunks of

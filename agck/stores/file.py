@@ -32,6 +32,7 @@ from typing import Any, Callable, Collection
 from .. import checkpoint, durable, format
 from ..checkpoint import Checkpoint
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
+                      DamagedChunkError,
                       DurabilityError, FormatError, InvalidRunNameError, StoreConnectionError, StoreError, UnsupportedVersionError)
 from ..names import MAX_STEP
 from . import content
@@ -59,9 +60,10 @@ def parse_step_filename(name: str) -> int | None:
 
 class FileStore(Store):
     def __init__(self, root: str | os.PathLike, *, create: bool = True, fs: durable.FileSystem | None = None,
-                 incremental: bool = True, full_every: int | None = None, min_chunked: int = MIN_CHUNKED):
+                 incremental: bool = True, full_every: int | None = None, min_chunked: int = MIN_CHUNKED,
+                 verify_reused: str = content.DEFAULT_VERIFY_REUSED):
         super().__init__()
-        self._set_policy(incremental, full_every, min_chunked)
+        self._set_policy(incremental, full_every, min_chunked, verify_reused)
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
         self.fs = fs or durable.REAL
@@ -120,7 +122,7 @@ class FileStore(Store):
         if not overwrite and os.path.exists(path):   # before writing chunks; link(2) below still decides
             raise CheckpointExistsError("a checkpoint already exists here", ref=path)
         with self.objects.locked():   # no chunk we rely on can be collected until the listing is durable
-            batch = self.objects.batch()
+            batch = self.objects.batch(self.verify_reused, self._reread_turn())
             chunks = content.store_chunks(w, batch.has, batch.add, cache, expect_unchanged=expect_unchanged,
                                           ref=path)
             batch.sync()
@@ -290,7 +292,7 @@ class FileStore(Store):
             try:
                 ck = content.decode(buf, self.objects.get, verify=verify, map_location=map_location, ref=path,
                                     fetch_into=self.objects.read_into)
-            except CorruptCheckpointError:
+            except CorruptCheckpointError as e:
                 # A listing deleted (a prune) or replaced while read, and its chunks collected
                 # meanwhile, is gone or changed, not damaged: read again what is there now
                 try:
@@ -298,6 +300,8 @@ class FileStore(Store):
                 except FileNotFoundError:
                     break
                 if (now.st_dev, now.st_ino) == (before.st_dev, before.st_ino) or attempt:
+                    if isinstance(e, DamagedChunkError):
+                        self._damage_found(e)
                     raise
                 continue
             check_identity(ck, run, step, path)
@@ -331,6 +335,30 @@ class FileStore(Store):
             files, nbytes = self.objects.collect(live)
         return content.Collected(listings=listings, live_chunks=len(live), deleted_chunks=files,
                                  deleted_bytes=nbytes, damaged=damaged)
+
+    # -- damaged chunks --------------------------------------------------------
+    def quarantine(self, addresses) -> dict[bytes, str]:
+        if not os.path.isdir(self.objects.dir):
+            return {bytes(a): "missing" for a in addresses}
+        return self.objects.quarantine(bytes(a) for a in addresses)
+
+    def quarantined(self) -> list[content.QuarantinedChunk]:
+        return self.objects.quarantined()
+
+    def _scrub(self, progress) -> content.ScrubReport:
+        """Under the writers' shared lock: no collection removes a chunk meanwhile, so
+        a chunk a listing lists and the scrub does not find is missing."""
+        if not os.path.isdir(self.objects.dir):
+            return content.ScrubReport(url=self.url)
+
+        def listed(path):
+            found = _read_listing(path)
+            return None if found is None else found.addresses
+
+        with self.objects.locked():
+            listings = [(self.path(r, s), lambda p=self.path(r, s): listed(p)) for r in self.runs()
+                        for s in self.steps(r)]
+            return content.scrub(self.url, listings, self.objects.stored(), progress)
 
     # -- housekeeping ----------------------------------------------------------
     def orphans(self, run: str | None = None) -> list[str]:

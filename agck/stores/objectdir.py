@@ -2,13 +2,17 @@
 
     <root>/.objects/<first 2 hex digits>/<remaining 62 hex digits>
     <root>/.objects/lock
+    <root>/.objects/quarantine/<64 hex digits>.<time ns>.<why>   chunks found damaged
 
 Writing a chunk: temp file in its directory, write, fsync, rename, and once per
 batch fsync of every directory that gained a name (:meth:`Batch.sync`). A
 batch's chunks are written by a few threads while the next ones are cut (each
 chunk's own order stays write, fsync, rename; the directories are fsync'd after
 every rename): file creation and fsync wait on the disk, not on the CPU.
-Chunks are never rewritten: the same name always holds the same bytes.
+Chunks are never rewritten: the same name always holds the same bytes, except
+that a chunk found damaged (its bytes no longer match its name) is moved to
+``quarantine/`` (:meth:`ObjectDir.quarantine`) or replaced by a put holding its
+content (:meth:`Batch.has`), which heals every checkpoint that lists it.
 
 Locking (:mod:`agck.stores.content`, rule 2): a writer holds a shared
 ``flock`` on ``lock`` from its first "do you have this chunk?" until its
@@ -30,14 +34,17 @@ import errno
 import fcntl
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Iterable
 
 from .. import durable, failpoints
 from ..errors import DurabilityError, StoreError
+from . import content
 
 DIRNAME = ".objects"
+QUARANTINE = "quarantine"
 _MAX_KNOWN = 1 << 22
 WRITERS = 4            # threads writing one batch's chunks
 _IN_FLIGHT = 64        # chunks queued to them at most (each a view of the caller's buffer)
@@ -122,9 +129,11 @@ class ObjectDir:
                                   ref=path) from None
 
     # -- writing ---------------------------------------------------------------
-    def batch(self) -> "Batch":
-        """The chunks of one checkpoint: check, add, then :meth:`Batch.sync`."""
-        return Batch(self)
+    def batch(self, verify_reused: str = "none", turn: int = 0) -> "Batch":
+        """The chunks of one checkpoint: check, add, then :meth:`Batch.sync`.
+        ``verify_reused`` and ``turn``: what is checked of a chunk found present
+        (:func:`agck.stores.content.reread`)."""
+        return Batch(self, verify_reused, turn)
 
     def _known_durable(self, address: bytes, inode: tuple) -> bool:
         return self._durable.get(address) == inode
@@ -206,16 +215,119 @@ class ObjectDir:
         finally:
             os.close(fd)
 
+    def read_whole(self, address: bytes):
+        """The chunk file's bytes, whatever their length; None if there is none."""
+        path = self.path(address)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StoreError(f"cannot read a chunk: {e.strerror}", ref=path) from None
+
+    # -- damaged chunks --------------------------------------------------------
+    def quarantine_dir(self) -> str:
+        return os.path.join(self.dir, QUARANTINE)
+
+    def _quarantine_path(self, address: bytes, why: str) -> str:
+        code = "missing" if why == "missing" else "size" if why.startswith("holds") else "hash"
+        return os.path.join(self.quarantine_dir(), f"{address.hex()}.{time.time_ns()}.{code}")
+
+    def set_aside(self, address: bytes, why: str, *, keep_name: bool) -> str | None:
+        """Keep the damaged bytes under ``address``'s name in ``quarantine/``: moved
+        there (the name is then free), or with ``keep_name`` linked there (a put is
+        about to rename a good copy over the name). Returns the quarantine path,
+        None when the chunk was gone (moved) or could not be linked (kept: the put
+        replaces it all the same)."""
+        src = self.path(address)
+        self._ensure_dir(self.quarantine_dir(), self.dir)
+        dst = self._quarantine_path(address, why)
+        try:
+            (os.link if keep_name else self.fs.rename)(src, dst)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if keep_name:
+                return None
+            raise DurabilityError(f"cannot quarantine a damaged chunk: {e.strerror}", ref=src) from None
+        return dst
+
+    def quarantine(self, addresses: Iterable[bytes]) -> dict[bytes, str]:
+        """Under the exclusive lock (no writer is between finding a chunk and committing a
+        listing of it): re-read each chunk; move one whose bytes do not match its address
+        to ``quarantine/``, and void every writer's knowledge of what exists, as a
+        collection does, so the next put holding its content writes it afresh."""
+        out: dict[bytes, str] = {}
+        with self.locked(exclusive=True):
+            bad = []
+            for a in dict.fromkeys(addresses):
+                data = self.read_whole(a)
+                why = content.verdict(a, data)
+                out[a] = "intact" if why is None else "missing" if data is None else "quarantined"
+                if why is not None:
+                    bad.append((a, why))
+            if not bad:
+                return out
+            self.new_generation()
+            touched = set()
+            for a, why in bad:
+                if out[a] == "quarantined" and self.set_aside(a, why, keep_name=False) is None:
+                    out[a] = "missing"     # gone meanwhile (another process quarantined it)
+                touched.add(os.path.dirname(self.path(a)))
+            for d in sorted(touched) + [self.quarantine_dir()]:
+                try:
+                    self.fs.fsync_dir(d)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    raise DurabilityError(f"fsync after quarantining a chunk failed: {e.strerror}", ref=d) from None
+        return out
+
+    def quarantined(self) -> list[content.QuarantinedChunk]:
+        try:
+            names = os.listdir(self.quarantine_dir())
+        except FileNotFoundError:
+            return []
+        out = []
+        reasons = {"hash": "does not match its address", "size": "wrong size", "missing": "missing"}
+        for name in names:
+            parts = name.split(".")
+            if len(parts) != 3 or len(parts[0]) != 2 * 32 or not parts[1].isdigit():
+                continue
+            path = os.path.join(self.quarantine_dir(), name)
+            try:
+                size = os.path.getsize(path)
+            except OSError:
+                continue
+            out.append(content.QuarantinedChunk(address=parts[0], size=size, detected_at=int(parts[1]) / 1e9,
+                                                reason=reasons.get(parts[2], parts[2]), ref=path))
+        return sorted(out, key=lambda q: (q.detected_at, q.address))
+
+    def stored(self) -> Iterable[tuple[bytes, None, str, object]]:
+        """(address, None, path, read) of every chunk file, for a scrub."""
+        for path, name in self.entries():
+            if durable.is_temp_name(os.path.basename(path)):
+                continue
+            try:
+                address = bytes.fromhex(name)
+            except ValueError:
+                continue
+            if len(address) != 32:
+                continue
+            yield address, None, path, (lambda a=address: self.read_whole(a))
+
     # -- collecting ------------------------------------------------------------
     def entries(self) -> Iterable[tuple[str, str]]:
-        """(path, name) of every file under the object directory but the lock."""
+        """(path, name) of every file under the object directory but the lock and the
+        quarantine."""
         try:
             subdirs = sorted(os.listdir(self.dir))
         except FileNotFoundError:
             return
         for sub in subdirs:
             d = os.path.join(self.dir, sub)
-            if not os.path.isdir(d):
+            if sub == QUARANTINE or not os.path.isdir(d):
                 continue
             for name in sorted(os.listdir(d)):
                 yield os.path.join(d, name), sub + name
@@ -263,20 +375,40 @@ class Batch:
     will rely on, unless this process already made that very file (same inode)
     durable under its name."""
 
-    def __init__(self, objects: ObjectDir):
+    def __init__(self, objects: ObjectDir, verify_reused: str = "none", turn: int = 0):
         self.objects = objects
+        self.verify_reused, self.turn = verify_reused, turn
+        self.healed: list[bytes] = []      # reused chunks found damaged, written afresh by this batch
         self.dirs: set[str] = set()
         self.found: dict[bytes, tuple] = {}
         self._pool = objects.pool()
         self._writing: list = []       # (address, future) of chunks being written
 
-    def has(self, address: bytes) -> bool:
-        if self.objects._trusted and address in self.objects._durable:
+    def has(self, address: bytes, size: int | None = None) -> bool:
+        """Whether the store holds the chunk, as far as ``verify_reused`` checks: a
+        chunk found damaged (wrong size, or bytes re-read that do not match) is linked
+        into the quarantine and reported absent, so the caller adds a good copy,
+        renamed over it."""
+        mode = self.verify_reused
+        reread = content.reread(address, mode, self.turn)
+        if self.objects._trusted and address in self.objects._durable and mode == "none":
             return True       # made durable by this process, and no collection since
         path = self.objects.path(address)
         try:
-            inode = _identity(path)
+            st = os.stat(path)
         except FileNotFoundError:
+            return False
+        inode = (st.st_ino, st.st_ctime_ns)
+        why = None
+        if size is not None and content.checks_size(mode) and st.st_size != size:
+            why = f"holds {st.st_size} bytes, {size} expected"
+        elif reread:
+            why = content.verdict(address, self.objects.read_whole(address), size)
+            if why == "missing":
+                return False
+        if why is not None:
+            self.objects.set_aside(address, why, keep_name=True)
+            self.healed.append(address)
             return False
         if not self.objects._known_durable(address, inode):
             self.dirs.add(os.path.dirname(path))

@@ -12,6 +12,8 @@ Tables (``prefix`` defaults to ``agck``, optionally inside Postgres ``schema``):
     {prefix}_objects(address bytea, size, data bytea STORAGE EXTERNAL)       PRIMARY KEY(address)
     {prefix}_gc(generation bigint)                                 one row
     {prefix}_epochs(run, epoch bigint)         PRIMARY KEY(run); made by the first begin_epoch (fencing)
+    {prefix}_quarantine(address, size, data, detected_at, reason)   objects found damaged, moved out
+                                               of objects; made by the first one found
     {prefix}_parts_*                           the same tables again: the parts of multi-rank
                                                checkpoints (FORMAT.md section 13), made by the first one
 
@@ -85,7 +87,7 @@ from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError,
 from ..memory import new_buffer
 from . import content
 from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
-from .sqlrows import (DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalPuts, check_chunk_size, check_checksum,
+from .sqlrows import (decode_read, DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalPuts, check_chunk_size, check_checksum,
                       check_identifier, chunk_plan, dsn_secrets, dsn_without_password, nchunks_for, parts_prefix,
                       redact_dsn, split_chunks, sql_row)
 
@@ -493,6 +495,7 @@ class _Names:
         self.refs = ident(f"{prefix}_refs")          # schema 2 only (migrate drops it)
         self.gc = ident(f"{prefix}_gc")
         self.epochs = ident(f"{prefix}_epochs")      # made by the first begin_epoch
+        self.quarantine = ident(f"{prefix}_quarantine")   # made by the first damaged object found
         self.meta_index = sql.Identifier(f"{prefix}_manifest_meta").as_string(conn)
         self.schema_sql = sql.Identifier(schema).as_string(conn) if schema else None
         dot = f"{schema}." if schema else ""
@@ -501,6 +504,7 @@ class _Names:
         self.chunks_ref = f"{dot}{prefix}_chunks"
         self.objects_ref = f"{dot}{prefix}_objects"
         self.gc_ref = f"{dot}{prefix}_gc"
+        self.quarantine_ref = f"{dot}{prefix}_quarantine"
         self.tables = (self.version, self.manifest, self.chunks, self.objects, self.gc)
         self.table_refs = (self.version_ref, self.manifest_ref, self.chunks_ref, self.objects_ref, self.gc_ref)
         self.store_lock = f"agck objects {self.label}"   # shared by puts, exclusive for the collector
@@ -520,7 +524,8 @@ class PostgresStore(TransactionalPuts, Store):
     def __init__(self, url: str, *, prefix: str = "agck", schema: str | None = None,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, init: bool = False, check_schema: bool = True,
                  connect_timeout: int = 10, incremental: bool = True,
-                 full_every: int | None = None, min_chunked: int = MIN_CHUNKED):
+                 full_every: int | None = None, min_chunked: int = MIN_CHUNKED,
+                 verify_reused: str = content.DEFAULT_VERIFY_REUSED):
         super().__init__()
         if not isinstance(url, str) or not url:
             raise StoreConnectionError(f"not a Postgres URL: {type(url).__name__}",
@@ -531,7 +536,7 @@ class PostgresStore(TransactionalPuts, Store):
         self.prefix = check_identifier(prefix, "table prefix")
         self.schema = check_identifier(schema, "schema name") if schema is not None else None
         self.chunk_size = check_chunk_size(chunk_size)
-        self._set_policy(incremental, full_every, min_chunked)
+        self._set_policy(incremental, full_every, min_chunked, verify_reused)
         self.last_put: content.Chunks | None = None
         self._connect_timeout = connect_timeout
         self._conn = None
@@ -810,12 +815,19 @@ class PostgresStore(TransactionalPuts, Store):
             begin, args = self._begin_sql(puts)
             if plans:
                 addresses = list(dict.fromkeys(a for plan in plans for a in plan.distinct))
-                unknown = [a for a in addresses if a not in self._known_objects]
+                checked = self.verify_reused != "none"
+                # with verify_reused, every address the put relies on is looked at (its stored size)
+                unknown = addresses if checked else [a for a in addresses if a not in self._known_objects]
                 cur.execute(begin + "; " + _XACT_LOCK_SHARED + "; SELECT (SELECT generation FROM "
-                            f"{n.gc}), ARRAY(SELECT address FROM {n.objects} WHERE address = ANY(%s::bytea[]))",
-                            (*args, n.store_lock, unknown))
-                generation, found = cur.fetchone()
-                self._put_objects(cur, plans, addresses, generation, {bytes(a) for a in found})
+                            f"{n.gc}), ARRAY(SELECT address FROM {n.objects} WHERE address = ANY(%s::bytea[]) "
+                            "ORDER BY address), ARRAY(SELECT octet_length(data) FROM "
+                            f"{n.objects} WHERE address = ANY(%s::bytea[]) ORDER BY address)",
+                            (*args, n.store_lock, unknown, unknown if checked else []))
+                generation, found, lengths = cur.fetchone()
+                found = [bytes(a) for a in found]
+                if checked:
+                    self._heal_reused(cur, plans, dict(zip(found, lengths)), found)
+                self._put_objects(cur, plans, addresses, generation, set(found))
                 failpoints.hit("pg.after_objects")
                 begin = ""
             stream = _CopyIn([(p.run, p.step, p.parts(), p.total) for p in puts], self.chunk_size)
@@ -975,6 +987,128 @@ class PostgresStore(TransactionalPuts, Store):
                 raise stream.error
             return
         raise _Refused("other writers kept sending the same objects")
+
+    def _heal_reused(self, cur, plans: list["content.Plan"], stored: dict[bytes, int], found: list[bytes]) -> None:
+        """``verify_reused``: check the objects the put relies on (``stored``: address ->
+        stored size); quarantine the damaged ones, in this transaction, and drop them
+        from ``found`` so they are sent afresh."""
+        sizes = {}
+        for plan in plans:
+            for a in plan.distinct:
+                sizes.setdefault(a, plan.size(a))
+        bad = content.reused_damage(stored, sizes.__getitem__, self.verify_reused, self._reread_turn(),
+                                    lambda addresses: self._read_objects(cur, addresses))
+        if bad:
+            self._quarantine_rows(cur, bad)
+            found[:] = [a for a in found if a not in bad]
+            self._known_objects.difference_update(bad)
+
+    def _quarantine_rows(self, cur, bad: dict[bytes, str]) -> None:
+        """In a write transaction: move the objects ``bad`` names (address -> why) to the
+        quarantine table, and move the gc generation on: every store object forgets
+        what it knew to be stored, so none relies on them without looking."""
+        n = self.names
+        cur.execute("SAVEPOINT agck_quarantine")
+        try:     # two first quarantines may race to create the table
+            cur.execute(f"CREATE TABLE IF NOT EXISTS {n.quarantine} (address bytea NOT NULL, size bigint NOT NULL, "
+                        "data bytea NOT NULL, detected_at timestamptz NOT NULL DEFAULT now(), reason text NOT NULL); "
+                        "RELEASE SAVEPOINT agck_quarantine")
+        except (psycopg2.errors.UniqueViolation, psycopg2.errors.DuplicateTable, psycopg2.errors.DuplicateObject):
+            cur.execute("ROLLBACK TO SAVEPOINT agck_quarantine")
+        addresses, reasons = list(bad), list(bad.values())
+        cur.execute(f"INSERT INTO {n.quarantine} (address, size, data, reason) SELECT o.address, octet_length(o.data), "
+                    f"o.data, r.reason FROM {n.objects} o JOIN unnest(%s::bytea[], %s::text[]) AS r(address, reason) "
+                    f"ON o.address = r.address; DELETE FROM {n.objects} WHERE address = ANY(%s::bytea[]); "
+                    f"UPDATE {n.gc} SET generation = generation + 1", (addresses, reasons, addresses))
+
+    def quarantine(self, addresses) -> dict[bytes, str]:
+        wanted = list(dict.fromkeys(bytes(a) for a in addresses))
+
+        def body(cur):
+            out, bad = content.judge(wanted, self._read_objects(cur, wanted))
+            if bad:
+                self._quarantine_rows(cur, bad)
+            elif "missing" in out.values():   # writers that knew it stored look again
+                cur.execute(f"UPDATE {self.names.gc} SET generation = generation + 1")
+            return out
+
+        out = self._exclusive(body, "quarantining damaged objects failed")
+        self._known_objects.difference_update(wanted)
+        return out
+
+    def _exclusive(self, body, what: str):
+        """``body(cur)`` in one durable transaction holding the store lock exclusively
+        (it waits for puts in flight to commit, and puts wait for it), started over on
+        a deadlock or serialization failure; COMMIT after it returns."""
+        n = self.names
+        with self._lock:
+            for attempt in range(GC_RETRIES + 1):
+                cur = self._cursor()
+                try:
+                    cur.execute("BEGIN; SET LOCAL synchronous_commit = on; " + _XACT_LOCK, (n.store_lock,))
+                    result = body(cur)
+                    cur.execute("COMMIT")
+                    return result
+                except BaseException as e:
+                    self._abort(cur)
+                    retry = isinstance(e, (psycopg2.errors.DeadlockDetected, psycopg2.errors.SerializationFailure))
+                    if retry and attempt < GC_RETRIES:
+                        time.sleep(0.01 * (attempt + 1))
+                        continue
+                    if isinstance(e, psycopg2.Error):
+                        raise self._db_error(e, what, n.label, DurabilityError) from None
+                    raise
+        raise AssertionError("unreachable")
+
+    def quarantined(self) -> list[content.QuarantinedChunk]:
+        n = self.names
+        if not self._query("SELECT to_regclass(%s) IS NOT NULL", (n.quarantine,))[0][0]:
+            return []
+        rows = self._query(f"SELECT ctid::text, address, size, extract(epoch FROM detected_at)::float8, reason "
+                           f"FROM {n.quarantine} ORDER BY detected_at, ctid")
+        return [content.QuarantinedChunk(address=bytes(a).hex(), size=size, detected_at=t, reason=why,
+                                          ref=f"{n.quarantine_ref}(ctid='{tid}')")
+                for tid, a, size, t, why in rows]
+
+    def _scrub(self, progress) -> content.ScrubReport:
+        """In one snapshot (REPEATABLE READ): every listing, then every object, read in
+        batches in address order."""
+        n = self.names
+        with self._lock:
+            cur = self._cursor()
+            try:
+                cur.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; "
+                            f"SELECT run, step, checksum FROM {n.manifest} WHERE listing ORDER BY run, step")
+                keys = cur.fetchall()
+
+                def listed(run, step, checksum, ref):
+                    cur.execute(f"SELECT data FROM {n.chunks} WHERE run = %s AND step = %s ORDER BY idx", (run, step))
+                    buf = b"".join(bytes(d) for (d,) in cur.fetchall())
+                    check_checksum(buf, checksum, ref)
+                    return content.listed_addresses(buf, verify=True, ref=ref)
+
+                def stored():
+                    after = b""
+                    while True:
+                        cur.execute(f"SELECT address, size, data FROM {n.objects} WHERE address > %s "
+                                    "ORDER BY address LIMIT 16", (after,))
+                        rows = cur.fetchall()
+                        if not rows:
+                            return
+                        for a, size, data in rows:
+                            a = bytes(a)
+                            yield a, size, f"{n.objects_ref}(address='\\x{a.hex()}')", (lambda d=data: d)
+                        after = bytes(rows[-1][0])
+
+                listings = [(self.ref(r, s), partial(listed, r, s, c, self.ref(r, s))) for r, s, c in keys]
+                rep = content.scrub(self.url, listings, stored(), progress)
+                cur.execute("COMMIT")
+                return rep
+            except BaseException as e:
+                self._abort(cur)
+                if isinstance(e, psycopg2.Error):
+                    raise self._db_error(e, "scrub failed", n.label) from None
+                raise
 
     def _committed_objects(self, plans: list["content.Plan"]) -> None:
         """After a put's COMMIT: its objects are in the store until a collection runs."""
@@ -1163,10 +1297,8 @@ class PostgresStore(TransactionalPuts, Store):
                 if isinstance(e, psycopg2.Error):
                     raise self._db_error(e, "read failed", ref) from None
                 raise
-        ck = content.decode(buf, content.fetcher(found, addresses or []), verify=verify,
-                            map_location=map_location, ref=ref)
-        check_identity(ck, run, step, ref)
-        return ck
+        return decode_read(self, buf, found, addresses, run=run, step=step, verify=verify,
+                           map_location=map_location, ref=ref)
 
     def _read_objects(self, cur, addresses: list[bytes]) -> dict:
         """The listed objects the store holds (address -> bytes), in one COPY."""
@@ -1184,33 +1316,22 @@ class PostgresStore(TransactionalPuts, Store):
         its content); one that cannot be read here (a newer format) stops the
         collection before anything is deleted."""
         n = self.names
-        with self._lock:
-            for attempt in range(GC_RETRIES + 1):
-                cur = self._cursor()
-                try:
-                    cur.execute("BEGIN; SET LOCAL synchronous_commit = on; " + _XACT_LOCK, (n.store_lock,))
-                    live, listings, damaged = self._live_objects(cur)
-                    cur.execute("CREATE TEMP TABLE agck_live (address bytea PRIMARY KEY) ON COMMIT DROP")
-                    cur.execute("INSERT INTO agck_live SELECT unnest(%s::bytea[])", (list(live),))
-                    cur.execute(
-                        f"WITH gone AS (DELETE FROM {n.objects} o WHERE NOT EXISTS "
-                        f"(SELECT 1 FROM agck_live l WHERE l.address = o.address) RETURNING o.size) "
-                        f"SELECT count(*), coalesce(sum(size), 0)::bigint FROM gone")
-                    deleted, nbytes = cur.fetchone()
-                    if deleted:   # what writers know to be present may be gone: they look again
-                        cur.execute(f"UPDATE {n.gc} SET generation = generation + 1")
-                    cur.execute("COMMIT")
-                    return content.Collected(listings=listings, live_chunks=len(live), deleted_chunks=deleted,
-                                             deleted_bytes=int(nbytes), damaged=damaged)
-                except BaseException as e:
-                    self._abort(cur)
-                    retry = isinstance(e, (psycopg2.errors.DeadlockDetected, psycopg2.errors.SerializationFailure))
-                    if retry and attempt < GC_RETRIES:
-                        time.sleep(0.01 * (attempt + 1))
-                        continue
-                    if isinstance(e, psycopg2.Error):
-                        raise self._db_error(e, "collecting garbage failed", n.label, DurabilityError) from None
-                    raise
+
+        def body(cur):
+            live, listings, damaged = self._live_objects(cur)
+            cur.execute("CREATE TEMP TABLE agck_live (address bytea PRIMARY KEY) ON COMMIT DROP")
+            cur.execute("INSERT INTO agck_live SELECT unnest(%s::bytea[])", (list(live),))
+            cur.execute(
+                f"WITH gone AS (DELETE FROM {n.objects} o WHERE NOT EXISTS "
+                f"(SELECT 1 FROM agck_live l WHERE l.address = o.address) RETURNING o.size) "
+                f"SELECT count(*), coalesce(sum(size), 0)::bigint FROM gone")
+            deleted, nbytes = cur.fetchone()
+            if deleted:   # what writers know to be present may be gone: they look again
+                cur.execute(f"UPDATE {n.gc} SET generation = generation + 1")
+            return content.Collected(listings=listings, live_chunks=len(live), deleted_chunks=deleted,
+                                     deleted_bytes=int(nbytes), damaged=damaged)
+
+        return self._exclusive(body, "collecting garbage failed")
 
     def _live_objects(self, cur) -> tuple[set[bytes], int, list[str]]:
         """What every listing lists (:func:`content.live_chunks`), read in this transaction."""

@@ -13,6 +13,8 @@ Tables (``prefix`` defaults to ``agck``)::
     {prefix}_chunks(run, step, idx, data)                      PRIMARY KEY(run, step, idx)
     {prefix}_objects(address, size, data)                      PRIMARY KEY(address)
     {prefix}_epochs(run, epoch)                                PRIMARY KEY(run); made by the first begin_epoch
+    {prefix}_quarantine(address, size, data, detected_at, reason)   objects found damaged, moved out of
+                                                               objects; made by the first one found
     {prefix}_parts_*                                           the same tables again: the parts of
                                                                multi-rank checkpoints (FORMAT.md section 13),
                                                                made by the first one
@@ -64,8 +66,8 @@ from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError,
                       UsageError)
 from ..memory import new_buffer
 from . import content
-from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
-from .sqlrows import (DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalPuts, batches, check_checksum, check_chunk_size,
+from .base import MIN_CHUNKED, CheckpointInfo, Store, check_last, check_run, check_step
+from .sqlrows import (decode_read, DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalPuts, batches, check_checksum, check_chunk_size,
                       check_identifier, chunk_plan, parts_prefix, split_chunks, sql_row)
 
 SCHEMA_VERSION = 3
@@ -124,7 +126,8 @@ class SqliteStore(TransactionalPuts, Store):
 
     def __init__(self, url: str | os.PathLike, *, prefix: str = "agck", chunk_size: int = DEFAULT_CHUNK_SIZE,
                  busy_timeout: float = 30.0, create: bool = True, incremental: bool = True,
-                 full_every: int | None = None, min_chunked: int = MIN_CHUNKED):
+                 full_every: int | None = None, min_chunked: int = MIN_CHUNKED,
+                 verify_reused: str = content.DEFAULT_VERIFY_REUSED):
         super().__init__()
         url = os.fspath(url)
         self.path = sqlite_path(url)
@@ -137,12 +140,13 @@ class SqliteStore(TransactionalPuts, Store):
         self.prefix = check_identifier(prefix, "table prefix")
         self.chunk_size = check_chunk_size(chunk_size)
         self._busy_timeout = busy_timeout
-        self._set_policy(incremental, full_every, min_chunked)
+        self._set_policy(incremental, full_every, min_chunked, verify_reused)
         self.last_put: content.Chunks | None = None
         p = self.prefix
         self._t_version, self._t_manifest, self._t_chunks = f"{p}_schema_version", f"{p}_manifest", f"{p}_chunks"
         self._t_objects, self._t_refs = f"{p}_objects", f"{p}_refs"
         self._t_epochs = f"{p}_epochs"   # made by the first begin_epoch
+        self._t_quarantine = f"{p}_quarantine"   # made by the first damaged chunk found
         self._owner_pid = os.getpid()
         target, uri = self.path, False
         if not create and self.path != ":memory:":
@@ -282,7 +286,7 @@ class SqliteStore(TransactionalPuts, Store):
                 failpoints.hit("sqlite.before_insert")
                 for p in puts:
                     if p.plan is not None:
-                        self._write_objects(c, p.plan)
+                        self._write_objects(c, p.plan, self._reread_turn())
                         failpoints.hit("sqlite.after_objects")
                     nchunks = self._write_chunks(c, p.run, p.step, p.parts(), p.total)
                     c.execute(f"INSERT INTO {self._t_manifest} (run, step, parent, size, checksum, nchunks, "
@@ -344,14 +348,20 @@ class SqliteStore(TransactionalPuts, Store):
         row = c.execute(f"SELECT epoch FROM {self._t_epochs} WHERE run = ?", (run,)).fetchone()
         return None if row is None else row[0]
 
-    def _write_objects(self, c: sqlite3.Connection, plan: content.Plan) -> None:
+    def _write_objects(self, c: sqlite3.Connection, plan: content.Plan, turn: int) -> None:
         """Insert the chunks the store lacks. The write transaction is open: nothing
-        can delete an object between this check and the COMMIT."""
-        present: set[bytes] = set()
+        can delete an object between this check and the COMMIT. Objects found damaged
+        (``verify_reused``) are quarantined and inserted afresh."""
+        stored: dict[bytes, int] = {}
         for batch in batches(list(plan.distinct), _IN_BATCH):
-            rows = c.execute(f"SELECT address FROM {self._t_objects} WHERE address IN "
+            rows = c.execute(f"SELECT address, length(data) FROM {self._t_objects} WHERE address IN "
                              f"({','.join('?' * len(batch))})", batch)
-            present.update(bytes(a) for (a,) in rows)
+            stored.update((bytes(a), n) for a, n in rows)
+        bad = content.reused_damage(stored, plan.size, self.verify_reused, turn,
+                                    lambda addresses: self._read_objects(c, addresses))
+        if bad:
+            self._quarantine_rows(c, bad)
+        present = set(stored) - set(bad)
         c.executemany(f"INSERT INTO {self._t_objects} (address, size, data) VALUES (?, ?, ?)",
                       ((a, v.nbytes, v) for a, v in plan.missing(present)))
 
@@ -455,10 +465,8 @@ class SqliteStore(TransactionalPuts, Store):
                     c.execute("COMMIT")
             except sqlite3.Error as e:
                 raise StoreError(f"read failed: {e}", ref=ref) from None
-        ck = content.decode(buf, content.fetcher(found, addresses or []), verify=verify,
-                            map_location=map_location, ref=ref)
-        check_identity(ck, run, step, ref)
-        return ck
+        return decode_read(self, buf, found, addresses, run=run, step=step, verify=verify,
+                           map_location=map_location, ref=ref)
 
     def _read_objects(self, c: sqlite3.Connection, addresses: list[bytes]) -> dict:
         found = {}
@@ -528,6 +536,71 @@ class SqliteStore(TransactionalPuts, Store):
                 raise DurabilityError(f"collecting garbage failed: {e}", ref=self.path) from None
         return content.Collected(listings=listings, live_chunks=len(live), deleted_chunks=n, deleted_bytes=nbytes,
                                  damaged=damaged)
+
+    # -- damaged chunks --------------------------------------------------------
+    def _quarantine_rows(self, c: sqlite3.Connection, bad: dict[bytes, str]) -> None:
+        """In a write transaction: move the objects ``bad`` names (address -> why) to
+        the quarantine table."""
+        q, o = self._t_quarantine, self._t_objects
+        c.execute(f"CREATE TABLE IF NOT EXISTS {q} (address BLOB NOT NULL, size INTEGER NOT NULL, "
+                  "data BLOB NOT NULL, detected_at REAL NOT NULL, reason TEXT NOT NULL)")
+        now = time.time()
+        for a, why in bad.items():
+            c.execute(f"INSERT INTO {q} (address, size, data, detected_at, reason) "
+                      f"SELECT address, length(data), data, ?, ? FROM {o} WHERE address = ?", (now, why, a))
+            c.execute(f"DELETE FROM {o} WHERE address = ?", (a,))
+
+    def quarantine(self, addresses) -> dict[bytes, str]:
+        with self._lock:
+            c = self._db()
+            try:
+                with _immediate(c):     # serialised with every writer and the collector
+                    wanted = list(dict.fromkeys(bytes(a) for a in addresses))
+                    out, bad = content.judge(wanted, self._read_objects(c, wanted))
+                    if bad:
+                        self._quarantine_rows(c, bad)
+            except sqlite3.Error as e:
+                raise DurabilityError(f"quarantining damaged objects failed: {e}", ref=self.path) from None
+        return out
+
+    def quarantined(self) -> list[content.QuarantinedChunk]:
+        with self._lock:
+            c = self._db()
+            try:
+                if not c.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+                                 (self._t_quarantine,)).fetchone():
+                    return []
+                rows = c.execute(f"SELECT rowid, address, size, detected_at, reason FROM {self._t_quarantine} "
+                                 "ORDER BY detected_at, rowid").fetchall()
+            except sqlite3.Error as e:
+                raise StoreError(f"query failed: {e}", ref=self.path) from None
+        return [content.QuarantinedChunk(address=bytes(a).hex(), size=n, detected_at=t, reason=why,
+                                          ref=f"{self.path}::{self._t_quarantine}(rowid={i})")
+                for i, a, n, t, why in rows]
+
+    def _scrub(self, progress) -> content.ScrubReport:
+        """In one read transaction: one snapshot of every listing and every object."""
+        m, o = self._t_manifest, self._t_objects
+        with self._lock:
+            c = self._db()
+            try:
+                c.execute("BEGIN")
+                try:
+                    def listed(run, step, ref):
+                        buf, checksum = self._read_locked(c, run, step, ref)
+                        check_checksum(buf, checksum, ref)
+                        return content.listed_addresses(buf, verify=True, ref=ref)
+
+                    keys = c.execute(f"SELECT run, step FROM {m} WHERE listing ORDER BY run, step").fetchall()
+                    listings = [(self.ref(r, s), partial(listed, r, s, self.ref(r, s))) for r, s in keys]
+                    rows = c.cursor().execute(f"SELECT address, size, data FROM {o} ORDER BY address")
+                    stored = ((bytes(a), n, f"{self.path}::{o}(address=x'{bytes(a).hex()}')", lambda d=d: d)
+                              for a, n, d in rows)
+                    return content.scrub(self.url, listings, stored, progress)
+                finally:
+                    c.execute("COMMIT")
+            except sqlite3.Error as e:
+                raise StoreError(f"scrub failed: {e}", ref=self.path) from None
 
     # -- housekeeping ----------------------------------------------------------
     def _orphan_rows(self, c, run):

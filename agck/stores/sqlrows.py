@@ -24,10 +24,10 @@ from urllib.parse import unquote
 import xxhash
 
 from .. import checkpoint, format
-from ..errors import AgckError, CorruptCheckpointError, StoreError
+from ..errors import AgckError, CorruptCheckpointError, DamagedChunkError, StoreError
 from ..names import check_run, check_step
 from . import content
-from .base import PutEntry, Store, check_entries
+from .base import PutEntry, Store, check_entries, check_identity
 
 DEFAULT_CHUNK_SIZE = 64 << 20
 MAX_CHUNK_SIZE = 512 << 20        # SQLite's default blob limit is 1e9 bytes; Postgres bytea's is 1 GiB
@@ -233,6 +233,21 @@ class TransactionalPuts:
         if puts:
             self._write(puts, None)
         return [p.ref for p in puts]
+
+
+def decode_read(store: "Store", buf, found: dict, addresses: list[bytes] | None, *, run: str, step: int, verify,
+                map_location, ref: str):
+    """The checkpoint a SQL store read: its container ``buf`` and, for a listing, the
+    objects found for ``addresses``. Chunks found damaged or missing are quarantined
+    before the error is raised."""
+    try:
+        ck = content.decode(buf, content.fetcher(found, addresses or []), verify=verify, map_location=map_location,
+                            ref=ref)
+    except DamagedChunkError as e:
+        store._damage_found(e)
+        raise
+    check_identity(ck, run, step, ref)
+    return ck
 
 
 def nchunks_for(total: int, chunk_size: int) -> int:
