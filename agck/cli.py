@@ -2,7 +2,7 @@
 
 Exit codes (also in the README):
   0  all good
-  1  recovered, but had to walk back past rejected checkpoints; or verify found corruption
+  1  recovered, but had to walk back past rejected checkpoints; or verify or scrub found damage
   2  usage error (bad arguments)
   3  nothing valid: no checkpoint verifies, or the file is corrupt
   4  cannot open the store or file (missing, unreachable server, bad credentials, unknown run/step,
@@ -74,7 +74,7 @@ class _NoBar:
         pass
 
 
-def _progress(total: int | None, desc: str, quiet: bool):
+def _progress(total: int | None, desc: str, quiet: bool, unit: str = "ckpt"):
     """A tqdm bar on stderr, only on a terminal and without --quiet."""
     if quiet or not sys.stderr.isatty():
         return _NoBar()
@@ -82,7 +82,9 @@ def _progress(total: int | None, desc: str, quiet: bool):
         from tqdm import tqdm
     except ImportError:
         return _NoBar()
-    return tqdm(total=total, desc=desc, file=sys.stderr, unit="ckpt", leave=False)
+    if unit == "B":
+        return tqdm(total=total, desc=desc, file=sys.stderr, unit="B", unit_scale=True, leave=False)
+    return tqdm(total=total, desc=desc, file=sys.stderr, unit=unit, leave=False)
 
 
 def _meta(meta):
@@ -373,6 +375,32 @@ def cmd_gc(args) -> int:
     return EXIT_OK
 
 
+def cmd_scrub(args) -> int:
+    with _open(args.store) as store:
+        with _progress(None, "scrub", args.quiet, unit="B") as bar:
+            rep = store.scrub(quarantine=not args.no_quarantine, progress=bar.update)
+    def text():
+        lines = [f"{rep.chunks} chunks ({_size(rep.bytes)}) of {rep.listings} chunked checkpoints checked: "
+                 + ("no damage" if rep.ok else f"{len(rep.damaged)} damaged, {len(rep.missing)} missing, "
+                    f"{len(rep.damaged_listings)} damaged listings; {len(rep.broken)} checkpoints broken")]
+        for d in rep.damaged + rep.missing:
+            fate = {"quarantined": "quarantined now", "quarantined earlier": "quarantined earlier as damaged",
+                    "intact": "re-read intact, left in place", None: "left in place"}.get(d.quarantined, "")
+            what = f"{d.reason}; {fate}" if d.ref else fate or "missing"
+            lines.append(f"  {'DAMAGED' if d.ref else 'MISSING'} chunk {d.address[:16]} ({what}): "
+                         f"breaks {len(d.checkpoints)} checkpoint(s)")
+            lines += [f"    {r}" for r in d.checkpoints[:10]]
+            if len(d.checkpoints) > 10:
+                lines.append(f"    ... and {len(d.checkpoints) - 10} more (--json lists them all)")
+        lines += [f"  DAMAGED listing {r}" for r in rep.damaged_listings]
+        if not rep.ok and not args.no_quarantine:
+            lines.append("  the next put holding the content of a quarantined or missing chunk writes it afresh, "
+                         "which heals every checkpoint that lists it")
+        return "\n".join(lines)
+    _emit(args, rep.as_dict(), text)
+    return EXIT_OK if rep.ok else EXIT_WALKED_BACK
+
+
 def cmd_export(args) -> int:
     from .export import export
     if _file_or_store(args, args.source, "export"):
@@ -488,6 +516,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("store")
     common(sp)
     sp.set_defaults(func=cmd_gc)
+
+    sp = sub.add_parser("scrub", help="re-hash every stored chunk; report and quarantine damaged ones")
+    sp.add_argument("store", help="store URL or directory")
+    sp.add_argument("--no-quarantine", action="store_true",
+                    help="only report: leave damaged chunks where they are")
+    common(sp)
+    sp.set_defaults(func=cmd_scrub)
 
     sp = sub.add_parser("export", help="export a checkpoint to .safetensors, .pt, .npz or a standalone .agck")
     sp.add_argument("source", metavar="STORE_OR_FILE")

@@ -23,6 +23,9 @@ Fault kinds (each trial gets its own run name, so trials never disturb each othe
                  go (fencing, as ``stale``). No step
                  may be visible without every part, and every part of the recovered
                  step must match the reference run's rank.
+* ``chunkrot``   stored chunks of a frozen base damaged between checkpoints, then detected
+                 (a read, scrub, verify, or the puts' own checks): every checkpoint put after
+                 the detection must read back (:mod:`crashtests.chunkrot`);
 * ``distpower``  the parts and commit records of multi-rank checkpoints written to the file
                  store on SimFS in one process, in the collective's order, power cut as
                  for ``powerloss``: a step is recovered with every part or not at all.
@@ -47,11 +50,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from . import checker, corrupt, pgcluster
+from . import checker, chunkrot, corrupt, pgcluster
 from .checker import OUTCOMES, Trial
 
 STORES = ("file", "sqlite", "postgres")
-FAULTS = ("kill", "failpoint", "pgkill", "powerloss", "corrupt", "stale", "dist", "distpower")
+FAULTS = ("kill", "failpoint", "pgkill", "powerloss", "corrupt", "stale", "dist", "distpower", "chunkrot")
 DIST_KINDS = ("kill-one", "kill-all", "failpoint", "stale")
 PREFIX = {"file": "file.", "sqlite": "sqlite.", "postgres": "pg."}
 REPO = checker.REPO
@@ -1124,6 +1127,7 @@ class Campaign:
             self.pgkill_trials()
             self.powerloss_trials()
             self.corrupt_trials()
+            chunkrot.trials(self)
             self.cli_checks()
             self.resumes()
         finally:

@@ -46,6 +46,7 @@ class Trial:
     in_flight: bool = False         # a checkpoint was being written when the crash hit
     expected: Any = "min"           # "min": recovered >= last ack; an int/None: exactly this step (corruption)
     damaged: list = field(default_factory=list)    # steps deliberately corrupted
+    unreadable: list = field(default_factory=list)  # acknowledged steps that cannot be read and should be
     recovered: Any = None
     rejected: list = field(default_factory=list)
     orphans: int = 0
@@ -170,6 +171,8 @@ def classify(t: Trial) -> str:
         elif rec != exp:
             corrupt = True
             reasons.append(f"recovered step {rec}, expected {exp}")
+    if t.unreadable:
+        lost = True
     if t.hash_ok is False and rec != "raised":
         corrupt = True
     if t.cli_step != "unchecked" and rec != "raised":

@@ -318,12 +318,17 @@ class Store(ABC):
         them (:meth:`quarantine`). Standalone containers hold no shared chunks:
         ``agck verify`` checks them. ``progress(nbytes)`` is called per chunk."""
         rep = self._scrub(progress)
-        if quarantine:
-            bad = [bytes.fromhex(d.address) for d in rep.damaged + rep.missing]
-            if bad:
-                verdicts = self.quarantine(bad)
-                for d in rep.damaged + rep.missing:
-                    d.quarantined = verdicts.get(bytes.fromhex(d.address))
+        bad = rep.damaged + rep.missing
+        if quarantine and bad:
+            verdicts = self.quarantine([bytes.fromhex(d.address) for d in bad])
+            held = {q.address for q in self.quarantined()} if rep.missing else set()
+            for d in bad:
+                d.quarantined = verdicts.get(bytes.fromhex(d.address))
+                if d.quarantined == "missing" and d.address in held:
+                    d.quarantined = "quarantined earlier"
+        parts = self.parts_store(create=False)
+        if parts is not None:      # the chunks of multi-rank parts, kept in a namespace of their own
+            rep.absorb(parts.scrub(quarantine=quarantine, progress=progress))
         return rep
 
     def _scrub(self, progress) -> ScrubReport:

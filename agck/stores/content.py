@@ -659,6 +659,16 @@ class ScrubReport:
     def ok(self) -> bool:
         return not (self.damaged or self.missing or self.damaged_listings)
 
+    def absorb(self, other: "ScrubReport") -> None:
+        """Add another namespace's findings (a store's multi-rank parts) to these."""
+        self.chunks += other.chunks
+        self.bytes += other.bytes
+        self.listings += other.listings
+        self.damaged += other.damaged
+        self.missing += other.missing
+        self.damaged_listings += other.damaged_listings
+        self.seconds += other.seconds
+
     @property
     def broken(self) -> list[str]:
         """The checkpoints that cannot be read until the content they lack is put again."""

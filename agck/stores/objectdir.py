@@ -356,6 +356,16 @@ class ObjectDir:
             files += 1
             nbytes += size
             touched.add(os.path.dirname(path))
+        for q in self.quarantined():    # kept until healed or listed by no checkpoint
+            address = bytes.fromhex(q.address)
+            if address not in live or os.path.exists(self.path(address)):
+                try:
+                    self.fs.unlink(q.ref)
+                except FileNotFoundError:
+                    continue
+                files += 1
+                nbytes += q.size
+                touched.add(self.quarantine_dir())
         for d in touched:
             self.fs.fsync_dir(d)
         return files, nbytes

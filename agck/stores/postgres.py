@@ -827,7 +827,7 @@ class PostgresStore(TransactionalPuts, Store):
                 found = [bytes(a) for a in found]
                 if checked:
                     self._heal_reused(cur, plans, dict(zip(found, lengths)), found)
-                self._put_objects(cur, plans, addresses, generation, set(found))
+                self._put_objects(cur, plans, addresses, generation, set(found), trust_known=not checked)
                 failpoints.hit("pg.after_objects")
                 begin = ""
             stream = _CopyIn([(p.run, p.step, p.parts(), p.total) for p in puts], self.chunk_size)
@@ -946,14 +946,17 @@ class PostgresStore(TransactionalPuts, Store):
         return CheckpointExistsError("a checkpoint already exists here", ref=p.ref)
 
     def _put_objects(self, cur, plans: list["content.Plan"], addresses: list[bytes], generation: int,
-                     found: set[bytes]) -> None:
+                     found: set[bytes], trust_known: bool = True) -> None:
         """Send the objects of ``plans`` the store lacks. The store lock is held shared
         (no collector deletes an object before this transaction ends); ``found`` are
         those of ``addresses`` this store object did not know of that the store holds,
         as of gc ``generation``. Another writer may send one of them first: the COPY
         then fails on its key, and is done again, in a savepoint, without the ones
-        that have arrived."""
+        that have arrived. ``trust_known=False``: ``found`` covers every address (the put
+        checked what it reuses), so what this store object committed earlier counts for nothing."""
         n = self.names
+        if not trust_known:
+            self._known_objects.difference_update(set(addresses) - found)
         if generation != self._known_generation:    # a collection ran: what this store knew may be gone
             known_before = self._known_objects
             self._known_objects = set()
@@ -1328,6 +1331,10 @@ class PostgresStore(TransactionalPuts, Store):
             deleted, nbytes = cur.fetchone()
             if deleted:   # what writers know to be present may be gone: they look again
                 cur.execute(f"UPDATE {n.gc} SET generation = generation + 1")
+            cur.execute("SELECT to_regclass(%s) IS NOT NULL", (n.quarantine,))
+            if cur.fetchone()[0]:     # quarantined objects are kept until healed or listed by no checkpoint
+                cur.execute(f"DELETE FROM {n.quarantine} q WHERE NOT EXISTS (SELECT 1 FROM agck_live l WHERE "
+                            f"l.address = q.address) OR EXISTS (SELECT 1 FROM {n.objects} o WHERE o.address = q.address)")
             return content.Collected(listings=listings, live_chunks=len(live), deleted_chunks=deleted,
                                      deleted_bytes=int(nbytes), damaged=damaged)
 

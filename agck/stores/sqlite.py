@@ -341,9 +341,12 @@ class SqliteStore(TransactionalPuts, Store):
         if current != epoch:
             raise self._stale(run, epoch, current, ref)
 
+    @staticmethod
+    def _has_table(c: sqlite3.Connection, name: str) -> bool:
+        return c.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone() is not None
+
     def _current_epoch(self, c: sqlite3.Connection, run: str) -> int | None:
-        if not c.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
-                         (self._t_epochs,)).fetchone():
+        if not self._has_table(c, self._t_epochs):
             return None
         row = c.execute(f"SELECT epoch FROM {self._t_epochs} WHERE run = ?", (run,)).fetchone()
         return None if row is None else row[0]
@@ -531,6 +534,10 @@ class SqliteStore(TransactionalPuts, Store):
                     dead = f"NOT EXISTS (SELECT 1 FROM agck_live l WHERE l.address = {o}.address)"
                     n, nbytes = c.execute(f"SELECT count(*), coalesce(sum(size), 0) FROM {o} WHERE {dead}").fetchone()
                     c.execute(f"DELETE FROM {o} WHERE {dead}")
+                    if self._has_table(c, self._t_quarantine):   # kept until healed or listed by no checkpoint
+                        q = self._t_quarantine
+                        c.execute(f"DELETE FROM {q} WHERE NOT EXISTS (SELECT 1 FROM agck_live l WHERE l.address = "
+                                  f"{q}.address) OR EXISTS (SELECT 1 FROM {o} WHERE {o}.address = {q}.address)")
                     c.execute("DELETE FROM agck_live")
             except sqlite3.Error as e:
                 raise DurabilityError(f"collecting garbage failed: {e}", ref=self.path) from None
@@ -567,8 +574,7 @@ class SqliteStore(TransactionalPuts, Store):
         with self._lock:
             c = self._db()
             try:
-                if not c.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
-                                 (self._t_quarantine,)).fetchone():
+                if not self._has_table(c, self._t_quarantine):
                     return []
                 rows = c.execute(f"SELECT rowid, address, size, detected_at, reason FROM {self._t_quarantine} "
                                  "ORDER BY detected_at, rowid").fetchall()

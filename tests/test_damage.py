@@ -1,0 +1,311 @@
+"""Damaged chunks: detected, quarantined, written afresh by the next put, on every store.
+
+A chunk is written once and relied on by every later checkpoint holding its bytes.
+These tests damage stored chunks of a frozen base (as bit rot or a stray write
+would), keep checkpointing, and hold the store to its promise: from the detection
+of the damage on (by a read, by verify, by scrub, or by the put itself with
+``verify_reused``), every acknowledged checkpoint reads back, and the next put
+holding the damaged content heals the earlier checkpoints that list it.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from agck import errors
+from agck.recovery import verify_store
+from agck.stores import open_store
+from agck.stores.content import SAMPLE_SHARE
+from crashtests import chunkrot
+
+FROZEN = np.random.default_rng(7).standard_normal(1 << 18).astype(np.float32)   # 1 MiB: chunks of ~64 KiB
+
+
+def state(i: int) -> dict:
+    return {"frozen": FROZEN, "small": np.full(512, i, np.float32), "step": i}
+
+
+def _open(spec, **options):
+    _, url, opts = spec
+    return open_store(url, **{**opts, **options})
+
+
+def put_two(store, run: str = "r") -> list[bytes]:
+    """Steps 1 and 2 of ``run``; returns the chunks of 16 KiB or more both list, largest
+    first: the frozen base's (what every later checkpoint will reuse)."""
+    store.put(run, 1, state(1))
+    first = store.last_put
+    store.put(run, 2, state(2))
+    second = store.last_put
+    sizes = dict(zip(second.addresses, second.sizes))
+    return sorted(chunkrot.shared_chunks(store, first, second, 16 << 10), key=lambda a: (-sizes[a], a))
+
+
+def damage(store, address: bytes, kind: str = "flip") -> None:
+    chunkrot.damage(store, address, kind, random.Random(address))
+
+
+def readable(store, run: str, step: int) -> bool:
+    try:
+        ck = store.read(run, step)
+    except errors.CorruptCheckpointError:
+        return False
+    np.testing.assert_array_equal(ck.state["frozen"], FROZEN)
+    assert ck.state["step"] == step
+    return True
+
+
+# --- the scenario of the report: a frozen base damaged, checkpointing goes on ---------------------
+
+@pytest.mark.parametrize("detect", ["read", "verify", "scrub", "put"])
+def test_after_detection_every_checkpoint_of_a_frozen_base_reads_back(store_spec, detect):
+    store = _open(store_spec, verify_reused="full" if detect == "put" else "none")
+    try:
+        victim = put_two(store)[0]
+        damage(store, victim)
+        if detect == "read":
+            with pytest.raises(errors.DamagedChunkError) as e:
+                store.read("r", 2)
+            assert victim in e.value.damaged and "quarantined" in e.value.reason
+        elif detect == "verify":
+            rep = verify_store(store, "r")
+            assert [r.step for r in rep.rejected] == [1, 2]
+        elif detect == "scrub":
+            rep = store.scrub()
+            assert [d.address for d in rep.damaged] == [victim.hex()]
+            assert rep.damaged[0].quarantined == "quarantined"
+            assert sorted(rep.damaged[0].checkpoints) == sorted([store.ref("r", 1), store.ref("r", 2)])
+        if detect != "put":
+            assert [q.address for q in store.quarantined()] == [victim.hex()]
+        for s in range(3, 7):
+            store.put("r", s, state(s))
+            assert readable(store, "r", s), f"step {s}, acknowledged after the damage was detected"
+        # the first put after detection wrote the content afresh: the old checkpoints are healed too
+        assert all(readable(store, "r", s) for s in (1, 2))
+        assert store.scrub().ok
+        if detect == "put":
+            assert [q.address for q in store.quarantined()] == [victim.hex()]
+    finally:
+        store.close()
+
+
+def test_without_detection_the_damage_reaches_later_checkpoints(store_spec):
+    """What the checks are for: a put that checks nothing relies on the damaged chunk."""
+    store = _open(store_spec, verify_reused="none")
+    try:
+        damage(store, put_two(store)[0])
+        store.put("r", 3, state(3))
+        assert not readable(store, "r", 3)
+        store.put("r", 4, state(4))     # the read of step 3 detected the damage: step 4 wrote it afresh
+        assert readable(store, "r", 4)
+    finally:
+        store.close()
+
+
+def test_verify_reused_size_finds_a_truncated_chunk_but_not_a_flipped_byte(store_spec):
+    store = _open(store_spec, verify_reused="size")
+    try:
+        first, second = put_two(store)[:2]
+        damage(store, first, "truncate")
+        damage(store, second, "flip")
+        store.put("r", 3, state(3))
+        assert [q.address for q in store.quarantined()] == [first.hex()]
+        rep = store.scrub(quarantine=False)
+        assert [d.address for d in rep.damaged] == [second.hex()]
+        assert store.ref("r", 3) in rep.damaged[0].checkpoints
+    finally:
+        store.close()
+
+
+def test_verify_reused_sample_reads_every_reused_chunk_within_its_share_of_puts(store_spec):
+    store = _open(store_spec, verify_reused="sample")
+    try:
+        chunks = put_two(store)
+        for a in chunks:
+            damage(store, a)
+        for s in range(3, 3 + SAMPLE_SHARE):
+            store.put("r", s, state(s))
+        assert {q.address for q in store.quarantined()} == {a.hex() for a in chunks}
+        assert readable(store, "r", 2 + SAMPLE_SHARE)
+        assert store.scrub().ok           # every damaged chunk was written afresh: all healed
+        assert all(readable(store, "r", s) for s in store.steps("r"))
+    finally:
+        store.close()
+
+
+def test_quarantine_rereads_and_leaves_an_intact_chunk(store_spec):
+    """A misread (a flipped bit in memory, a transient fault) must not take a good chunk
+    out of use: quarantine judges the stored bytes again."""
+    store = _open(store_spec)
+    try:
+        good = put_two(store)[0]
+        assert store.quarantine([good, b"\x00" * 32]) == {good: "intact", b"\x00" * 32: "missing"}
+        assert store.quarantined() == []
+        assert readable(store, "r", 2)
+    finally:
+        store.close()
+
+
+def test_a_quarantined_chunk_is_kept_until_healed_then_collected(store_spec):
+    store = _open(store_spec)
+    try:
+        victim = put_two(store)[0]
+        damage(store, victim)
+        assert store.quarantine([victim]) == {victim: "quarantined"}
+        q = store.quarantined()
+        assert len(q) == 1 and q[0].reason == "does not match its address" and q[0].detected_at > 0
+        store.collect_garbage()
+        assert len(store.quarantined()) == 1        # the checkpoints listing it are still broken: evidence kept
+        rep = store.scrub()
+        assert [d.quarantined for d in rep.missing] == ["quarantined earlier"]
+        store.put("r", 3, state(3))                 # heals
+        store.collect_garbage()
+        assert store.quarantined() == []
+        assert all(readable(store, "r", s) for s in (1, 2, 3))
+    finally:
+        store.close()
+
+
+def test_scrub_covers_the_parts_of_multi_rank_checkpoints(store_spec):
+    """The DCP backend and multi-rank snapshots keep their parts' chunks in a namespace of
+    their own; scrub and the parts' own reads quarantine there, and the next part put
+    with the same content (another run, as a later dcp.save) heals it."""
+    store = _open(store_spec)
+    try:
+        parts = store.parts_store()
+        victim = put_two(parts, "p1")[0]
+        damage(parts, victim)
+        rep = store.scrub()
+        assert [d.address for d in rep.damaged] == [victim.hex()]
+        assert rep.damaged[0].quarantined == "quarantined"
+        parts.put("p2", 1, state(1))
+        assert readable(parts, "p2", 1) and readable(parts, "p1", 2)
+        assert store.scrub().ok
+    finally:
+        store.close()
+
+
+def test_cli_scrub(store_spec, capsys):
+    from agck.cli import main
+    _, url, opts = store_spec
+    store = _open(store_spec)
+    try:
+        victim = put_two(store)[0]
+        cli_url = url if "prefix" not in opts else f"{url}?agck_prefix={opts['prefix']}&agck_schema={opts['schema']}"
+        assert main(["scrub", cli_url, "-q"]) == 0
+        assert "no damage" in capsys.readouterr().out
+        damage(store, victim)
+        assert main(["scrub", cli_url, "-q", "--no-quarantine"]) == 1
+        out = capsys.readouterr().out
+        assert f"DAMAGED chunk {victim.hex()[:16]}" in out and "breaks 2 checkpoint(s)" in out
+        assert "left in place" in out and store.quarantined() == []
+        assert main(["scrub", cli_url, "-q"]) == 1
+        assert "quarantined now" in capsys.readouterr().out
+        assert main(["scrub", cli_url, "-q"]) == 1
+        assert "quarantined earlier as damaged" in capsys.readouterr().out
+    finally:
+        store.close()
+
+
+def test_verify_reused_is_checked(tmp_path):
+    with pytest.raises(errors.UsageError, match="verify_reused"):
+        open_store(str(tmp_path / "s"), verify_reused="always")
+    assert open_store(str(tmp_path / "s")).verify_reused == "sample"
+
+
+# --- concurrent writers, a collector, and damage detected while they run -----------------------
+
+def _writer(spec, worker: int, rounds: int, log: list, failures: list, stop: threading.Event) -> None:
+    store = _open(spec, **({"init": False} if spec[0] == "postgres" else {}), verify_reused="none")
+    run = f"w{worker}"
+    try:
+        for i in range(1, rounds + 1):
+            if stop.is_set():
+                break
+            began = time.monotonic()
+            store.put(run, i, state(i))
+            ok = readable(store, run, i)
+            log.append((run, i, began, time.monotonic(), ok))
+            if i > 2:
+                store.delete(run, i - 2)        # garbage for the collector
+    except BaseException as e:  # noqa: BLE001 - reported by the test
+        failures.append(e)
+    finally:
+        store.close()
+
+
+def test_damage_detected_beside_writers_and_a_collector(store_spec):
+    """Two writers reusing a frozen base (checking nothing themselves), a collector, and
+    a third party that damages a stored chunk of the base and then scrubs, over and
+    over. A checkpoint that does not read back right after its put is allowed only if
+    some damage made before that read had not been detected when its put began."""
+    kind = store_spec[0]
+    first = _open(store_spec)
+    base = put_two(first, "seed")
+    log: list = []
+    failures: list = []
+    events: list = []        # (injected at, detected by when)
+    stop = threading.Event()
+    rounds = 60 if kind != "sqlite" else 40
+    writers = [threading.Thread(target=_writer, args=(store_spec, w, rounds, log, failures, stop)) for w in range(2)]
+
+    def rot_and_scrub():
+        s = _open(store_spec, **({"init": False} if kind == "postgres" else {}))
+        rng = random.Random(5)
+        try:
+            while not stop.is_set():
+                a = rng.choice(base)
+                injected = time.monotonic()
+                try:
+                    chunkrot.damage(s, a, "flip", rng)
+                except (LookupError, FileNotFoundError):
+                    pass      # quarantined and not yet written again: nothing to damage
+                s.scrub()
+                events.append((injected, time.monotonic()))
+                stop.wait(0.05)
+        except BaseException as e:  # noqa: BLE001
+            failures.append(e)
+        finally:
+            s.close()
+
+    def collect():
+        g = _open(store_spec, **({"init": False} if kind == "postgres" else {}))
+        try:
+            while not stop.is_set():
+                g.collect_garbage()
+                stop.wait(0.01)
+        except BaseException as e:  # noqa: BLE001
+            failures.append(e)
+        finally:
+            g.close()
+
+    helpers = [threading.Thread(target=rot_and_scrub), threading.Thread(target=collect)]
+    for t in writers + helpers:
+        t.start()
+    for t in writers:
+        t.join(300)
+    stop.set()
+    for t in helpers:
+        t.join(60)
+    assert not failures, failures
+    assert len(events) >= 3, "the damage was never injected while the writers ran"
+    lost = []
+    for run, step, began, read_at, ok in log:
+        undetected = any(inj < read_at and det > began for inj, det in events)
+        if not ok and not undetected:
+            lost.append((run, step))
+    assert not lost, f"acknowledged after every earlier damage was detected, yet unreadable: {lost}"
+    assert sum(1 for *_, ok in log if ok) > len(log) // 2
+    # once the damage stops: one last scrub, one more put each, and everything kept reads back
+    first.scrub()
+    for w in range(2):
+        first.put(f"w{w}", rounds + 1, state(rounds + 1))
+    for w in range(2):
+        for s in first.steps(f"w{w}"):
+            assert readable(first, f"w{w}", s), (w, s)
+    first.close()
