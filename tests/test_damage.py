@@ -309,3 +309,45 @@ def test_damage_detected_beside_writers_and_a_collector(store_spec):
         for s in first.steps(f"w{w}"):
             assert readable(first, f"w{w}", s), (w, s)
     first.close()
+
+
+def test_readme_scrub_example_runs(tmp_path):
+    from readme_examples import run_as_script
+    last = run_as_script('verify_reused="sample"', tmp_path, times=2)
+    assert all(line.endswith("broken: []") and line.split()[0] != "0" for line in last), last
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")     # DCP warns on every no_dist call
+def test_dcp_saves_after_a_detected_damage_read_back(store_spec):
+    """The report's DCP case: saves of other runs with the same content, after a damaged
+    chunk was detected, must load."""
+    torch = pytest.importorskip("torch")
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from torch.distributed.checkpoint.api import CheckpointException
+    from agck.dcp import StorageReader, StorageWriter
+    store = _open(store_spec, verify_reused="none")
+    frozen = torch.from_numpy(FROZEN.copy())
+
+    def save(run, step):
+        dcp.save({"frozen": frozen, "step": torch.tensor(step)}, storage_writer=StorageWriter(store, run),
+                 checkpoint_id=step, no_dist=True)
+        return store.parts_store().last_put
+
+    def loads(run, step) -> bool:
+        target = {"frozen": torch.zeros_like(frozen), "step": torch.tensor(0)}
+        try:
+            dcp.load(target, storage_reader=StorageReader(store, run, step=step), no_dist=True)
+        except CheckpointException:      # (a BaseException) what the rank raised: the part does not verify
+            return False
+        return torch.equal(target["frozen"], frozen) and int(target["step"]) == step
+
+    try:
+        first, second = save("a", 1), save("b", 1)
+        victim = chunkrot.shared_chunks(store, first, second, 16 << 10)[0]
+        damage(store.parts_store(), victim)
+        assert not loads("b", 1)           # the read detects and quarantines it
+        assert [q.address for q in store.parts_store().quarantined()] == [victim.hex()]
+        save("c", 1)
+        assert loads("c", 1) and loads("a", 1) and loads("b", 1)    # written afresh: all healed
+    finally:
+        store.close()

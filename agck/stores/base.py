@@ -98,8 +98,8 @@ class Store(ABC):
         container of fewer bytes is written standalone (0: every one is chunked).
         ``verify_reused``: what a chunked put checks of the chunks it reuses before
         relying on them: ``"none"`` (that they exist), ``"size"`` (their stored size),
-        ``"sample"`` (the default: their size, and the bytes of one address bucket in
-        16, a different one each put) or ``"full"`` (every reused chunk's bytes); a
+        ``"sample"`` (the default: that they exist, and the bytes of one address bucket
+        in 16, a different one each put) or ``"full"`` (every reused chunk's size and bytes); a
         damaged one is quarantined and written afresh by that put (README, "Damaged chunks")."""
         if not isinstance(incremental, bool):
             raise UsageError(f"incremental must be True or False, not {incremental!r}")

@@ -541,7 +541,7 @@ SAMPLE_SHARE = 16     # "sample": a put re-reads the reused chunks of one addres
 def check_verify_reused(mode) -> str:
     if mode not in VERIFY_REUSED:
         raise UsageError(f"verify_reused must be one of {', '.join(map(repr, VERIFY_REUSED))}, not {mode!r}",
-                         hint="'size' checks each reused chunk's stored size, 'sample' also re-reads one "
+                         hint="'size' checks each reused chunk's stored size, 'sample' re-reads one "
                               f"address bucket in {SAMPLE_SHARE} per put, 'full' re-reads every one")
     return mode
 
@@ -558,7 +558,9 @@ def reread(address: bytes, mode: str, turn: int) -> bool:
 
 
 def checks_size(mode: str) -> bool:
-    return mode != "none"
+    """Whether a put looks at the stored size of every chunk it reuses (``sample``
+    trusts existence as ``none`` does, and reads its share whole)."""
+    return mode in ("size", "full")
 
 
 def intact(address: bytes, data) -> bool:
@@ -592,17 +594,17 @@ def judge(wanted: Iterable[bytes], found: dict) -> tuple[dict[bytes, str], dict[
     return out, bad
 
 
-def reused_damage(stored: dict[bytes, int], want: Callable[[bytes], int], mode: str, turn: int,
+def reused_damage(stored: dict[bytes, int | None], want: Callable[[bytes], int], mode: str, turn: int,
                   read: Callable[[list[bytes]], dict]) -> dict[bytes, str]:
-    """Of the chunks a put found stored (address -> stored size), those that
-    ``verify_reused`` finds damaged, and why: a size other than ``want(address)``,
-    or (the share :func:`reread` picks) bytes that ``read(addresses)`` (address ->
-    bytes) returns not matching their address."""
+    """Of the chunks a put found stored (address -> stored size, None where it was not
+    looked at), those that ``verify_reused`` finds damaged, and why: a size other than
+    ``want(address)``, or (the share :func:`reread` picks) bytes that
+    ``read(addresses)`` (address -> bytes) returns not matching their address."""
     bad: dict[bytes, str] = {}
     if mode == "none":
         return bad
     for a, n in stored.items():
-        if n != want(a):
+        if n is not None and checks_size(mode) and n != want(a):
             bad[a] = f"holds {n} bytes, {want(a)} expected"
     again = [a for a in stored if a not in bad and reread(a, mode, turn)]
     if again:

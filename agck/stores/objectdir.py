@@ -401,7 +401,8 @@ class Batch:
         renamed over it."""
         mode = self.verify_reused
         reread = content.reread(address, mode, self.turn)
-        if self.objects._trusted and address in self.objects._durable and mode == "none":
+        if self.objects._trusted and address in self.objects._durable and not reread \
+                and not content.checks_size(mode):
             return True       # made durable by this process, and no collection since
         path = self.objects.path(address)
         try:

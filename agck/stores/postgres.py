@@ -815,19 +815,22 @@ class PostgresStore(TransactionalPuts, Store):
             begin, args = self._begin_sql(puts)
             if plans:
                 addresses = list(dict.fromkeys(a for plan in plans for a in plan.distinct))
-                checked = self.verify_reused != "none"
-                # with verify_reused, every address the put relies on is looked at (its stored size)
-                unknown = addresses if checked else [a for a in addresses if a not in self._known_objects]
+                sized = content.checks_size(self.verify_reused)
+                # verify_reused "size" and "full": every address the put relies on is looked at (its
+                # stored size), not only those this store object did not commit itself
+                unknown = addresses if sized else [a for a in addresses if a not in self._known_objects]
                 cur.execute(begin + "; " + _XACT_LOCK_SHARED + "; SELECT (SELECT generation FROM "
                             f"{n.gc}), ARRAY(SELECT address FROM {n.objects} WHERE address = ANY(%s::bytea[]) "
                             "ORDER BY address), ARRAY(SELECT octet_length(data) FROM "
                             f"{n.objects} WHERE address = ANY(%s::bytea[]) ORDER BY address)",
-                            (*args, n.store_lock, unknown, unknown if checked else []))
+                            (*args, n.store_lock, unknown, unknown if sized else []))
                 generation, found, lengths = cur.fetchone()
                 found = [bytes(a) for a in found]
-                if checked:
-                    self._heal_reused(cur, plans, dict(zip(found, lengths)), found)
-                self._put_objects(cur, plans, addresses, generation, set(found), trust_known=not checked)
+                sizes = dict(zip(found, lengths)) if sized else {}
+                found += self._still_known(cur, generation, [] if sized else addresses)
+                if self.verify_reused != "none":
+                    self._heal_reused(cur, plans, {a: sizes.get(a) for a in found}, found)
+                self._put_objects(cur, plans, set(found))
                 failpoints.hit("pg.after_objects")
                 begin = ""
             stream = _CopyIn([(p.run, p.step, p.parts(), p.total) for p in puts], self.chunk_size)
@@ -945,24 +948,23 @@ class PostgresStore(TransactionalPuts, Store):
         p = next((p for p in kept if (p.run, p.step) in taken), kept[0])
         return CheckpointExistsError("a checkpoint already exists here", ref=p.ref)
 
-    def _put_objects(self, cur, plans: list["content.Plan"], addresses: list[bytes], generation: int,
-                     found: set[bytes], trust_known: bool = True) -> None:
-        """Send the objects of ``plans`` the store lacks. The store lock is held shared
-        (no collector deletes an object before this transaction ends); ``found`` are
-        those of ``addresses`` this store object did not know of that the store holds,
-        as of gc ``generation``. Another writer may send one of them first: the COPY
-        then fails on its key, and is done again, in a savepoint, without the ones
-        that have arrived. ``trust_known=False``: ``found`` covers every address (the put
-        checked what it reuses), so what this store object committed earlier counts for nothing."""
-        n = self.names
-        if not trust_known:
-            self._known_objects.difference_update(set(addresses) - found)
+    def _still_known(self, cur, generation: int, addresses: list[bytes]) -> list[bytes]:
+        """Those of ``addresses`` this store object committed itself and the store still
+        holds, as of gc ``generation``: while no collection (or quarantine) ran, all it
+        knows; after one, those of them a query finds."""
         if generation != self._known_generation:    # a collection ran: what this store knew may be gone
             known_before = self._known_objects
             self._known_objects = set()
             self._known_generation = generation
-            found |= self._present(cur, [a for a in addresses if a in known_before])
-        present = {a for a in addresses if a in self._known_objects} | found
+            return list(self._present(cur, [a for a in addresses if a in known_before]))
+        return [a for a in addresses if a in self._known_objects]
+
+    def _put_objects(self, cur, plans: list["content.Plan"], present: set[bytes]) -> None:
+        """Send the objects of ``plans`` the store lacks (not in ``present``). The store
+        lock is held shared: no collector deletes an object before this transaction
+        ends. Another writer may send one of them first: the COPY then fails on its
+        key, and is done again, in a savepoint, without the ones that have arrived."""
+        n = self.names
         for _ in range(_OBJECT_ROUNDS):
             missing, seen = [], set(present)
             for plan in plans:      # an object two of them hold is sent once
