@@ -267,7 +267,7 @@ def test_damage_detected_beside_writers_and_a_collector(store_spec):
                     pass      # quarantined and not yet written again: nothing to damage
                 s.scrub()
                 events.append((injected, time.monotonic()))
-                stop.wait(0.05)
+                stop.wait(0.1)
         except BaseException as e:  # noqa: BLE001
             failures.append(e)
         finally:
@@ -294,13 +294,14 @@ def test_damage_detected_beside_writers_and_a_collector(store_spec):
         t.join(60)
     assert not failures, failures
     assert len(events) >= 3, "the damage was never injected while the writers ran"
-    lost = []
+    lost, held = [], 0
     for run, step, began, read_at, ok in log:
         undetected = any(inj < read_at and det > began for inj, det in events)
+        held += not undetected        # a put the claim constrains: it must read back
         if not ok and not undetected:
             lost.append((run, step))
     assert not lost, f"acknowledged after every earlier damage was detected, yet unreadable: {lost}"
-    assert sum(1 for *_, ok in log if ok) > len(log) // 2
+    assert held >= 5, f"only {held} puts began after a detection with no damage pending: the race was not exercised"
     # once the damage stops: one last scrub, one more put each, and everything kept reads back
     first.scrub()
     for w in range(2):
