@@ -1,0 +1,449 @@
+"""Reading LangGraph checkpoints back from the store, and reporting a damaged one.
+
+:class:`_CheckpointReader` is the half of ``AgckSaver`` that only reads:
+``get_tuple``, ``list``, ``get_delta_channel_history`` and the reads that writing
+and deleting build on (``_load``, ``_damaged``). It holds what both halves share:
+the store, the value codec, and the records last written or read. Inside the
+package a damaged part is a ``_Damage``; it becomes the public
+:class:`DamagedCheckpointError`, with ``previous``, once, through ``_damaged``,
+where the caller decides how to report it.
+
+A damaged checkpoint
+--------------------
+Every read verifies checksums. A checkpoint is damaged when its record, the
+stored value of one of its channels, or one of its pending writes fails
+verification, is missing, or is malformed. Reading it (``get_tuple`` with or
+without ``checkpoint_id``, ``list``) raises :class:`DamagedCheckpointError`, a
+``CorruptCheckpointError`` naming the thread, namespace, checkpoint id, the
+damaged part and its store ref, whose ``.previous`` is the newest older
+checkpoint of the same namespace that reads back whole (a ``CheckpointTuple``,
+or None if none does). Nothing is silently skipped: resuming from an older
+checkpoint would run again the steps after it, side effects included, so that
+is the caller's decision::
+
+    try:
+        graph.invoke(None, config)
+    except DamagedCheckpointError as e:
+        if e.previous is None:
+            raise
+        graph.invoke(None, e.previous.config)    # resume from the newest valid one
+
+``AgckSaver(..., on_damaged="previous")`` makes ``get_tuple`` without a
+``checkpoint_id`` (what resuming a thread reads) return ``.previous`` instead,
+logging a warning that names what it passed over; everything else still raises.
+``prune(strategy="keep_latest")`` keeps a damaged newest checkpoint and every one
+down to the newest valid one, and deletes nothing in a namespace where none is
+valid.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.base import (BaseCheckpointSaver, CheckpointTuple, DeltaChannelHistory, get_checkpoint_id,
+                                       writes_sort_key)
+
+from ...errors import AgckError, CheckpointNotFoundError, CorruptCheckpointError, MalformedCheckpointError, UsageError
+from ...recovery import is_verdict
+from ...stores import Store
+from .layout import (_FORMAT, _Runs, _is_place, _is_records_run, _matches, _prefilter, _thread_prefix,
+                     checkpoint_key)
+from .values import _ValueCodec
+
+logger = logging.getLogger("agck.langgraph")
+
+
+class DamagedCheckpointError(CorruptCheckpointError):
+    """A LangGraph checkpoint failed verification. ``thread_id``, ``checkpoint_ns``,
+    ``checkpoint_id`` say which; ``part`` says what failed (its record, the value of a
+    channel, a pending write) and ``ref`` where it is stored; ``cause`` is the agck
+    error; ``previous`` is the newest older checkpoint of the namespace that reads back
+    whole (a ``CheckpointTuple``), or None."""
+
+    def __init__(self, message: str, *, ref: str | None = None, hint: str | None = None,
+                 section: str | None = None, tensor: str | None = None, thread_id: str | None = None,
+                 checkpoint_ns: str | None = None, checkpoint_id: str | None = None, part: str | None = None,
+                 cause: BaseException | None = None, previous: Any = None):
+        super().__init__(message, ref=ref, hint=hint, section=section, tensor=tensor)
+        self.thread_id = thread_id
+        self.checkpoint_ns = checkpoint_ns
+        self.checkpoint_id = checkpoint_id
+        self.part = part
+        self.cause = cause
+        self.previous = previous
+
+
+class _Damage(Exception):
+    """Internal: a part of one checkpoint failed; the public error is made once, with
+    ``previous``, by whoever decides how to report it."""
+
+    def __init__(self, part: str, cause: BaseException, ref: str | None):
+        super().__init__(part)
+        self.part, self.cause, self.ref = part, cause, ref
+
+
+class _CheckpointReader(BaseCheckpointSaver[int]):
+    """What ``AgckSaver`` reads with: its store, its value codec, the records it last
+    wrote or read, and every method that reads checkpoints back."""
+
+    def __init__(self, store: Store, values: _ValueCodec, on_damaged: str):
+        self.store = store
+        self._values = values
+        super().__init__(serde=values.serde)
+        self.on_damaged = on_damaged
+        # The records this saver last wrote or read: a put finds its parent's channel
+        # locations here instead of reading the parent back (one read per super-step).
+        self._recent: OrderedDict = OrderedDict()
+        self._recent_lock = threading.Lock()
+
+    _RECENT_MAX = 256
+
+    def _remember(self, run: str, key: int, cid: str, versions: Mapping, where: Mapping) -> None:
+        with self._recent_lock:
+            self._recent[(run, key)] = (cid, dict(versions), dict(where))
+            self._recent.move_to_end((run, key))
+            if len(self._recent) > self._RECENT_MAX:
+                self._recent.popitem(last=False)
+
+    def _recall(self, run: str, key: int, cid: str) -> tuple | None:
+        with self._recent_lock:
+            hit = self._recent.get((run, key))
+        return hit[1:] if hit is not None and hit[0] == cid else None
+
+    def _forget(self) -> None:
+        with self._recent_lock:
+            self._recent.clear()
+
+    # -- config helpers --
+    @staticmethod
+    def _thread_ns(config: RunnableConfig | None, require_ns: bool = True) -> tuple[str, str | None]:
+        conf = (config or {}).get("configurable") or {}
+        tid = conf.get("thread_id")
+        if tid is None:
+            raise UsageError("the config has no configurable.thread_id",
+                             hint='pass config={"configurable": {"thread_id": ...}}')
+        if not isinstance(tid, str):
+            if isinstance(tid, bool) or not isinstance(tid, (int, uuid.UUID)):
+                raise UsageError(f"thread_id must be a string, not {type(tid).__name__} {tid!r}")
+            tid = str(tid)
+        ns = conf.get("checkpoint_ns")
+        if ns is None and require_ns:
+            ns = ""
+        if ns is not None and not isinstance(ns, str):
+            raise UsageError(f"checkpoint_ns must be a string, not {type(ns).__name__} {ns!r}")
+        return tid, ns
+
+    @staticmethod
+    def _config(thread_id: str, ns: str, checkpoint_id: str) -> RunnableConfig:
+        return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": checkpoint_id}}
+
+    # -- reading ----------------------------------------------------------------------
+    def _load(self, runs: _Runs, key: int, expect_id: str | None = None,
+              expect: tuple[str, str] | None = None) -> CheckpointTuple | None:
+        """The checkpoint at ``key``, or None if there is none (or it is another id or
+        another thread's). Raises _Damage for a damaged part."""
+        try:
+            ck = self.store.read(runs.records, key)
+        except CheckpointNotFoundError:
+            return None
+        except AgckError as e:
+            if is_verdict(e):
+                raise _Damage("its record", e, self.store.ref(runs.records, key)) from None
+            raise
+        m = ck.meta
+        try:
+            thread_id, ns, cid = m["thread_id"], m["checkpoint_ns"], m["checkpoint_id"]
+            parent_id = m.get("parent_checkpoint_id")
+            if m.get("lg") != _FORMAT or checkpoint_key(cid) != key:
+                raise ValueError("its meta does not describe this checkpoint")
+        except Exception as e:
+            raise _Damage("its record", MalformedCheckpointError(f"unexpected record: {e}", ref=ck.ref),
+                          self.store.ref(runs.records, key)) from None
+        if (expect_id is not None and cid != expect_id) or (expect is not None and (thread_id, ns) != expect):
+            return None
+        try:
+            rec = ck.state
+            body = self._values.decode(rec["checkpoint"])
+            metadata = self._values.decode(rec["metadata"])
+            where = rec["where"]
+            if not (isinstance(body, dict) and isinstance(metadata, dict) and isinstance(where, dict)
+                    and all(_is_place(e) for e in where.values())):
+                raise ValueError("fields of the wrong types")
+        except Exception as e:
+            raise _Damage("its record", MalformedCheckpointError(f"unexpected record: {e}", ref=ck.ref),
+                          self.store.ref(runs.records, key)) from None
+        self._remember(runs.records, key, cid, body.get("channel_versions") or {}, where)
+        body["channel_values"] = self._channel_values(runs, where, None)
+        pending = self._pending_writes(runs, key)
+        return CheckpointTuple(
+            config=self._config(thread_id, ns, cid),
+            checkpoint=body,
+            metadata=metadata,
+            parent_config=self._config(thread_id, ns, parent_id) if parent_id else None,
+            pending_writes=pending,
+        )
+
+    def _channel_values(self, runs: _Runs, where: dict, channels: set | None) -> dict:
+        by_entry: dict[tuple[str, int], list[str]] = {}
+        for c, e in where.items():
+            if e is not None and (channels is None or c in channels):
+                place = (runs.own(c), e[0]) if type(e) is list else (runs.values, e)
+                by_entry.setdefault(place, []).append(c)
+        out = {}
+        for (run, e), chans in sorted(by_entry.items()):
+            what = "the value of channel " + ", ".join(repr(c) for c in sorted(chans))
+            ref = self.store.ref(run, e)
+            try:
+                entry = self.store.read(run, e).state
+            except CheckpointNotFoundError as err:
+                raise _Damage(what + " (its stored entry is missing)", err, ref) from None
+            except AgckError as err:
+                if is_verdict(err):
+                    raise _Damage(what, err, ref) from None
+                raise
+            for c in chans:
+                try:
+                    out[c] = self._values.decode(entry[c])
+                except Exception as err:
+                    raise _Damage(f"the value of channel {c!r}",
+                                  MalformedCheckpointError(f"cannot rebuild it: {err}", ref=ref), ref) from None
+        return out
+
+    def _pending_writes(self, runs: _Runs, key: int) -> list:
+        run = runs.writes(key)
+        rows = []
+        for s in self.store.steps(run):
+            ref = self.store.ref(run, s)
+            try:
+                entry = self.store.read(run, s).state
+            except CheckpointNotFoundError:
+                continue
+            except AgckError as err:
+                if is_verdict(err):
+                    raise _Damage("a pending write", err, ref) from None
+                raise
+            try:
+                task_id = entry["task_id"]
+                for idx, (c, v, path) in entry["writes"].items():
+                    rows.append((writes_sort_key(path, task_id, idx), (task_id, c, self._values.decode(v))))
+            except Exception as err:
+                raise _Damage("a pending write", MalformedCheckpointError(f"cannot rebuild it: {err}", ref=ref),
+                              ref) from None
+        rows.sort(key=lambda r: r[0])
+        return [w for _, w in rows]
+
+    def _previous(self, runs: _Runs, below: int, expect: tuple[str, str] | None) -> CheckpointTuple | None:
+        for s in reversed(self.store.steps(runs.records)):
+            if s >= below:
+                continue
+            try:
+                t = self._load(runs, s, expect=expect)
+            except _Damage:
+                continue
+            if t is not None:
+                return t
+        return None
+
+    def _identify(self, runs: _Runs, key: int, thread_id, ns, cid) -> tuple:
+        """Who a damaged checkpoint is, from whichever of its parts still says: its record,
+        the store's listing of it (SQL stores keep meta apart), its values or writes entries."""
+        def metas():
+            yield lambda: self.store.read(runs.records, key).meta
+            yield lambda: next(i.meta for i in self.store.list(runs.records) if i.step == key)
+            yield lambda: self.store.read(runs.values, key).meta
+            for s in self.store.steps(runs.writes(key)):
+                yield lambda s=s: self.store.read(runs.writes(key), s).meta
+        for get in metas():
+            try:
+                m = get()
+                if not isinstance(m, dict) or checkpoint_key(m.get("checkpoint_id")) != key:
+                    continue
+            except Exception:
+                continue
+            cid = cid or m["checkpoint_id"]
+            if thread_id is None and isinstance(m.get("thread_id"), str) and isinstance(m.get("checkpoint_ns"), str):
+                thread_id, ns = m["thread_id"], m["checkpoint_ns"]
+            if thread_id is not None:
+                break
+        return thread_id, ns, cid
+
+    def _damaged(self, runs: _Runs, key: int, thread_id: str | None, ns: str | None, cid: str | None,
+                 d: _Damage) -> DamagedCheckpointError:
+        if thread_id is None or cid is None:
+            thread_id, ns, cid = self._identify(runs, key, thread_id, ns, cid)
+        expect = (thread_id, ns) if thread_id is not None and ns is not None else None
+        prev = self._previous(runs, key, expect)
+        cause = d.cause
+        reason = cause.reason if isinstance(cause, AgckError) else str(cause)
+        ident = f"checkpoint {cid or '(id unreadable, key %d)' % key} of thread {thread_id!r} namespace {ns!r}"
+        if prev is not None:
+            pid = prev.config["configurable"]["checkpoint_id"]
+            hint = (f"the newest valid checkpoint of the namespace is {pid} (err.previous): resume from it with "
+                    "graph.invoke(None, err.previous.config), or delete the thread's damaged checkpoints")
+        else:
+            hint = "no earlier checkpoint of the namespace verifies: start the thread over (saver.delete_thread)"
+        return DamagedCheckpointError(
+            f"{ident} is damaged: {d.part} failed verification: {reason}", ref=d.ref, hint=hint,
+            section=getattr(cause, "section", None), tensor=getattr(cause, "tensor", None), thread_id=thread_id,
+            checkpoint_ns=ns, checkpoint_id=cid, part=d.part, cause=cause, previous=prev)
+
+    def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        thread_id, ns = self._thread_ns(config)
+        runs = _Runs.of(thread_id, ns)
+        cid = get_checkpoint_id(config)
+        if cid:
+            key = checkpoint_key(cid)
+            if key is None:
+                return None
+            try:
+                return self._load(runs, key, expect_id=cid, expect=(thread_id, ns))
+            except _Damage as d:
+                raise self._damaged(runs, key, thread_id, ns, cid, d) from None
+        for key in self._newest_first(runs.records):
+            try:
+                t = self._load(runs, key, expect=(thread_id, ns))
+            except _Damage as d:
+                err = self._damaged(runs, key, thread_id, ns, None, d)
+                if self.on_damaged == "previous" and err.previous is not None:
+                    logger.warning("%s; returning the previous valid checkpoint %s", err,
+                                   err.previous.config["configurable"]["checkpoint_id"])
+                    return err.previous
+                raise err from None
+            if t is not None:
+                return t
+        return None
+
+    def _newest_first(self, run: str) -> Iterator[int]:
+        """The run's steps, newest first: the newest asked for alone (the one almost
+        always wanted: a long thread's get costs no more than a short one's), the rest
+        only if the caller goes on."""
+        newest = self.store.steps(run, last=1)
+        yield from newest
+        if newest:
+            yield from (s for s in reversed(self.store.steps(run)) if s < newest[0])
+
+    def list(self, config: RunnableConfig | None, *, filter: dict[str, Any] | None = None,
+             before: RunnableConfig | None = None, limit: int | None = None) -> Iterator[CheckpointTuple]:
+        if limit is not None and limit <= 0:
+            return
+        if config:     # None or {}: every thread, as LangGraph's own savers do
+            thread_id, ns = self._thread_ns(config, require_ns=False)
+            cid = get_checkpoint_id(config)
+            if ns is not None:
+                runs_list = [_Runs.of(thread_id, ns).records]
+            else:
+                prefix = _thread_prefix(thread_id)
+                runs_list = [r for r in self.store.runs() if r.startswith(prefix) and _is_records_run(r)]
+        else:
+            thread_id = ns = cid = None
+            runs_list = [r for r in self.store.runs() if _is_records_run(r)]
+        before_id = get_checkpoint_id(before) if before else None
+        if before_id is not None and not isinstance(before_id, str):
+            raise UsageError(f"list(before=...) has checkpoint_id {before_id!r} of type {type(before_id).__name__}",
+                             hint="pass the checkpoint id as a string (str(id)), as LangGraph's configs hold it")
+        before_key = checkpoint_key(before_id) if before_id else None
+        only_key = None
+        if cid:
+            only_key = checkpoint_key(cid)
+            if only_key is None:
+                return
+
+        items: list[tuple[int, str, Any]] = []
+        for run in runs_list:
+            if filter:
+                for info in self.store.list(run):
+                    if _prefilter(info.meta, filter):
+                        items.append((info.step, run, info.meta))
+            else:
+                items += [(s, run, None) for s in self.store.steps(run)]
+        items.sort(key=lambda it: (it[0], it[1]), reverse=True)
+
+        count = 0
+        for key, run, _ in items:
+            if only_key is not None and key != only_key:
+                continue
+            if before_key is not None and key > before_key:
+                continue
+            runs = _Runs.from_records(run)
+            expect = (thread_id, ns) if thread_id is not None and ns is not None else None
+            try:
+                t = self._load(runs, key, expect_id=cid or None, expect=expect)
+            except _Damage as d:
+                if key == before_key:   # the bound itself (or, unknowable, an id sharing its key)
+                    did = self._identify(runs, key, None, None, None)[2]
+                    if did is None or did >= before_id:
+                        continue
+                known = expect or (None, None)
+                raise self._damaged(runs, key, *known, cid or None, d) from None
+            if t is None:
+                continue
+            conf = t.config["configurable"]
+            if thread_id is not None and conf["thread_id"] != thread_id:
+                continue
+            if before_id is not None and not conf["checkpoint_id"] < before_id:
+                continue
+            if not _matches(t.metadata, filter):
+                continue
+            yield t
+            count += 1
+            if limit is not None and count >= limit:
+                return
+
+    def get_delta_channel_history(self, *, config: RunnableConfig, channels: Sequence[str]
+                                  ) -> Mapping[str, DeltaChannelHistory]:
+        """As LangGraph's default (walk the parent chain, collect each channel's writes
+        until an ancestor stores a value for it), reading only the records, the pending
+        writes and the seed values needed, not every ancestor's whole state."""
+        if not channels:
+            return {}
+        thread_id, ns = self._thread_ns(config)
+        runs = _Runs.of(thread_id, ns)
+        target = self.get_tuple(config)
+        collected: dict[str, list] = {c: [] for c in channels}
+        seeds: dict[str, Any] = {}
+        remaining = set(channels)
+        cursor = target.parent_config["configurable"]["checkpoint_id"] if target and target.parent_config else None
+        while cursor is not None and remaining:
+            key = checkpoint_key(cursor)
+            if key is None:
+                break
+            try:
+                ck = self.store.read(runs.records, key)
+                if not isinstance(ck.meta, dict) or ck.meta.get("checkpoint_id") != cursor:
+                    break
+                where = ck.state["where"] if isinstance(ck.state, dict) else None
+                if not isinstance(where, dict) or not all(_is_place(e) for e in where.values()):
+                    raise _Damage("its record", MalformedCheckpointError("unexpected record", ref=ck.ref),
+                                  self.store.ref(runs.records, key))
+                writes = self._pending_writes(runs, key)
+                found = {c for c in remaining if where.get(c) is not None}
+                values = self._channel_values(runs, where, found)
+            except CheckpointNotFoundError:
+                break
+            except _Damage as d:
+                raise self._damaged(runs, key, thread_id, ns, cursor, d) from None
+            except AgckError as e:
+                if is_verdict(e):
+                    raise self._damaged(runs, key, thread_id, ns, cursor,
+                                        _Damage("its record", e, self.store.ref(runs.records, key))) from None
+                raise
+            for w in reversed(writes):
+                if w[1] in remaining:
+                    collected[w[1]].append(w)
+            for c in found:
+                seeds[c] = values[c]
+                remaining.discard(c)
+            cursor = ck.meta.get("parent_checkpoint_id")
+        out: dict[str, DeltaChannelHistory] = {}
+        for c in channels:
+            entry: DeltaChannelHistory = {"writes": list(reversed(collected[c]))}
+            if c in seeds:
+                entry["seed"] = seeds[c]
+            out[c] = entry
+        return out
