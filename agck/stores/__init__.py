@@ -18,7 +18,7 @@ import os
 
 from ..errors import DependencyError, StoreConnectionError
 from .base import CheckpointInfo, PutEntry, Rejection, Store, check_run, check_step
-from .sqlrows import dsn_secrets, dsn_without_password, is_kv_dsn, redact_dsn, split_agck_params
+from .dsn import dsn_secrets, dsn_without_password, is_kv_dsn, redact_dsn, split_agck_params
 
 __all__ = ["open_store", "Store", "PutEntry", "CheckpointInfo", "Rejection", "check_run", "check_step", "redact_dsn",
            "dsn_secrets", "dsn_without_password", "is_kv_dsn", "split_agck_params"]

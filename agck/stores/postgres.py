@@ -3,19 +3,11 @@
     postgresql://user@host:5432/db     (postgres:// too; postgresql:/// uses the libpq
                                         environment: PGHOST, PGUSER, PGPASSWORD, ...)
 
-Tables (``prefix`` defaults to ``agck``, optionally inside Postgres ``schema``)::
-
-    {prefix}_schema_version(version int)
-    {prefix}_manifest(run, step, parent, size, checksum, nchunks, created_at, meta jsonb, length, listing)
-                                                                   PRIMARY KEY(run, step)
-    {prefix}_chunks(run, step, idx, data bytea STORAGE EXTERNAL)   PRIMARY KEY(run, step, idx)
-    {prefix}_objects(address bytea, size, data bytea STORAGE EXTERNAL)       PRIMARY KEY(address)
-    {prefix}_gc(generation bigint)                                 one row
-    {prefix}_epochs(run, epoch bigint)         PRIMARY KEY(run); made by the first begin_epoch (fencing)
-    {prefix}_quarantine(address, size, data, detected_at, reason)   objects found damaged, moved out
-                                               of objects; made by the first one found
-    {prefix}_parts_*                           the same tables again: the parts of multi-rank
-                                               checkpoints (FORMAT.md section 13), made by the first one
+The tables (``{prefix}_manifest``, ``_chunks``, ``_objects``, ``_gc``, ...) are
+listed in :mod:`agck.stores.pgschema`, which creates and migrates them; the
+binary COPY streams are framed and parsed in :mod:`agck.stores.pgcopy`; the
+shared objects, and how writers and the collector exclude each other (one
+advisory lock per store), are :mod:`agck.stores.pgobjects`.
 
 Each checkpoint is one container kept as chunk rows: ``size`` is the
 container's bytes, ``checksum`` the xxh3-64 of its footer, ``length`` the
@@ -26,19 +18,6 @@ row per distinct BLAKE3-256 address, shared by every checkpoint holding those
 bytes; only the objects the store lacks are sent. A container under
 ``min_chunked`` bytes (64 KiB) is stored standalone all the same.
 ``incremental=False`` stores standalone 1.0 containers.
-
-Writers and the collector exclude each other with one transaction advisory
-lock per store (:mod:`agck.stores.content`, rule 2): a put holds it shared
-from the moment it looks for the objects it relies on until its COMMIT; the
-collector holds it exclusively while it reads every listing and deletes the
-objects none lists. So no object a put relies on can be deleted before its
-listing commits, and a collection sees every listing committed before it
-began, with no per-object row or lock per checkpoint (a checkpoint's cost
-stays proportional to what it sends). A collection that deleted anything
-increments ``{prefix}_gc.generation``; a store object asks the database only
-about objects it has not itself committed while the generation it read is
-current. Schema 2 kept a ``refs`` row per listed object instead; ``migrate``
-drops it.
 
 A put is one transaction: ``synchronous_commit = on``, a transaction advisory
 lock on (run, step), the old rows deleted; then, incremental, the store lock
@@ -67,56 +46,35 @@ from __future__ import annotations
 
 import os
 import shlex
-import struct
 import threading
 import time
-from abc import ABC, abstractmethod
-from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import psycopg2
 import psycopg2.errors
 import psycopg2.extensions
-from psycopg2 import sql
 
 from .. import codec, failpoints
 from ..checkpoint import Checkpoint
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
-                      DurabilityError, SchemaMismatchError, SchemaUninitializedError, StoreConnectionError,
-                      StoreError)
+                      DurabilityError, SchemaUninitializedError, StoreConnectionError, StoreError)
 from ..memory import new_buffer
-from . import content
+from . import content, pgschema
 from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
+from .dsn import dsn_secrets, dsn_without_password, redact_dsn
+from .pgcopy import COPY_IO_SIZE, CopyIn, CopyOut
+from .pgobjects import Refused, SharedObjects
+from .pgschema import SCHEMA_VERSION, XACT_LOCK, XACT_LOCK_SHARED, Names
 from .sqlrows import (decode_read, DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalPuts, check_chunk_size, check_checksum,
-                      check_identifier, chunk_plan, dsn_secrets, dsn_without_password, nchunks_for, parts_prefix,
-                      redact_dsn, split_chunks, sql_row)
-
-SCHEMA_VERSION = 3
+                      check_identifier, chunk_plan, nchunks_for, parts_prefix, sql_row)
 
 # How often a put starts over when the database refused its objects (a collector
 # deleted one it relies on, or a deadlock with a collector); then DurabilityError.
 PUT_RETRIES = 1
-# How often collect_garbage starts over when writers got in its way.
-GC_RETRIES = 5
-# How often a put sends its missing objects again after another writer sent one of them first.
-_OBJECT_ROUNDS = 8
-# Objects a store object remembers having committed (32 bytes each), so a put asks the
-# database only about the others while no collection has run (the gc generation).
-_KNOWN_OBJECTS_MAX = 1 << 22
 
-# How much COPY data one read() hands to libpq, and one write() gets back at most:
-# large enough that per-call Python overhead vanishes, small enough to stay in cache.
-COPY_IO_SIZE = 4 << 20
 SMALL_READ_MAX = 256 << 10   # a standalone container up to this size is read in one statement
 
-_XACT_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))"
-_XACT_LOCK_SHARED = "SELECT pg_advisory_xact_lock_shared(hashtextextended(%s, 0))"
-_COPY_SIGNATURE = b"PGCOPY\n\xff\r\n\x00"
-_COPY_HEADER = _COPY_SIGNATURE + struct.pack("!ii", 0, 0)
-_COPY_TRAILER = struct.pack("!h", -1)
-_ROW_HEAD = struct.pack("!h", 4)
-_I32 = struct.Struct("!i")
-_ROW_TAIL = struct.Struct("!iqiii")    # step (len, int8), idx (len, int4), data length
+T = TypeVar("T")
 
 
 # --- messages without secrets ------------------------------------------------------------
@@ -140,166 +98,7 @@ def _scrub(text: str, secrets: list[str]) -> str:
     return " ".join(ln for ln in lines if ln and not ln.startswith("LINE ") and set(ln) != {"^"})
 
 
-# --- the binary COPY streams -------------------------------------------------------------
-
-class _CopyStream(ABC):
-    """A file-like whose read(n) hands psycopg2 a binary COPY stream generated by
-    ``_stream()``: row headers are a few bytes built here, row data are views of
-    the caller's buffers, copied once, into the bytes object psycopg2 requires."""
-
-    def __init__(self):
-        self.error: BaseException | None = None   # psycopg2 reports read() errors as a cancelled COPY
-        self._it = self._stream()
-        self._pending = None
-
-    @abstractmethod
-    def _stream(self):
-        """The stream's pieces in order (each subclass yields its own rows)."""
-
-    def read(self, n: int = COPY_IO_SIZE) -> bytes:
-        try:
-            out, size = [], 0
-            while size < n:
-                p = self._pending
-                if p is None:
-                    p = next(self._it, None)
-                    if p is None:
-                        break
-                k = len(p)
-                if size + k <= n:
-                    out.append(p)
-                    size += k
-                    self._pending = None
-                else:
-                    take = n - size
-                    out.append(p[:take])
-                    self._pending = p[take:]
-                    size = n
-            if len(out) == 1 and type(out[0]) is bytes:
-                return out[0]
-            return b"".join(out)
-        except BaseException as e:
-            self.error = e
-            raise
-
-
-class _CopyIn(_CopyStream):
-    """``COPY {chunks} (run, step, idx, data) FROM STDIN (FORMAT binary)`` from the
-    buffers of one or more containers, each given as (run, step, parts, total)."""
-
-    def __init__(self, containers: list[tuple[str, int, Any, int]], chunk_size: int):
-        self.containers = [(run.encode("utf-8"), step, split_chunks(parts, total, chunk_size))
-                           for run, step, parts, total in containers]
-        self.nchunks = [0] * len(containers)
-        self.last_point: str | None = None    # a fail point hit before the stream's last bytes
-        super().__init__()
-
-    def _stream(self):
-        yield _COPY_HEADER
-        fired = False
-        for k, (run_b, step, pieces) in enumerate(self.containers):
-            head = _ROW_HEAD + _I32.pack(len(run_b)) + run_b
-            cur = -1
-            for idx, clen, piece in pieces:
-                if idx != cur:
-                    if idx == 1 and not fired:
-                        failpoints.hit("pg.mid_copy")
-                        fired = True
-                    cur = idx
-                    self.nchunks[k] = idx + 1
-                    yield head + _ROW_TAIL.pack(8, step, 4, idx, clen)
-                yield piece
-        if not fired:
-            failpoints.hit("pg.mid_copy")
-        if self.last_point is not None:
-            failpoints.hit(self.last_point)
-        yield _COPY_TRAILER
-
-
-_OBJECT_HEAD = struct.Struct("!hi32siq")   # 3 fields; address (len, 32 bytes); size (len, int8)
-
-
-class _ObjectsIn(_CopyStream):
-    """``COPY {objects} (address, size, data) FROM STDIN (FORMAT binary)`` from chunks."""
-
-    def __init__(self, chunks: list[tuple[bytes, memoryview]]):
-        self.chunks = chunks
-        super().__init__()
-
-    def _stream(self):
-        yield _COPY_HEADER
-        for address, view in self.chunks:
-            n = view.nbytes
-            yield _OBJECT_HEAD.pack(3, 32, address, 8, n) + _I32.pack(n)
-            for i in range(0, n, COPY_IO_SIZE):
-                yield view[i:i + COPY_IO_SIZE]
-        yield _COPY_TRAILER
-
-
-class _ObjectsOut:
-    """A file-like whose write() parses ``COPY (SELECT address, data ...) TO STDOUT
-    (FORMAT binary)`` into ``found`` (address -> bytes). Like :class:`_CopyOut` it
-    never raises: the first problem is kept in ``error``."""
-
-    def __init__(self):
-        self.found: dict[bytes, bytes] = {}
-        self.error: BaseException | None = None
-        self.done = False
-        self._buf = bytearray()
-        self._header = False
-
-    def write(self, data) -> int:
-        if self.error is None:
-            try:
-                self._buf += data
-                self._parse()
-            except BaseException as e:
-                self.error = e
-        return len(data)
-
-    def _parse(self) -> None:
-        b = self._buf
-        pos = 0
-        if not self._header:
-            if len(b) < 19:
-                return
-            if bytes(b[:11]) != _COPY_SIGNATURE:
-                raise StoreError("the server sent an unknown COPY format")
-            pos = 19 + _I32.unpack_from(b, 15)[0]
-            if len(b) < pos:
-                return
-            self._header = True
-        with memoryview(b) as mv:
-            while not self.done and len(b) - pos >= 2:
-                (count,) = struct.unpack_from("!h", b, pos)
-                if count == -1:
-                    self.done = True
-                    pos += 2
-                    break
-                if count != 2:
-                    raise StoreError(f"unexpected COPY row of {count} fields")
-                if len(b) - pos < 6:
-                    break
-                alen = _I32.unpack_from(b, pos + 2)[0]
-                dpos = pos + 6 + max(alen, 0)
-                if len(b) - dpos < 4:
-                    break
-                dlen = _I32.unpack_from(b, dpos)[0]
-                end = dpos + 4 + max(dlen, 0)
-                if len(b) < end:
-                    break
-                if alen >= 0 and dlen >= 0:
-                    self.found[bytes(mv[pos + 6:dpos])] = bytes(mv[dpos + 4:end])
-                pos = end
-        del b[:pos]
-
-    def finish(self) -> dict:
-        if self.error is not None:
-            raise self.error
-        if not self.done:
-            raise StoreError("the COPY stream of objects ended early")
-        return self.found
-
+# --- reading ---------------------------------------------------------------------------
 
 class _Background:
     """Run ``fn(*args)`` on a thread now; ``result()`` waits for it."""
@@ -322,195 +121,9 @@ class _Background:
         return self._value
 
 
-class _CopyOut:
-    """A file-like whose write() parses ``COPY (SELECT data ...) TO STDOUT (FORMAT binary)``
-    into the buffer ``make_buffer()`` returns (called when the first row arrives, so the
-    buffer can be prepared while the server works), checking every row against the
-    expected chunk lengths. It never raises (psycopg2 would leave the connection
-    mid-COPY): the first problem is kept in ``error`` and the rest is discarded."""
-
-    _SIG, _FIELDS, _LEN, _DATA, _SKIP, _DONE = range(6)
-
-    def __init__(self, make_buffer: Callable[[], Any], expected: list[int], chunk_ref: Callable[[int], str]):
-        self.make_buffer = make_buffer
-        self.buf: memoryview | None = None
-        self.expected = expected
-        self.chunk_ref = chunk_ref
-        self.pos = 0
-        self.row = 0
-        self.need = 0
-        self.head = bytearray()
-        self.state = self._SIG
-        self.error: BaseException | None = None
-
-    def _fail(self, msg: str) -> None:
-        raise CorruptCheckpointError(msg, ref=self.chunk_ref(self.row), section="chunks",
-                                     hint="the chunk rows changed while being read; retry the read")
-
-    def write(self, data) -> int:
-        if self.error is None:
-            try:
-                self._feed(memoryview(data))
-            except BaseException as e:
-                self.error = e
-        return len(data)
-
-    def _header(self, mv: memoryview, i: int, want: int) -> tuple[int, bytes | None]:
-        take = min(want - len(self.head), len(mv) - i)
-        self.head += mv[i:i + take]
-        i += take
-        if len(self.head) < want:
-            return i, None
-        h = bytes(self.head)
-        self.head.clear()
-        return i, h
-
-    def _feed(self, mv: memoryview) -> None:
-        i, n = 0, len(mv)
-        while i < n:
-            st = self.state
-            if st == self._DATA:
-                take = min(self.need, n - i)
-                piece = mv[i:i + take]
-                if self.buf is None:
-                    self.buf = memoryview(self.make_buffer())
-                self.buf[self.pos:self.pos + take] = piece
-                self.pos += take
-                self.need -= take
-                i += take
-                if not self.need:
-                    self.row += 1
-                    self.state = self._FIELDS
-            elif st == self._SIG:
-                i, h = self._header(mv, i, 19)
-                if h is not None:
-                    if h[:11] != _COPY_SIGNATURE:
-                        self._fail("the server sent an unknown COPY format")
-                    self.need = _I32.unpack(h[15:19])[0]
-                    self.state = self._SKIP if self.need else self._FIELDS
-            elif st == self._SKIP:
-                take = min(self.need, n - i)
-                i += take
-                self.need -= take
-                if not self.need:
-                    self.state = self._FIELDS
-            elif st == self._FIELDS:
-                i, h = self._header(mv, i, 2)
-                if h is not None:
-                    (count,) = struct.unpack("!h", h)
-                    if count == -1:
-                        self.state = self._DONE
-                    elif count != 1:
-                        self._fail(f"unexpected COPY row of {count} fields")
-                    else:
-                        self.state = self._LEN
-            elif st == self._LEN:
-                i, h = self._header(mv, i, 4)
-                if h is not None:
-                    (length,) = _I32.unpack(h)
-                    if self.row >= len(self.expected):
-                        self._fail(f"unexpected chunk {self.row}")
-                    if length != self.expected[self.row]:
-                        self._fail(f"chunk {self.row} is {length} bytes, expected {self.expected[self.row]}")
-                    self.need = length
-                    self.state = self._DATA if length else self._FIELDS
-            else:
-                return
-
-    def finish(self) -> None:
-        if self.error is not None:
-            raise self.error
-        if self.state != self._DONE or self.row != len(self.expected):
-            self._fail(f"the COPY stream ended after {self.row} of {len(self.expected)} chunks")
-
-
-# --- the schema's steps -----------------------------------------------------------------
-
-def _objects_ddl(n: "_Names") -> str:
-    """The objects table (the same since schema version 2)."""
-    return f"""
-        CREATE TABLE IF NOT EXISTS {n.objects} (
-            address bytea NOT NULL CHECK (octet_length(address) = 32), size bigint NOT NULL,
-            data bytea NOT NULL, PRIMARY KEY (address));
-        ALTER TABLE {n.objects} ALTER COLUMN data SET STORAGE EXTERNAL;"""
-
-
-def _create_shared_tables(cur, n: "_Names") -> None:
-    """The content shared between checkpoints (schema version 3)."""
-    cur.execute(_objects_ddl(n) + f"""
-        ALTER TABLE {n.manifest} ADD COLUMN IF NOT EXISTS listing boolean NOT NULL DEFAULT false;
-        CREATE TABLE IF NOT EXISTS {n.gc} (generation bigint NOT NULL);
-        INSERT INTO {n.gc} (generation) SELECT 0 WHERE NOT EXISTS (SELECT 1 FROM {n.gc});""")
-
-
-def _migrate_1_to_2(cur, n: "_Names") -> None:
-    """Shared content (objects, refs) and the checkpoint's own size (manifest.length).
-    Version 1 checkpoints are standalone containers and stay readable as they are."""
-    cur.execute(_objects_ddl(n) + f"""
-        ALTER TABLE {n.manifest} ADD COLUMN IF NOT EXISTS length bigint;
-        CREATE TABLE IF NOT EXISTS {n.refs} (
-            run text COLLATE "C" NOT NULL,
-            step bigint NOT NULL,
-            address bytea NOT NULL,
-            PRIMARY KEY (run, step, address),
-            FOREIGN KEY (run, step) REFERENCES {n.manifest} (run, step) ON DELETE CASCADE,
-            FOREIGN KEY (address) REFERENCES {n.objects} (address));""")
-
-
-def _migrate_2_to_3(cur, n: "_Names") -> None:
-    """Listings are flagged on the manifest (``listing``), ``refs`` is dropped and
-    ``gc`` counts collections: writers and the collector exclude each other with
-    the store's advisory lock instead of a row per listed object per checkpoint."""
-    cur.execute(f"""
-        ALTER TABLE {n.manifest} ADD COLUMN IF NOT EXISTS listing boolean NOT NULL DEFAULT false;
-        UPDATE {n.manifest} m SET listing = true
-            WHERE EXISTS (SELECT 1 FROM {n.refs} r WHERE r.run = m.run AND r.step = m.step);
-        DROP TABLE {n.refs};""")
-    _create_shared_tables(cur, n)
-
-
-# Steps from version N to N+1, each run inside the migrate() transaction: {N: fn(cursor, names)}.
-_MIGRATIONS: dict[int, Callable[[Any, "_Names"], None]] = {1: _migrate_1_to_2, 2: _migrate_2_to_3}
-
-
 # --- the store ------------------------------------------------------------------------
 
-class _Refused(Exception):
-    """The database refused a put's objects in a way a new attempt gets past."""
-
-
-class _Names:
-    """Table names: SQL text for statements, plain text for refs and messages."""
-
-    def __init__(self, conn, prefix: str, schema: str | None):
-        def ident(name):
-            return (sql.Identifier(schema, name) if schema else sql.Identifier(name)).as_string(conn)
-
-        self.schema = schema
-        self.label = f"{schema}.{prefix}" if schema else prefix
-        self.version = ident(f"{prefix}_schema_version")
-        self.manifest = ident(f"{prefix}_manifest")
-        self.chunks = ident(f"{prefix}_chunks")
-        self.objects = ident(f"{prefix}_objects")
-        self.refs = ident(f"{prefix}_refs")          # schema 2 only (migrate drops it)
-        self.gc = ident(f"{prefix}_gc")
-        self.epochs = ident(f"{prefix}_epochs")      # made by the first begin_epoch
-        self.quarantine = ident(f"{prefix}_quarantine")   # made by the first damaged object found
-        self.meta_index = sql.Identifier(f"{prefix}_manifest_meta").as_string(conn)
-        self.schema_sql = sql.Identifier(schema).as_string(conn) if schema else None
-        dot = f"{schema}." if schema else ""
-        self.version_ref = f"{dot}{prefix}_schema_version"
-        self.manifest_ref = f"{dot}{prefix}_manifest"
-        self.chunks_ref = f"{dot}{prefix}_chunks"
-        self.objects_ref = f"{dot}{prefix}_objects"
-        self.gc_ref = f"{dot}{prefix}_gc"
-        self.quarantine_ref = f"{dot}{prefix}_quarantine"
-        self.tables = (self.version, self.manifest, self.chunks, self.objects, self.gc)
-        self.table_refs = (self.version_ref, self.manifest_ref, self.chunks_ref, self.objects_ref, self.gc_ref)
-        self.store_lock = f"agck objects {self.label}"   # shared by puts, exclusive for the collector
-
-
-class PostgresStore(TransactionalPuts, Store):
+class PostgresStore(TransactionalPuts, SharedObjects, Store):
     """Checkpoints in Postgres; one connection, shared between threads under a lock.
 
     ``prefix`` names the tables, ``schema`` the Postgres schema holding them (the
@@ -543,7 +156,7 @@ class PostgresStore(TransactionalPuts, Store):
         self._closed = False
         self._inherited = []      # a parent's connections, kept open: closing one would end the parent's session
         self._connect()
-        self.names = _Names(self._conn, self.prefix, self.schema)
+        self.names = Names(self._conn, self.prefix, self.schema)
         if init:
             self.init_schema()
         elif check_schema:
@@ -567,10 +180,7 @@ class PostgresStore(TransactionalPuts, Store):
         conn.autocommit = True   # transactions are explicit: BEGIN travels with the first statement
         self._conn = conn
         self._pid = os.getpid()
-        # objects committed through this connection, as of gc generation _known_generation;
-        # forgotten with it: a failover or a restore may have lost them
-        self._known_objects: set[bytes] = set()
-        self._known_generation = None
+        self._forget_objects()   # what the last connection committed: a failover or a restore may have lost it
 
     def _cursor(self):
         if self._closed:
@@ -602,6 +212,33 @@ class PostgresStore(TransactionalPuts, Store):
                                             hint=self._db_hint("init", "or call store.init_schema()"))
         return cls(f"{what}: {msg}", ref=ref)
 
+    def _transaction(self, begin: str, args, body: Callable[[Any], T], what: str, ref: str, cls=StoreError, *,
+                     retry: tuple[type[BaseException], ...] = (), retries: int = 0, pause: float = 0.0) -> T:
+        """One transaction under the store's lock: ``begin`` (BEGIN and the statements
+        sent with it, in one round trip), then ``body(cur)``, then COMMIT; returns
+        what ``body`` returned. Any error rolls it back; a database error is raised as
+        ``cls`` (``what: message``, at ``ref``), anything else as it is. An error of a
+        ``retry`` type starts it over, at most ``retries`` times, ``pause`` seconds
+        more each time."""
+        with self._lock:
+            for attempt in range(retries + 1):
+                cur = self._cursor()
+                try:
+                    cur.execute(begin, args)
+                    result = body(cur)
+                    cur.execute("COMMIT")
+                    return result
+                except BaseException as e:
+                    self._abort(cur)
+                    if isinstance(e, retry) and attempt < retries:
+                        if pause:
+                            time.sleep(pause * (attempt + 1))
+                        continue
+                    if isinstance(e, psycopg2.Error):
+                        raise self._db_error(e, what, ref, cls) from None
+                    raise
+        raise AssertionError("unreachable")
+
     def _db_hint(self, action: str, alternative: str | None = None) -> str:
         """An ``agck db`` command for these very tables, quoted for a shell, to run as shown."""
         cmd = f"agck db {action} {shlex.quote(dsn_without_password(self._dsn))}"
@@ -630,143 +267,37 @@ class PostgresStore(TransactionalPuts, Store):
                 self._conn.close()
                 self._conn = None
 
-    # -- schema ------------------------------------------------------------------------
-    def _read_version(self, cur) -> tuple[int | None, list[str]]:
-        """(version, missing tables). version None: no version table or no row."""
-        n = self.names
-        cur.execute("SELECT " + ", ".join(["to_regclass(%s) IS NULL"] * len(n.tables)), n.tables)
-        flags = cur.fetchone()
-        missing = [t for t, gone in zip(n.table_refs, flags) if gone]
-        if flags[0]:
-            return None, missing
-        cur.execute(f"SELECT max(version) FROM {n.version}")
-        return cur.fetchone()[0], missing
-
+    # -- schema (its tables and steps: pgschema) ---------------------------------------------
     def schema_status(self) -> dict:
         """Where the schema stands: ``state`` is ``current``, ``uninitialized``,
         ``incomplete``, ``outdated`` (run migrate) or ``newer`` (a newer agck made it)."""
         with self._lock:
             cur = self._cursor()
             try:
-                version, missing = self._read_version(cur)
+                version, missing = pgschema.read_version(cur, self.names)
             except psycopg2.Error as e:
                 raise self._db_error(e, "cannot read the schema version", self.names.label) from None
-        if version is None:
-            state = "incomplete" if len(missing) < len(self.names.tables) else "uninitialized"
-        elif version > SCHEMA_VERSION:
-            state = "newer"
-        elif version < SCHEMA_VERSION:
-            state = "outdated"
-        else:
-            state = "incomplete" if missing else "current"
-        return {"state": state, "version": version, "expected": SCHEMA_VERSION, "prefix": self.prefix,
-                "schema": self.schema, "missing_tables": missing, "url": self.url}
+        return {"state": pgschema.state(version, missing, self.names), "version": version, "expected": SCHEMA_VERSION,
+                "prefix": self.prefix, "schema": self.schema, "missing_tables": missing, "url": self.url}
 
     def _check_schema(self) -> None:
-        st = self.schema_status()
-        where = self.names.label
-        if st["state"] == "current":
-            return
-        if st["state"] in ("uninitialized", "incomplete"):
-            detail = "" if st["state"] == "uninitialized" else f" (missing {', '.join(st['missing_tables'])})"
-            raise SchemaUninitializedError(f"no agck schema with prefix {self.prefix!r} in this database{detail}",
-                                           ref=where,
-                                           hint=self._db_hint("init", "or open with init=True"))
-        if st["state"] == "outdated":
-            raise SchemaMismatchError(f"schema version {st['version']}, this agck uses {SCHEMA_VERSION}", ref=where,
-                                      hint=self._db_hint("migrate"))
-        raise SchemaMismatchError(f"schema version {st['version']} is newer than this agck's {SCHEMA_VERSION}",
-                                  ref=where, hint="upgrade agck to the version that created this schema")
+        pgschema.require_current(self.schema_status(), self.names, self._db_hint)
 
     def init_schema(self) -> dict:
-        """Create the tables if missing (idempotent, safe to race: under an advisory lock).
-
-        A schema that is already complete is left alone: its DDL (CREATE INDEX IF
-        NOT EXISTS, ALTER ... SET STORAGE) would still take table locks, and those
-        deadlock against another process's put in flight."""
+        """Create the tables if missing (idempotent, safe to race: under an advisory lock);
+        a complete schema is left alone (:func:`pgschema.create_tables`)."""
         n = self.names
-        with self._lock:
-            cur = self._cursor()
-            try:
-                cur.execute("BEGIN; " + _XACT_LOCK, (f"agck schema {n.label}",))
-                version, missing = self._read_version(cur)
-                if version == SCHEMA_VERSION and not missing:
-                    cur.execute("COMMIT")
-                    return self.schema_status()   # the store's lock is reentrant
-                if version is not None and version != SCHEMA_VERSION:
-                    raise SchemaMismatchError(
-                        f"schema version {version} exists, this agck uses {SCHEMA_VERSION}", ref=n.label,
-                        hint=self._db_hint("migrate") if version < SCHEMA_VERSION
-                        else "upgrade agck to the version that created this schema")
-                if n.schema_sql:
-                    cur.execute(f"CREATE SCHEMA IF NOT EXISTS {n.schema_sql}")
-                cur.execute(f"""
-                    CREATE TABLE IF NOT EXISTS {n.version} (version int NOT NULL);
-                    CREATE TABLE IF NOT EXISTS {n.manifest} (
-                        run text COLLATE "C" NOT NULL,
-                        step bigint NOT NULL CHECK (step >= 0),
-                        parent bigint,
-                        size bigint NOT NULL,
-                        checksum text NOT NULL,
-                        nchunks int NOT NULL,
-                        created_at timestamptz NOT NULL DEFAULT now(),
-                        meta jsonb,
-                        length bigint,
-                        PRIMARY KEY (run, step));
-                    CREATE INDEX IF NOT EXISTS {n.meta_index} ON {n.manifest} USING gin (meta);
-                    CREATE TABLE IF NOT EXISTS {n.chunks} (
-                        run text COLLATE "C" NOT NULL,
-                        step bigint NOT NULL,
-                        idx int NOT NULL,
-                        data bytea NOT NULL,
-                        PRIMARY KEY (run, step, idx));
-                    ALTER TABLE {n.chunks} ALTER COLUMN data SET STORAGE EXTERNAL;""")
-                _create_shared_tables(cur, n)
-                cur.execute(f"SELECT max(version) FROM {n.version}")
-                if cur.fetchone()[0] is None:
-                    cur.execute(f"INSERT INTO {n.version} (version) VALUES (%s)", (SCHEMA_VERSION,))
-                cur.execute("COMMIT")
-            except BaseException as e:
-                self._abort(cur)
-                if isinstance(e, psycopg2.Error):
-                    raise self._db_error(e, "cannot create the schema", n.label) from None
-                raise
+        self._transaction("BEGIN; " + XACT_LOCK, (n.schema_lock,),
+                          lambda cur: pgschema.create_tables(cur, n, self._db_hint),
+                          "cannot create the schema", n.label)
         return self.schema_status()
 
     def migrate(self) -> list[int]:
         """Bring the schema to this agck's version; returns the versions applied.
         Runs in one transaction under the schema's advisory lock."""
         n = self.names
-        applied: list[int] = []
-        with self._lock:
-            cur = self._cursor()
-            try:
-                cur.execute("BEGIN; " + _XACT_LOCK, (f"agck schema {n.label}",))
-                version, missing = self._read_version(cur)
-                if version is None:
-                    raise SchemaUninitializedError(f"no agck schema with prefix {self.prefix!r} to migrate",
-                                                   ref=n.label, hint=self._db_hint("init"))
-                if version > SCHEMA_VERSION:
-                    raise SchemaMismatchError(f"schema version {version} is newer than this agck's "
-                                              f"{SCHEMA_VERSION}", ref=n.label,
-                                              hint="upgrade agck; schemas are never migrated backwards")
-                for v in range(version, SCHEMA_VERSION):
-                    step_fn = _MIGRATIONS.get(v)
-                    if step_fn is None:
-                        raise SchemaMismatchError(f"no migration from schema version {v}", ref=n.label,
-                                                  hint="migrate with the agck version that knows it")
-                    step_fn(cur, n)
-                    applied.append(v + 1)
-                if applied:
-                    cur.execute(f"DELETE FROM {n.version}; INSERT INTO {n.version} (version) VALUES (%s)",
-                                (SCHEMA_VERSION,))
-                cur.execute("COMMIT")
-            except BaseException as e:
-                self._abort(cur)
-                if isinstance(e, psycopg2.Error):
-                    raise self._db_error(e, "migration failed", n.label) from None
-                raise
-        return applied
+        return self._transaction("BEGIN; " + XACT_LOCK, (n.schema_lock,),
+                                 lambda cur: pgschema.migrate(cur, n, self._db_hint), "migration failed", n.label)
 
     # -- refs ------------------------------------------------------------------------------
     def ref(self, run: str, step: int) -> str:
@@ -785,7 +316,7 @@ class PostgresStore(TransactionalPuts, Store):
                 try:
                     self._put_once(puts, epoch)
                     break
-                except _Refused as e:
+                except Refused as e:
                     if attempt == PUT_RETRIES:
                         raise DurabilityError(f"the database refused the checkpoint's objects {attempt + 1} "
                                               f"times ({e.args[0]})", ref=puts[0].ref,
@@ -805,7 +336,7 @@ class PostgresStore(TransactionalPuts, Store):
         containers) the COMMIT follows the COPY in one exchange, so a put of a small
         checkpoint is one round trip; a large standalone one takes two (BEGIN to COPY,
         then INSERT and COMMIT); a listing's objects take two more before.
-        Raises _Refused when the database refused it for a reason another attempt can get past."""
+        Raises Refused when the database refused it for a reason another attempt can get past."""
         n = self.names
         ref = puts[0].ref
         stream = None
@@ -819,7 +350,7 @@ class PostgresStore(TransactionalPuts, Store):
                 # verify_reused "size" and "full": every address the put relies on is looked at (its
                 # stored size), not only those this store object did not commit itself
                 unknown = addresses if sized else [a for a in addresses if a not in self._known_objects]
-                cur.execute(begin + "; " + _XACT_LOCK_SHARED + "; SELECT (SELECT generation FROM "
+                cur.execute(begin + "; " + XACT_LOCK_SHARED + "; SELECT (SELECT generation FROM "
                             f"{n.gc}), ARRAY(SELECT address FROM {n.objects} WHERE address = ANY(%s::bytea[]) "
                             "ORDER BY address), ARRAY(SELECT octet_length(data) FROM "
                             f"{n.objects} WHERE address = ANY(%s::bytea[]) ORDER BY address)",
@@ -833,7 +364,7 @@ class PostgresStore(TransactionalPuts, Store):
                 self._put_objects(cur, plans, set(found))
                 failpoints.hit("pg.after_objects")
                 begin = ""
-            stream = _CopyIn([(p.run, p.step, p.parts(), p.total) for p in puts], self.chunk_size)
+            stream = CopyIn([(p.run, p.step, p.parts(), p.total) for p in puts], self.chunk_size)
             copy = f"COPY {n.chunks} (run, step, idx, data) FROM STDIN (FORMAT binary)"
             row = "(%s, %s, %s, %s, %s, %s, to_timestamp(%s), %s::jsonb, %s, %s)"
             insert = (f"INSERT INTO {n.manifest} (run, step, parent, size, checksum, nchunks, created_at, meta, "
@@ -894,7 +425,7 @@ class PostgresStore(TransactionalPuts, Store):
             if isinstance(e, psycopg2.errors.UniqueViolation) and not all(p.overwrite for p in puts):
                 raise self._exists(puts) from None
             if isinstance(e, (psycopg2.errors.ForeignKeyViolation, psycopg2.errors.DeadlockDetected)):
-                raise _Refused(_scrub(str(e).strip(), self._secrets)) from None
+                raise Refused(_scrub(str(e).strip(), self._secrets)) from None
             if isinstance(e, psycopg2.Error):
                 raise self._db_error(e, "write failed", ref, DurabilityError) from None
             if isinstance(e, OSError):
@@ -926,7 +457,7 @@ class PostgresStore(TransactionalPuts, Store):
         (UniqueViolation) and the transaction is rolled back."""
         n = self.names
         locks = sorted({self._row_lock_key(p.run, p.step) for p in puts})
-        stmts, args = ["BEGIN", "SET LOCAL synchronous_commit = on"] + [_XACT_LOCK] * len(locks), list(locks)
+        stmts, args = ["BEGIN", "SET LOCAL synchronous_commit = on"] + [XACT_LOCK] * len(locks), list(locks)
         replaced = [(p.run, p.step) for p in puts if p.overwrite]
         if replaced:
             which = " OR ".join(["(run = %s AND step = %s)"] * len(replaced))
@@ -948,222 +479,26 @@ class PostgresStore(TransactionalPuts, Store):
         p = next((p for p in kept if (p.run, p.step) in taken), kept[0])
         return CheckpointExistsError("a checkpoint already exists here", ref=p.ref)
 
-    def _still_known(self, cur, generation: int, addresses: list[bytes]) -> list[bytes]:
-        """Those of ``addresses`` this store object committed itself and the store still
-        holds, as of gc ``generation``: while no collection (or quarantine) ran, all it
-        knows; after one, those of them a query finds."""
-        if generation != self._known_generation:    # a collection ran: what this store knew may be gone
-            known_before = self._known_objects
-            self._known_objects = set()
-            self._known_generation = generation
-            return list(self._present(cur, [a for a in addresses if a in known_before]))
-        return [a for a in addresses if a in self._known_objects]
-
-    def _put_objects(self, cur, plans: list["content.Plan"], present: set[bytes]) -> None:
-        """Send the objects of ``plans`` the store lacks (not in ``present``). The store
-        lock is held shared: no collector deletes an object before this transaction
-        ends. Another writer may send one of them first: the COPY then fails on its
-        key, and is done again, in a savepoint, without the ones that have arrived."""
+    def _delete_sql(self, run: str, step: int) -> tuple[str, tuple]:
+        """The statements that open a durable write transaction holding (run, step)'s
+        lock and delete its rows, chunks first; they return a row if a checkpoint was
+        there. A put's transaction takes the same lock (:meth:`_begin_sql`), so they serialise."""
         n = self.names
-        for _ in range(_OBJECT_ROUNDS):
-            missing, seen = [], set(present)
-            for plan in plans:      # an object two of them hold is sent once
-                m = plan.missing(seen)
-                seen.update(a for a, _ in m)
-                missing += m
-            if not missing:
-                return
-            missing.sort()      # writers sending the same new objects meet them in one order: no deadlock
-            stream = _ObjectsIn(missing)
-            try:     # the savepoint stays open to COMMIT, which commits what it holds
-                cur.copy_expert(f"SAVEPOINT agck_objects; COPY {n.objects} (address, size, data) FROM STDIN "
-                                "(FORMAT binary)", stream, size=COPY_IO_SIZE)
-            except psycopg2.errors.UniqueViolation:
-                if stream.error is not None:
-                    raise
-                cur.execute("ROLLBACK TO SAVEPOINT agck_objects")
-                present |= self._present(cur, [a for a, _ in missing])
-                continue
-            except psycopg2.Error:
-                if stream.error is not None:
-                    raise stream.error from None
-                raise
-            if stream.error is not None:
-                raise stream.error
-            return
-        raise _Refused("other writers kept sending the same objects")
-
-    def _heal_reused(self, cur, plans: list["content.Plan"], stored: dict[bytes, int], found: list[bytes]) -> None:
-        """``verify_reused``: check the objects the put relies on (``stored``: address ->
-        stored size); quarantine the damaged ones, in this transaction, and drop them
-        from ``found`` so they are sent afresh."""
-        sizes = {}
-        for plan in plans:
-            for a in plan.distinct:
-                sizes.setdefault(a, plan.size(a))
-        bad = content.reused_damage(stored, sizes.__getitem__, self.verify_reused, self._reread_turn(),
-                                    lambda addresses: self._read_objects(cur, addresses))
-        if bad:
-            self._quarantine_rows(cur, bad)
-            found[:] = [a for a in found if a not in bad]
-            self._known_objects.difference_update(bad)
-
-    def _quarantine_rows(self, cur, bad: dict[bytes, str]) -> None:
-        """In a write transaction: move the objects ``bad`` names (address -> why) to the
-        quarantine table, and move the gc generation on: every store object forgets
-        what it knew to be stored, so none relies on them without looking."""
-        n = self.names
-        cur.execute("SAVEPOINT agck_quarantine")
-        try:     # two first quarantines may race to create the table
-            cur.execute(f"CREATE TABLE IF NOT EXISTS {n.quarantine} (address bytea NOT NULL, size bigint NOT NULL, "
-                        "data bytea NOT NULL, detected_at timestamptz NOT NULL DEFAULT now(), reason text NOT NULL); "
-                        "RELEASE SAVEPOINT agck_quarantine")
-        except (psycopg2.errors.UniqueViolation, psycopg2.errors.DuplicateTable, psycopg2.errors.DuplicateObject):
-            cur.execute("ROLLBACK TO SAVEPOINT agck_quarantine")
-        addresses, reasons = list(bad), list(bad.values())
-        cur.execute(f"INSERT INTO {n.quarantine} (address, size, data, reason) SELECT o.address, octet_length(o.data), "
-                    f"o.data, r.reason FROM {n.objects} o JOIN unnest(%s::bytea[], %s::text[]) AS r(address, reason) "
-                    f"ON o.address = r.address; DELETE FROM {n.objects} WHERE address = ANY(%s::bytea[]); "
-                    f"UPDATE {n.gc} SET generation = generation + 1", (addresses, reasons, addresses))
-
-    def quarantine(self, addresses) -> dict[bytes, str]:
-        wanted = list(dict.fromkeys(bytes(a) for a in addresses))
-
-        def body(cur):
-            out, bad = content.judge(wanted, self._read_objects(cur, wanted))
-            if bad:
-                self._quarantine_rows(cur, bad)
-            elif "missing" in out.values():   # writers that knew it stored look again
-                cur.execute(f"UPDATE {self.names.gc} SET generation = generation + 1")
-            return out
-
-        out = self._exclusive(body, "quarantining damaged objects failed")
-        self._known_objects.difference_update(wanted)
-        return out
-
-    def _exclusive(self, body, what: str):
-        """``body(cur)`` in one durable transaction holding the store lock exclusively
-        (it waits for puts in flight to commit, and puts wait for it), started over on
-        a deadlock or serialization failure; COMMIT after it returns."""
-        n = self.names
-        with self._lock:
-            for attempt in range(GC_RETRIES + 1):
-                cur = self._cursor()
-                try:
-                    cur.execute("BEGIN; SET LOCAL synchronous_commit = on; " + _XACT_LOCK, (n.store_lock,))
-                    result = body(cur)
-                    cur.execute("COMMIT")
-                    return result
-                except BaseException as e:
-                    self._abort(cur)
-                    retry = isinstance(e, (psycopg2.errors.DeadlockDetected, psycopg2.errors.SerializationFailure))
-                    if retry and attempt < GC_RETRIES:
-                        time.sleep(0.01 * (attempt + 1))
-                        continue
-                    if isinstance(e, psycopg2.Error):
-                        raise self._db_error(e, what, n.label, DurabilityError) from None
-                    raise
-        raise AssertionError("unreachable")
-
-    def quarantined(self) -> list[content.QuarantinedChunk]:
-        n = self.names
-        if not self._query("SELECT to_regclass(%s) IS NOT NULL", (n.quarantine,))[0][0]:
-            return []
-        rows = self._query(f"SELECT ctid::text, address, size, extract(epoch FROM detected_at)::float8, reason "
-                           f"FROM {n.quarantine} ORDER BY detected_at, ctid")
-        return [content.QuarantinedChunk(address=bytes(a).hex(), size=size, detected_at=t, reason=why,
-                                          ref=f"{n.quarantine_ref}(ctid='{tid}')")
-                for tid, a, size, t, why in rows]
-
-    def _scrub(self, progress) -> content.ScrubReport:
-        """In one snapshot (REPEATABLE READ): every listing, then every object, read in
-        batches in address order."""
-        n = self.names
-        with self._lock:
-            cur = self._cursor()
-            try:
-                cur.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; "
-                            f"SELECT run, step, checksum FROM {n.manifest} WHERE listing ORDER BY run, step")
-                keys = cur.fetchall()
-
-                def listed(run, step, checksum, ref):
-                    cur.execute(f"SELECT data FROM {n.chunks} WHERE run = %s AND step = %s ORDER BY idx", (run, step))
-                    buf = b"".join(bytes(d) for (d,) in cur.fetchall())
-                    check_checksum(buf, checksum, ref)
-                    return content.listed_addresses(buf, verify=True, ref=ref)
-
-                def stored():
-                    after = b""
-                    while True:
-                        cur.execute(f"SELECT address, size, data FROM {n.objects} WHERE address > %s "
-                                    "ORDER BY address LIMIT 16", (after,))
-                        rows = cur.fetchall()
-                        if not rows:
-                            return
-                        for a, size, data in rows:
-                            a = bytes(a)
-                            yield a, size, f"{n.objects_ref}(address='\\x{a.hex()}')", (lambda d=data: d)
-                        after = bytes(rows[-1][0])
-
-                listings = [(self.ref(r, s), partial(listed, r, s, c, self.ref(r, s))) for r, s, c in keys]
-                rep = content.scrub(self.url, listings, stored(), progress)
-                cur.execute("COMMIT")
-                return rep
-            except BaseException as e:
-                self._abort(cur)
-                if isinstance(e, psycopg2.Error):
-                    raise self._db_error(e, "scrub failed", n.label) from None
-                raise
-
-    def _committed_objects(self, plans: list["content.Plan"]) -> None:
-        """After a put's COMMIT: its objects are in the store until a collection runs."""
-        if not plans:
-            return
-        if len(self._known_objects) > _KNOWN_OBJECTS_MAX:
-            self._known_objects = set()
-        for plan in plans:
-            self._known_objects.update(plan.distinct)
-
-    def _present(self, cur, addresses: list[bytes]) -> set[bytes]:
-        cur.execute(f"SELECT address FROM {self.names.objects} WHERE address = ANY(%s::bytea[])", (addresses,))
-        return {bytes(a) for (a,) in cur.fetchall()}
-
-    def _begin_and_delete(self, cur, run: str, step: int) -> bool:
-        """Open a durable write transaction holding (run, step)'s lock and delete its
-        rows, chunks first; returns whether a checkpoint was there. A put's
-        transaction takes the same lock (:meth:`_begin_sql`), so they serialise."""
-        n = self.names
-        cur.execute(
-            "BEGIN; SET LOCAL synchronous_commit = on; " + _XACT_LOCK + "; "
-            f"DELETE FROM {n.chunks} WHERE run = %s AND step = %s; "
-            f"DELETE FROM {n.manifest} WHERE run = %s AND step = %s RETURNING 1",
-            (self._row_lock_key(run, step), run, step, run, step))
-        return cur.fetchone() is not None
+        return ("BEGIN; SET LOCAL synchronous_commit = on; " + XACT_LOCK + "; "
+                f"DELETE FROM {n.chunks} WHERE run = %s AND step = %s; "
+                f"DELETE FROM {n.manifest} WHERE run = %s AND step = %s RETURNING 1",
+                (self._row_lock_key(run, step), run, step, run, step))
 
     # -- fencing: a row per run in <prefix>_epochs ---------------------------------
     def begin_epoch(self, run: str) -> int:
         check_run(run)
         n = self.names
-        with self._lock:
-            for attempt in range(2):     # two first begin_epochs may race to create the table
-                cur = self._cursor()
-                try:
-                    cur.execute("BEGIN; SET LOCAL synchronous_commit = on; "
-                                f"CREATE TABLE IF NOT EXISTS {n.epochs} (run text PRIMARY KEY, epoch bigint NOT NULL); "
-                                f"INSERT INTO {n.epochs} AS e (run, epoch) VALUES (%s, 1) "
-                                "ON CONFLICT (run) DO UPDATE SET epoch = e.epoch + 1 RETURNING epoch", (run,))
-                    epoch = cur.fetchone()[0]
-                    cur.execute("COMMIT")
-                    return epoch
-                except BaseException as e:
-                    self._abort(cur)
-                    if isinstance(e, psycopg2.errors.UniqueViolation) and attempt == 0:
-                        continue
-                    if isinstance(e, psycopg2.Error):
-                        raise self._db_error(e, f"cannot begin a new epoch of run {run!r}", n.label,
-                                             DurabilityError) from None
-                    raise
-        raise AssertionError("unreachable")
+        return self._transaction(
+            f"BEGIN; SET LOCAL synchronous_commit = on; {pgschema.epochs_ddl(n)}; "
+            f"INSERT INTO {n.epochs} AS e (run, epoch) VALUES (%s, 1) "
+            "ON CONFLICT (run) DO UPDATE SET epoch = e.epoch + 1 RETURNING epoch", (run,),
+            lambda cur: cur.fetchone()[0], f"cannot begin a new epoch of run {run!r}", n.label, DurabilityError,
+            retry=(psycopg2.errors.UniqueViolation,), retries=1)   # two first begin_epochs may race to create the table
 
     def _check_epoch(self, cur, run: str, epoch: int, ref: str) -> None:
         """In a write transaction, before COMMIT: refuse unless ``epoch`` is the run's
@@ -1188,19 +523,14 @@ class PostgresStore(TransactionalPuts, Store):
     def delete(self, run: str, step: int, *, epoch: int | None = None) -> None:
         step = check_step(step)
         ref = self.ref(run, step)
-        with self._lock:
-            cur = self._cursor()
-            try:
-                if not self._begin_and_delete(cur, run, step):
-                    raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref)
-                if epoch is not None:
-                    self._check_epoch(cur, run, epoch, ref)
-                cur.execute("COMMIT")
-            except BaseException as e:
-                self._abort(cur)
-                if isinstance(e, psycopg2.Error):
-                    raise self._db_error(e, "delete failed", ref, DurabilityError) from None
-                raise
+
+        def body(cur):
+            if cur.fetchone() is None:
+                raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref)
+            if epoch is not None:
+                self._check_epoch(cur, run, epoch, ref)
+
+        self._transaction(*self._delete_sql(run, step), body, "delete failed", ref, DurabilityError)
 
     # -- reading -----------------------------------------------------------------------------
     def _query(self, query: str, args=()) -> list:
@@ -1273,88 +603,32 @@ class PostgresStore(TransactionalPuts, Store):
             ck = content.decode(data, content.fetcher({}, []), verify=verify, map_location=map_location, ref=ref)
             check_identity(ck, run, step, ref)
             return ck
-        with self._lock:
-            cur = self._cursor()
-            try:
-                # One snapshot for the manifest, the chunk layout, the data and the objects.
-                cur.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; " + layout.format(data="", agg=""),
-                            (run, step))
-                row = cur.fetchone()
-                if row is None:
-                    raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref,
-                                                  hint=f"store.steps({run!r}) lists the steps")
-                size, checksum, nchunks, idxs, lens = row
-                expected = chunk_plan(size, nchunks, idxs or [], lens or [], manifest_ref=ref, chunk_ref=chunk_ref)
-                # Populate the buffer's pages on another core while the server starts the COPY.
-                pending = _Background(new_buffer, size)
-                sink = _CopyOut(pending.result, expected, chunk_ref)
-                query = cur.mogrify(f"COPY (SELECT data FROM {n.chunks} WHERE run = %s AND step = %s ORDER BY idx) "
-                                    f"TO STDOUT (FORMAT binary)", (run, step)).decode("utf-8")
-                cur.copy_expert(query, sink, size=COPY_IO_SIZE)
-                sink.finish()
-                buf = pending.result()
-                check_checksum(buf, checksum, ref)
-                addresses = content.listed_addresses(buf, verify=verify, ref=ref)
-                found = self._read_objects(cur, addresses) if addresses is not None else {}
-                cur.execute("COMMIT")
-            except BaseException as e:
-                self._abort(cur)
-                if isinstance(e, psycopg2.Error):
-                    raise self._db_error(e, "read failed", ref) from None
-                raise
+
+        def streamed(cur):
+            row = cur.fetchone()
+            if row is None:
+                raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref,
+                                              hint=f"store.steps({run!r}) lists the steps")
+            size, checksum, nchunks, idxs, lens = row
+            expected = chunk_plan(size, nchunks, idxs or [], lens or [], manifest_ref=ref, chunk_ref=chunk_ref)
+            # Populate the buffer's pages on another core while the server starts the COPY.
+            pending = _Background(new_buffer, size)
+            sink = CopyOut(pending.result, expected, chunk_ref)
+            query = cur.mogrify(f"COPY (SELECT data FROM {n.chunks} WHERE run = %s AND step = %s ORDER BY idx) "
+                                f"TO STDOUT (FORMAT binary)", (run, step)).decode("utf-8")
+            cur.copy_expert(query, sink, size=COPY_IO_SIZE)
+            sink.finish()
+            buf = pending.result()
+            check_checksum(buf, checksum, ref)
+            addresses = content.listed_addresses(buf, verify=verify, ref=ref)
+            return buf, addresses, self._read_objects(cur, addresses) if addresses is not None else {}
+
+        # One snapshot for the manifest, the chunk layout, the data and the objects.
+        buf, addresses, found = self._transaction(
+            "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; " + layout.format(data="", agg=""), (run, step),
+            streamed, "read failed", ref)
         return decode_read(self, buf, found, addresses, run=run, step=step, verify=verify,
                            map_location=map_location, ref=ref)
-
-    def _read_objects(self, cur, addresses: list[bytes]) -> dict:
-        """The listed objects the store holds (address -> bytes), in one COPY."""
-        sink = _ObjectsOut()
-        query = cur.mogrify(f"COPY (SELECT address, data FROM {self.names.objects} WHERE address = ANY(%s::bytea[])) "
-                            f"TO STDOUT (FORMAT binary)", (list(dict.fromkeys(addresses)),)).decode("utf-8")
-        cur.copy_expert(query, sink, size=COPY_IO_SIZE)
-        return sink.finish()
-
-    # -- shared content ----------------------------------------------------------------------
-    def collect_garbage(self) -> content.Collected:
-        """Delete the objects no listing refers to, in one transaction holding the
-        store lock exclusively: it waits for puts in flight to commit, and puts wait
-        for it. A damaged listing keeps nothing alive (nothing could ever rebuild
-        its content); one that cannot be read here (a newer format) stops the
-        collection before anything is deleted."""
-        n = self.names
-
-        def body(cur):
-            live, listings, damaged = self._live_objects(cur)
-            cur.execute("CREATE TEMP TABLE agck_live (address bytea PRIMARY KEY) ON COMMIT DROP")
-            cur.execute("INSERT INTO agck_live SELECT unnest(%s::bytea[])", (list(live),))
-            cur.execute(
-                f"WITH gone AS (DELETE FROM {n.objects} o WHERE NOT EXISTS "
-                f"(SELECT 1 FROM agck_live l WHERE l.address = o.address) RETURNING o.size) "
-                f"SELECT count(*), coalesce(sum(size), 0)::bigint FROM gone")
-            deleted, nbytes = cur.fetchone()
-            if deleted:   # what writers know to be present may be gone: they look again
-                cur.execute(f"UPDATE {n.gc} SET generation = generation + 1")
-            cur.execute("SELECT to_regclass(%s) IS NOT NULL", (n.quarantine,))
-            if cur.fetchone()[0]:     # quarantined objects are kept until healed or listed by no checkpoint
-                cur.execute(f"DELETE FROM {n.quarantine} q WHERE NOT EXISTS (SELECT 1 FROM agck_live l WHERE "
-                            f"l.address = q.address) OR EXISTS (SELECT 1 FROM {n.objects} o WHERE o.address = q.address)")
-            return content.Collected(listings=listings, live_chunks=len(live), deleted_chunks=deleted,
-                                     deleted_bytes=int(nbytes), damaged=damaged)
-
-        return self._exclusive(body, "collecting garbage failed")
-
-    def _live_objects(self, cur) -> tuple[set[bytes], int, list[str]]:
-        """What every listing lists (:func:`content.live_chunks`), read in this transaction."""
-        n = self.names
-        cur.execute(f"SELECT run, step, checksum FROM {n.manifest} WHERE listing ORDER BY run, step")
-
-        def load(run, step, checksum, ref):
-            cur.execute(f"SELECT data FROM {n.chunks} WHERE run = %s AND step = %s ORDER BY idx", (run, step))
-            buf = b"".join(bytes(d) for (d,) in cur.fetchall())
-            check_checksum(buf, checksum, ref)
-            return buf
-
-        refs = [(self.ref(r, s), r, s, c) for r, s, c in cur.fetchall()]
-        return content.live_chunks([(ref, partial(load, r, s, c, ref)) for ref, r, s, c in refs])
 
     # -- housekeeping ------------------------------------------------------------------------
     def _orphan_where(self, run: str | None) -> tuple[str, tuple]:
@@ -1375,15 +649,7 @@ class PostgresStore(TransactionalPuts, Store):
     def clean_orphans(self, run: str | None = None) -> list[str]:
         where, args = self._orphan_where(run)
         n = self.names
-        with self._lock:
-            cur = self._cursor()
-            try:
-                cur.execute(f"BEGIN; DELETE FROM {n.chunks} c WHERE {where} RETURNING c.run, c.step", args)
-                rows = sorted(set(cur.fetchall()))
-                cur.execute("COMMIT")
-            except BaseException as e:
-                self._abort(cur)
-                if isinstance(e, psycopg2.Error):
-                    raise self._db_error(e, "cleaning orphans failed", n.label, DurabilityError) from None
-                raise
+        rows = self._transaction(f"BEGIN; DELETE FROM {n.chunks} c WHERE {where} RETURNING c.run, c.step", args,
+                                 lambda cur: sorted(set(cur.fetchall())), "cleaning orphans failed", n.label,
+                                 DurabilityError)
         return [sql_row(n.chunks_ref, r, s) for r, s in rows]

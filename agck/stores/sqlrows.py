@@ -4,22 +4,17 @@ A put prepared before its transaction begins (:func:`prepare_put`: encoded,
 split into chunks where the store is incremental), the chunk splitter (a
 container streamed into rows of at most ``chunk_size``
 bytes, hashed on the way), the manifest/chunk structure check run before any
-payload is read, the whole-container checksum check, row refs for messages,
-and the JSON form of ``meta`` kept in the manifest for listing and querying.
-Also the text of Postgres DSNs (redaction, agck's own parameters), kept free
-of psycopg2 so that any layer can hide a password.
+payload is read, the whole-container checksum check, and row refs for messages.
+The JSON form of ``meta`` (:mod:`.metajson`) and the text of Postgres DSNs
+(:mod:`.dsn`) live in their own modules; their names are importable from here too.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import json
-import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
-from urllib.parse import unquote
 
 import xxhash
 
@@ -28,6 +23,9 @@ from ..errors import AgckError, CorruptCheckpointError, DamagedChunkError, Store
 from ..names import check_run, check_step
 from . import content
 from .base import PutEntry, Store, check_entries, check_identity
+# Re-exported: these lived here before, and importers still name this module.
+from .dsn import dsn_secrets, dsn_without_password, is_kv_dsn, redact_dsn, split_agck_params  # noqa: F401
+from .metajson import meta_json_text, meta_to_json, utf8_ok  # noqa: F401
 
 DEFAULT_CHUNK_SIZE = 64 << 20
 MAX_CHUNK_SIZE = 512 << 20        # SQLite's default blob limit is 1e9 bytes; Postgres bytea's is 1 GiB
@@ -56,57 +54,6 @@ def check_chunk_size(chunk_size: Any) -> int:
         raise StoreError(f"invalid chunk_size {chunk_size!r}",
                          hint=f"use an int between 1 and {MAX_CHUNK_SIZE} bytes")
     return chunk_size
-
-
-def meta_to_json(meta: Any) -> Any:
-    """The JSON form of a checkpoint's ``meta`` kept in the manifest for listing and queries.
-
-    ``meta`` is plain msgpack data; JSON (and Postgres JSONB) cannot hold all of it,
-    so: bytes become ``{"$bytes": "<base64>"}``; non-string dict keys become ``str(key)``;
-    tuples become lists; NaN and infinities become ``{"$float": "nan" | "inf" | "-inf"}``;
-    strings JSONB cannot store (a NUL character, a lone surrogate) become
-    ``{"$str": "<base64 of their UTF-8, surrogates passed through>"}``.
-    This form is for :meth:`Store.list` and SQL queries only; ``read().meta`` returns
-    the exact value from the container."""
-    t = type(meta)
-    if meta is None or t is bool or t is int:
-        return meta
-    if t is float or isinstance(meta, float):
-        if math.isfinite(meta):
-            return float(meta)
-        return {"$float": "nan" if math.isnan(meta) else ("inf" if meta > 0 else "-inf")}
-    if isinstance(meta, str):
-        if "\x00" in meta or not utf8_ok(meta):
-            return {"$str": base64.b64encode(meta.encode("utf-8", "surrogatepass")).decode("ascii")}
-        return str(meta)
-    if isinstance(meta, (bytes, bytearray, memoryview)):
-        return {"$bytes": base64.b64encode(bytes(meta)).decode("ascii")}
-    if isinstance(meta, dict):
-        out = {}
-        for k, v in meta.items():
-            key = meta_to_json(k) if isinstance(k, str) else str(k)
-            if not isinstance(key, str):      # a key JSONB cannot hold: keep it readable
-                key = repr(k)
-            out[key] = meta_to_json(v)
-        return out
-    if isinstance(meta, (list, tuple)):
-        return [meta_to_json(v) for v in meta]
-    if isinstance(meta, int):
-        return int(meta)
-    return str(meta)
-
-
-def meta_json_text(meta: Any) -> str:
-    return json.dumps(meta_to_json(meta), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-
-
-def utf8_ok(s: str) -> bool:
-    """Whether ``s`` is valid UTF-8 text (no lone surrogates), as JSON columns need."""
-    try:
-        s.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
 
 
 def split_chunks(parts: Iterable, total: int, chunk_size: int, hasher=None) -> Iterator[tuple[int, int, memoryview]]:
@@ -332,123 +279,3 @@ def sql_row(table: str, run: str, step: int, idx: int | None = None) -> str:
     if idx is None:
         return f"{table}(run='{run}', step={step})"
     return f"{table}(run='{run}', step={step}, idx={idx})"
-
-
-# --- Postgres DSNs as text: no libpq needed, so any layer can redact one -----------------
-
-# One ``key = value`` of a libpq key/value string: a value is single-quoted (backslash
-# escapes inside) or runs to the next unescaped whitespace.
-_KV_RE = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*('(?:[^'\\]|\\.)*'|(?:[^\s'\\]|\\.)(?:[^\s\\]|\\.)*|)",
-                    re.ASCII | re.DOTALL)
-# The value of a ``password`` key, also in malformed strings (an unclosed quote runs to the end).
-_KV_PASSWORD_RE = re.compile(r"(?<![A-Za-z0-9_])(password\s*=\s*)('(?:[^'\\]|\\.)*'?|(?:[^\s\\]|\\.)*)",
-                             re.ASCII | re.DOTALL)
-_CONNECT_KEYS = {"host", "hostaddr", "port", "dbname", "user", "password", "passfile", "service"}
-_AGCK_PARAMS = ("agck_prefix", "agck_schema")
-
-
-def _kv_pairs(dsn: str) -> list[re.Match] | None:
-    """The ``key=value`` matches covering all of ``dsn``, or None if it is not one."""
-    pairs, pos = [], 0
-    while pos < len(dsn):
-        if not dsn[pos:].strip():
-            break
-        m = _KV_RE.match(dsn, pos)
-        if m is None:
-            return None
-        pairs.append(m)
-        pos = m.end()
-    return pairs or None
-
-
-def _kv_value(raw: str) -> str:
-    if raw.startswith("'"):
-        raw = raw[1:-1]
-    return re.sub(r"\\(.)", r"\1", raw, flags=re.DOTALL)
-
-
-def is_kv_dsn(text: str) -> bool:
-    """A libpq ``key=value`` connection string naming at least one connection key."""
-    pairs = _kv_pairs(text) if "=" in text and "://" not in text else None
-    return bool(pairs) and any(m.group(1) in _CONNECT_KEYS for m in pairs)
-
-
-def _url_parts(dsn: str) -> tuple[str, str, str, str, str]:
-    """(scheme, netloc, path, query, fragment) of a URL, split by hand: never raises
-    (urlsplit refuses some malformed netlocs, which must still be redacted)."""
-    scheme, _, rest = dsn.partition("://")
-    m = re.match(r"([^/?#]*)([^?#]*)(?:\?([^#]*))?(?:#(.*))?\Z", rest, re.DOTALL)
-    return scheme, m.group(1), m.group(2), m.group(3) or "", m.group(4) or ""
-
-
-def _userinfo_password(netloc: str) -> str | None:
-    userinfo, at, _ = netloc.rpartition("@")
-    return userinfo.split(":", 1)[1] if at and ":" in userinfo else None
-
-
-def redact_dsn(dsn: str) -> str:
-    """The DSN with any password removed: URL userinfo, ``?password=``, ``password=...``."""
-    if "://" not in dsn:
-        return _KV_PASSWORD_RE.sub(r"\1***", dsn)
-    scheme, netloc, path, query, fragment = _url_parts(dsn)
-    userinfo, at, hosts = netloc.rpartition("@")
-    if at:
-        userinfo = userinfo.split(":", 1)[0]
-        netloc = f"{userinfo}@{hosts}" if userinfo else hosts
-    query = "&".join(p for p in query.split("&") if p and unquote(p.partition("=")[0]) != "password")
-    return f"{scheme}://{netloc}{path}" + (f"?{query}" if query else "") + (f"#{fragment}" if fragment else "")
-
-
-def dsn_without_password(dsn: str) -> str:
-    """The DSN with its password taken out altogether (not masked), for commands to run."""
-    if "://" in dsn:
-        return redact_dsn(dsn)
-    return re.sub(r"\s*" + _KV_PASSWORD_RE.pattern, "", dsn, flags=_KV_PASSWORD_RE.flags).strip()
-
-
-def dsn_secrets(dsn: str) -> list[str]:
-    """Every spelling of the password a DSN carries, longest first, to scrub from any text shown."""
-    found = []
-    if "://" in dsn:
-        _, netloc, _, query, _ = _url_parts(dsn)
-        pw = _userinfo_password(netloc)
-        if pw is not None:
-            found += [pw, unquote(pw)]
-        for p in query.split("&"):
-            k, _, v = p.partition("=")
-            if unquote(k) == "password":
-                found += [v, unquote(v)]
-    else:
-        for m in _KV_PASSWORD_RE.finditer(dsn):
-            raw = m.group(2)
-            found += [raw, raw.strip("'"), _kv_value(raw)]
-    return sorted({s for s in found if s}, key=len, reverse=True)
-
-
-def split_agck_params(dsn: str) -> tuple[str, dict]:
-    """``agck_prefix``/``agck_schema`` in a Postgres DSN (URL query or key=value) choose
-    the tables (so the CLI can reach them); they are removed before the DSN reaches libpq."""
-    own = {}
-    if "://" in dsn:
-        scheme, netloc, path, query, fragment = _url_parts(dsn)
-        keep = []
-        for p in query.split("&") if query else []:
-            k, _, v = p.partition("=")
-            if unquote(k) in _AGCK_PARAMS:
-                own[unquote(k)[len("agck_"):]] = unquote(v)
-            else:
-                keep.append(p)    # as written: re-encoding could change what libpq reads
-        if not own:
-            return dsn, {}
-        return (f"{scheme}://{netloc}{path}" + (f"?{'&'.join(keep)}" if keep else "")
-                + (f"#{fragment}" if fragment else "")), own
-    pairs = _kv_pairs(dsn)
-    if not pairs:
-        return dsn, {}
-    kept = []
-    for m in pairs:
-        if m.group(1) in _AGCK_PARAMS:
-            own[m.group(1)[len("agck_"):]] = _kv_value(m.group(2))
-        else:
-            kept.append(m.group(0).strip())
-    return (" ".join(kept), own) if own else (dsn, {})
