@@ -21,8 +21,10 @@ __all__ = [
     "NoValidCheckpointError", "SnapshotError", "StaleEpochError", "UsageError",
 ]
 
-from .recovery import Recovery  # noqa: E402
+from .recovery import POLICIES as _POLICIES, Recovery, Rejection  # noqa: E402
 from .stores import Store, open_store  # noqa: E402
+
+Store.policies = _POLICIES   # store.get(run) and store.prune: the walk-back above the store floor
 
 
 def recover(store, run: str | None = None, *, map_location=None, strict: bool = False):
@@ -43,7 +45,7 @@ def recover(store, run: str | None = None, *, map_location=None, strict: bool = 
         if own:
             s.close()
 
-__all__ += ["open_store", "recover", "Recovery", "Snapshotter", "checkpoint_every"]
+__all__ += ["open_store", "recover", "Recovery", "Rejection", "Snapshotter", "checkpoint_every"]
 
 
 def __getattr__(name: str):

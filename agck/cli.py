@@ -271,12 +271,12 @@ def cmd_ls(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .recovery import is_verdict, verify_store
+    from .recovery import verify_store
     if _file_or_store(args, args.target, "verify"):
         try:
             _load_file(args.target, verify=True)
         except AgckError as e:    # judged as a store's scan judges it (a damaged magic too)
-            if not is_verdict(e):
+            if not e.verdict:
                 raise
             _emit(args, {"ok": 0, "corrupt": 1, "rejected": [{"ref": args.target, "reason": e.reason,
                                                               "section": getattr(e, "section", None)}]},

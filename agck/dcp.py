@@ -65,7 +65,7 @@ from . import codec, sharded
 from .errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, EncodeError,
                      MalformedCheckpointError, NoValidCheckpointError, StaleEpochError, UsageError)
 from .names import check_run, check_step
-from .recovery import is_verdict, recover_run
+from .recovery import recover_run
 from .stores import Store, open_store
 
 __all__ = ["StorageWriter", "StorageReader", "StoredItem", "metadata_to_plain", "metadata_from_plain"]
@@ -227,7 +227,7 @@ class StorageWriter(_StoreUser, dstorage.StorageWriter):
         try:
             old = sharded.as_commit(self.store.read(self.run, self.step, map_location="cpu"))
         except AgckError as e:
-            if is_verdict(e) or isinstance(e, CheckpointNotFoundError):
+            if e.verdict or isinstance(e, CheckpointNotFoundError):
                 return      # nothing there that verifies: nothing to lose
             raise
         if old is not None and old.epoch == self.epoch:
@@ -267,9 +267,7 @@ class StorageWriter(_StoreUser, dstorage.StorageWriter):
             part[key] = value
             results.append(dstorage.WriteResult(index=item.index, size_in_bytes=size,
                                                 storage_data=StoredItem(rank, key)))
-        parts = self.store.parts_store()
-        parts.put(sharded.part_run(run, epoch, rank), step, part,
-                  meta=sharded.part_meta(run, step, epoch, rank, world, a["nonce"]))
+        sharded.put_part(self.store.parts_store(), run, step, epoch, rank, world, a["nonce"], part)
         fut: Future[list[dstorage.WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -294,11 +292,8 @@ class StorageWriter(_StoreUser, dstorage.StorageWriter):
             metadata.version = CURRENT_DCP_VERSION
         if metadata.storage_meta is None:
             metadata.storage_meta = self.storage_meta()
-        commit = sharded.Commit(run=run, step=step, epoch=epoch, world_size=world,
-                                parts=[sharded.PartRef(r, sharded.part_run(run, epoch, r), n)
-                                       for r, n in enumerate(p["nonces"])],
-                                kind=KIND, extra=metadata_to_plain(metadata))
-        self.store.put(run, step, commit.state(), meta=self.meta, epoch=epoch)   # the step becomes visible
+        sharded.commit_step(self.store, run, step, epoch, p["nonces"], kind=KIND, extra=metadata_to_plain(metadata),
+                            meta=self.meta)   # the step becomes visible
         self._plan = None
 
 

@@ -33,7 +33,7 @@ from . import failpoints, sharded
 from .checkpoint import Checkpoint
 from .errors import (AgckError, CheckpointNotFoundError, ContentChangedError, SnapshotError, StaleEpochError,
                      UsageError)
-from .recovery import Rejection, is_verdict
+from .recovery import Candidate, Rejection, Unsuitable, walk_back
 
 log = logging.getLogger(__name__)
 
@@ -211,14 +211,14 @@ class ShardedRun:
         ranks that failed and why."""
         nonce = sharded.new_nonce()
         try:
-            pr = self.part_run(epoch)     # in here: its name check can fail on some ranks only
+            self.part_run(epoch)     # its name check, in here: it can fail on some ranks only
             if (epoch, step) in self._committed:
                 # its parts are what the commit record binds: rewriting one would unbind the
                 # acknowledged step (a job that resumes takes a new epoch, and new part runs)
                 raise UsageError(f"step {step} of run {self.run!r} is already committed in epoch {epoch}",
                                  hint="checkpoint a later step, or begin a new epoch to rewrite it")
-            self.parts.put(pr, step, state, parent=parent, expect_unchanged=expect_unchanged,
-                           meta=sharded.part_meta(self.run, step, epoch, self.rank, self.world_size, nonce))
+            sharded.put_part(self.parts, self.run, step, epoch, self.rank, self.world_size, nonce, state,
+                             parent=parent, expect_unchanged=expect_unchanged)
             mine = {"ok": True, "nonce": nonce, "step": step, "epoch": epoch}
         except ContentChangedError as e:
             mine = {"ok": False, "changed": True, "error": _describe(e)}
@@ -241,13 +241,10 @@ class ShardedRun:
                                 ref=self.store.ref(self.run, step), hint="the previous checkpoint is untouched")
         result = None
         if self.rank == 0:
-            commit = sharded.Commit(run=self.run, step=step, epoch=epoch, world_size=self.world_size,
-                                    parts=[sharded.PartRef(r, sharded.part_run(self.run, epoch, r), o["nonce"])
-                                           for r, o in enumerate(outcomes)])
             failpoints.hit("dist.before_commit")
             try:
-                result = {"ref": self.store.put(self.run, step, commit.state(), meta=meta, parent=parent,
-                                                epoch=epoch)}
+                result = {"ref": sharded.commit_step(self.store, self.run, step, epoch,
+                                                     [o["nonce"] for o in outcomes], meta=meta, parent=parent)}
             except StaleEpochError as e:
                 result = {"stale": str(e)}
             except Exception as e:
@@ -268,56 +265,63 @@ class ShardedRun:
     def find(self, *, map_location=None) -> tuple[sharded.Commit | None, Checkpoint | None, list[Rejection], int]:
         """The newest step every rank can restore: (commit, this rank's part, the newer
         steps rejected (newest first, each naming the ranks whose part failed), the
-        number of candidates). (None, None, rejected, n) when none can."""
+        number of candidates). (None, None, rejected, n) when none can. The walk back
+        is :func:`agck.recovery.walk_back`'s, with a judge that asks every rank."""
         steps = self._from_rank0(lambda: self.store.steps(self.run), "list the run's steps")
-        rejected: list[Rejection] = []
-        for step in reversed(steps):
-            commit = part = None
-            try:
-                commit = sharded.as_commit(self.store.read(self.run, step))
-                if commit is None:
-                    mine = {"fatal": f"step {step} of run {self.run!r} is a single-process checkpoint, not a "
-                                     f"multi-rank one", "usage": True}
-                elif commit.world_size != self.world_size:
-                    mine = {"fatal": f"run {self.run!r} step {step} was checkpointed by {commit.world_size} ranks "
-                                     f"and this job has {self.world_size}: a snapshot's per-rank state (its "
-                                     "values and RNG states) cannot be resharded", "usage": True}
-                else:
-                    part = sharded.read_part(self.store, commit, self.rank, map_location=map_location)
-                    mine = {"ok": True, "commit": [commit.epoch, [p.nonce for p in commit.parts]]}
-            except AgckError as e:
-                if is_verdict(e) or isinstance(e, CheckpointNotFoundError):
-                    mine = {"reject": getattr(e, "reason", str(e)), "ref": getattr(e, "ref", None),
-                            "section": getattr(e, "section", None)}
-                else:
-                    mine = {"fatal": _describe(e), "local": e}
-            except Exception as e:
+        candidates = [Candidate(s, self.store.ref(self.run, s)) for s in reversed(steps)]
+        rec = walk_back(self.run, candidates, lambda c: self._judge_everywhere(c.step, map_location))
+        commit, part = rec.checkpoint if rec.checkpoint is not None else (None, None)
+        return commit, part, rec.rejected, len(steps)
+
+    def _judge_everywhere(self, step: int, map_location) -> tuple[sharded.Commit, Checkpoint]:
+        """(commit, this rank's part) of ``step`` if every rank can restore it. Each rank
+        judges its own part and all of them learn every verdict (one all_gather): a
+        rank's verdict rejects the step on every rank (a Rejection naming each such
+        rank); anything that is not a verdict is raised on every rank."""
+        commit = part = None
+        try:
+            commit = sharded.as_commit(self.store.read(self.run, step))
+            if commit is None:
+                mine = {"fatal": f"step {step} of run {self.run!r} is a single-process checkpoint, not a "
+                                 f"multi-rank one", "usage": True}
+            elif commit.world_size != self.world_size:
+                mine = {"fatal": f"run {self.run!r} step {step} was checkpointed by {commit.world_size} ranks "
+                                 f"and this job has {self.world_size}: a snapshot's per-rank state (its "
+                                 "values and RNG states) cannot be resharded", "usage": True}
+            else:
+                part = sharded.read_part(self.store, commit, self.rank, map_location=map_location)
+                mine = {"ok": True, "commit": [commit.epoch, [p.nonce for p in commit.parts]]}
+        except AgckError as e:
+            if e.verdict or isinstance(e, CheckpointNotFoundError):
+                mine = {"reject": getattr(e, "reason", str(e)), "ref": getattr(e, "ref", None),
+                        "section": getattr(e, "section", None)}
+            else:
                 mine = {"fatal": _describe(e), "local": e}
-            local = mine.pop("local", None)
-            outcomes = self.group.all_gather(mine)
-            fatal = [(r, o) for r, o in enumerate(outcomes) if "fatal" in o]
-            if fatal:
-                if local is not None:
-                    raise local
-                r, o = fatal[0]
-                if o.get("usage"):
-                    raise UsageError(o["fatal"], ref=self.store.ref(self.run, step),
-                                     hint="restore with the world size the run was checkpointed with, or save "
-                                          "resharding-capable state (DTensor) through agck.dcp")
-                raise SnapshotError(f"rank {r} cannot judge step {step} of run {self.run!r}: {o['fatal']}",
-                                    ref=self.store.ref(self.run, step))
-            bad = [(r, o) for r, o in enumerate(outcomes) if "reject" in o]
-            if not bad:
-                if any(o["commit"] != outcomes[0]["commit"] for o in outcomes):
-                    # rewritten between two ranks' reads (a newer incarnation committed the
-                    # step again): restoring would mix parts of two attempts at it
-                    raise SnapshotError(f"the commit record of step {step} of run {self.run!r} changed while the "
-                                        "ranks read it", ref=self.store.ref(self.run, step),
-                                        hint="another job is writing this run; stop it, then restore again")
-                return commit, part, rejected, len(steps)
-            r, o = bad[0]
-            rejected.append(Rejection(run=self.run, step=step, ref=o.get("ref") or self.store.ref(self.run, step),
-                                      reason="; ".join(f"rank {r}: {o['reject']}" for r, o in bad),
-                                      section=o.get("section")))
-        return None, None, rejected, len(steps)
+        except Exception as e:
+            mine = {"fatal": _describe(e), "local": e}
+        local = mine.pop("local", None)
+        outcomes = self.group.all_gather(mine)
+        fatal = [(r, o) for r, o in enumerate(outcomes) if "fatal" in o]
+        if fatal:
+            if local is not None:
+                raise local
+            r, o = fatal[0]
+            if o.get("usage"):
+                raise UsageError(o["fatal"], ref=self.store.ref(self.run, step),
+                                 hint="restore with the world size the run was checkpointed with, or save "
+                                      "resharding-capable state (DTensor) through agck.dcp")
+            raise SnapshotError(f"rank {r} cannot judge step {step} of run {self.run!r}: {o['fatal']}",
+                                ref=self.store.ref(self.run, step))
+        bad = [(r, o) for r, o in enumerate(outcomes) if "reject" in o]
+        if bad:
+            raise Unsuitable("; ".join(f"rank {r}: {o['reject']}" for r, o in bad),
+                             ref=bad[0][1].get("ref") or self.store.ref(self.run, step),
+                             section=bad[0][1].get("section"))
+        if any(o["commit"] != outcomes[0]["commit"] for o in outcomes):
+            # rewritten between two ranks' reads (a newer incarnation committed the
+            # step again): restoring would mix parts of two attempts at it
+            raise SnapshotError(f"the commit record of step {step} of run {self.run!r} changed while the "
+                                "ranks read it", ref=self.store.ref(self.run, step),
+                                hint="another job is writing this run; stop it, then restore again")
+        return commit, part
 

@@ -9,9 +9,17 @@ from __future__ import annotations
 
 
 class AgckError(Exception):
-    """Base of every error agck raises on purpose."""
+    """Base of every error agck raises on purpose.
+
+    ``verdict`` (a property of the class) says whether the error judges a
+    checkpoint's own bytes (damaged, truncated, malformed, not a container at
+    all), so recovery may walk back past that checkpoint to an earlier one. Any
+    other error says nothing about the checkpoint (a missing torch, an
+    unreachable server, a format newer than this reader) and is raised, never
+    walked past."""
 
     default_hint: str | None = None
+    verdict = False
 
     def __init__(self, message: str, *, ref: str | None = None, hint: str | None = None):
         self.reason = message
@@ -38,12 +46,16 @@ class FormatError(AgckError):
     """The bytes are not an AGCK container this reader can read."""
 
     default_hint = "check that this is an .agck checkpoint written by agck"
+    verdict = True
 
 
 class UnsupportedVersionError(FormatError):
-    """A well-formed container of a major version this reader does not know."""
+    """A well-formed container of a major version this reader does not know. Not a
+    verdict: this reader cannot judge it, and resuming from an older checkpoint
+    would overwrite the newer run."""
 
     default_hint = "upgrade agck to read this checkpoint"
+    verdict = False
 
 
 class CorruptCheckpointError(AgckError):
@@ -54,6 +66,7 @@ class CorruptCheckpointError(AgckError):
     """
 
     default_hint = "this checkpoint cannot be trusted; recover an earlier one (agck recover)"
+    verdict = True
 
     def __init__(self, message: str, *, ref: str | None = None, hint: str | None = None,
                  section: str | None = None, tensor: str | None = None):

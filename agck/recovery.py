@@ -8,8 +8,8 @@ container names the (run, step) it is stored under, and for SQL stores that
 every chunk is present, in order, of the recorded size and matching the
 manifest's checksum.
 
-Only a verdict on a checkpoint's bytes (:func:`is_verdict`) lets the scanner
-pass over it. Anything else (a missing torch, a ``map_location`` this machine
+Only a verdict on a checkpoint's bytes (the ``verdict`` of its error class,
+:class:`agck.errors.AgckError`) lets the scanner pass over it. Anything else (a missing torch, a ``map_location`` this machine
 cannot honour, an unreachable server, a container of a newer format version)
 says nothing about the checkpoint, so it is raised, never walked past, and
 retention never deletes because of it.
@@ -23,36 +23,48 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from . import sharded
 from .checkpoint import Checkpoint
 from .chunking import CheckedChunks
-from .errors import (AgckError, CheckpointNotFoundError, CorruptCheckpointError, FormatError,
-                     NoValidCheckpointError, UnsupportedVersionError, UsageError)
+from .errors import AgckError, CheckpointNotFoundError, NoValidCheckpointError, UsageError
 from .names import check_run
 
 
 def is_verdict(e: BaseException) -> bool:
-    """True when ``e`` judges the checkpoint's own bytes (damaged, truncated,
-    malformed, not a container at all), so an earlier checkpoint may stand in.
+    """True when ``e`` judges a checkpoint's own bytes: the ``verdict`` of its class
+    (:class:`agck.errors.AgckError`)."""
+    return isinstance(e, AgckError) and e.verdict
 
-    A newer format version is not a verdict: this reader cannot judge it, and
-    resuming from an older checkpoint would overwrite the newer run."""
-    if isinstance(e, UnsupportedVersionError):
-        return False
-    return isinstance(e, (CorruptCheckpointError, FormatError))
+
+class Unsuitable(AgckError):
+    """A judge's verdict that is not an error of the candidate's own bytes: it verifies
+    but cannot be resumed from (weights only, not a framework's checkpoint), it is a
+    dangling link, or another rank judged its part (the multi-rank walk). A verdict:
+    the walk goes on past it, and it never leaves :func:`walk_back`."""
+
+    verdict = True
+
+    def __init__(self, reason: str, *, ref: str | None = None, section: str | None = None):
+        super().__init__(reason, ref=ref)
+        self.section = section
 
 
 @dataclass
 class Rejection:
-    """A candidate recovery (or verify) refused, and why."""
+    """A candidate a walk back (recovery, verify, a framework's resume scan) refused, and why."""
 
     run: str
-    step: int
+    step: int | None          # None where candidates have no step (files ordered by time)
     ref: str
     reason: str
     section: str | None = None
+
+    @property
+    def path(self) -> str:
+        """The candidate's location (for file candidates: its path)."""
+        return self.ref
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -60,22 +72,22 @@ class Rejection:
 
 @dataclass
 class Recovery:
-    """The outcome of recovering one run."""
+    """The outcome of walking back one run: the newest candidate that verifies (what
+    the judge returned for it), and every newer one refused, newest first."""
 
     run: str
-    checkpoint: Checkpoint | None          # None: nothing in the run verifies
+    checkpoint: Any = None                 # None: nothing in the run verifies
     rejected: list[Rejection] = field(default_factory=list)  # newer candidates refused, newest first
     orphans: list[str] = field(default_factory=list)         # leftovers of interrupted writes
-    candidates: int = 0                    # checkpoints the run holds
+    candidates: int = 0                    # candidates the run holds
     seconds: float = 0.0
+    step: int | None = None                # the chosen candidate's step
+    ref: str | None = None                 # and where it is
 
     @property
-    def step(self) -> int | None:
-        return None if self.checkpoint is None else self.checkpoint.step
-
-    @property
-    def ref(self) -> str | None:
-        return None if self.checkpoint is None else self.checkpoint.ref
+    def path(self) -> str | None:
+        """The chosen candidate's location (for file candidates: its path)."""
+        return self.ref
 
     @property
     def walked_back(self) -> bool:
@@ -87,49 +99,101 @@ class Recovery:
                 "orphans": list(self.orphans), "seconds": round(self.seconds, 6)}
 
 
-def _reject(store, run: str, step: int, e: AgckError) -> Rejection:
-    return Rejection(run=run, step=step, ref=getattr(e, "ref", None) or store.ref(run, step),
-                     reason=getattr(e, "reason", str(e)), section=getattr(e, "section", None))
+@dataclass(frozen=True)
+class Candidate:
+    """One place a walk back may stop: its step (None if it has none) and where it is."""
+
+    step: int | None
+    ref: str
 
 
-def _judge(store, run: str, step: int, *, map_location=None, verify=True
-           ) -> tuple[Checkpoint | None, Rejection | None]:
-    """(checkpoint, None) if it verifies, (None, rejection) on a verdict; raises
-    anything else. A checkpoint deleted while we look is rejected as gone. A
-    multi-rank commit record verifies only with every part it binds."""
-    try:
-        ck = store.read(run, step, verify=verify, map_location=map_location)
-        commit = sharded.as_commit(ck)
-        if commit is not None and verify is not False:   # a multi-rank step verifies with all its parts
-            sharded.verify_parts(store, commit)
-        return ck, None
-    except AgckError as e:
-        if is_verdict(e) or isinstance(e, CheckpointNotFoundError):
-            return None, _reject(store, run, step, e)
-        raise
+def walk_back(run: str, candidates: Iterable[Candidate], judge: Callable[[Candidate], Any], *,
+              orphans: list[str] | None = None, on_reject: Callable[[Rejection], None] | None = None
+              ) -> Recovery:
+    """The one walk back: ``candidates`` newest first; ``judge(candidate)`` returns
+    what the candidate holds if it verifies, or raises. A verdict on the
+    candidate's bytes (``e.verdict``) or a candidate gone while judged
+    (CheckpointNotFoundError) is a :class:`Rejection`, reported to ``on_reject``,
+    and the walk goes on; any other error is raised: it says nothing about the
+    candidate, and walking past it could resume from an older state for no reason."""
+    t0 = time.perf_counter()
+    cands = list(candidates)
+    rec = Recovery(run=run, candidates=len(cands), orphans=list(orphans or []))
+    for c in cands:
+        try:
+            found = judge(c)
+        except AgckError as e:
+            if not (e.verdict or isinstance(e, CheckpointNotFoundError)):
+                raise
+            r = Rejection(run=run, step=c.step, ref=getattr(e, "ref", None) or c.ref,
+                          reason=getattr(e, "reason", str(e)), section=getattr(e, "section", None))
+            rec.rejected.append(r)
+            if on_reject is not None:
+                on_reject(r)
+            continue
+        rec.checkpoint, rec.step, rec.ref = found, c.step, c.ref
+        break
+    rec.seconds = time.perf_counter() - t0
+    return rec
+
+
+def _store_candidates(store, run: str, steps: list[int]) -> list[Candidate]:
+    return [Candidate(s, store.ref(run, s)) for s in reversed(steps)]
+
+
+def read_verified(store, run: str, step: int, *, map_location=None, verify=True) -> Checkpoint:
+    """(run, step) read and verified; a multi-rank commit record verifies only with
+    every part it binds. Raises what the read raises."""
+    ck = store.read(run, step, verify=verify, map_location=map_location)
+    commit = sharded.as_commit(ck)
+    if commit is not None and verify is not False:   # a multi-rank step verifies with all its parts
+        sharded.verify_parts(store, commit)
+    return ck
 
 
 def recover_run(store, run: str, *, map_location=None, strict: bool = False,
                 on_candidate: Callable[[int], None] | None = None) -> Recovery:
-    """Recover one run. With ``strict``, raise NoValidCheckpointError when the
-    run holds checkpoints but none verifies (the error carries the report)."""
+    """Recover one run: the newest checkpoint that verifies (``.checkpoint``, a
+    :class:`agck.checkpoint.Checkpoint`). With ``strict``, raise
+    NoValidCheckpointError when the run holds checkpoints but none verifies (the
+    error carries the report)."""
     check_run(run)
-    t0 = time.perf_counter()
     steps = store.steps(run)
-    rec = Recovery(run=run, checkpoint=None, candidates=len(steps), orphans=store.orphans(run))
-    for step in reversed(steps):
+
+    def judge(c: Candidate) -> Checkpoint:
         if on_candidate:
-            on_candidate(step)
-        ck, rejection = _judge(store, run, step, map_location=map_location)
-        if ck is not None:
-            rec.checkpoint = ck
-            break
-        rec.rejected.append(rejection)
-    rec.seconds = time.perf_counter() - t0
+            on_candidate(c.step)
+        return read_verified(store, run, c.step, map_location=map_location)
+
+    rec = walk_back(run, _store_candidates(store, run, steps), judge, orphans=store.orphans(run))
+    if rec.checkpoint is not None:
+        rec.ref = rec.checkpoint.ref or rec.ref
     if strict and rec.checkpoint is None and steps:
         raise NoValidCheckpointError(f"none of the {len(steps)} checkpoints of run {run!r} verifies",
                                      ref=store.url, report=rec)
     return rec
+
+
+class WalkBackPolicies:
+    """The policies :class:`agck.stores.Store` delegates to (``store.get(run)``,
+    ``store.prune``), installed by agck's public face (:attr:`Store.policies`)."""
+
+    def newest(self, store, run: str, *, map_location=None) -> Checkpoint:
+        rec = recover_run(store, run, map_location=map_location, strict=True)
+        if rec.checkpoint is None:
+            raise CheckpointNotFoundError(f"run {run!r} has no checkpoints", ref=store.url,
+                                          hint="check the run name (`agck ls` lists the runs)")
+        return rec.checkpoint
+
+    def prune(self, store, run: str, *, keep_last=None, keep_every=None, before=None, epoch=None) -> list[int]:
+        deleted = prune(store, run, keep_last=keep_last, keep_every=keep_every, before=before, epoch=epoch)
+        if deleted:
+            store.collect_garbage()
+            sharded.clean_partial(store, run)   # the parts of pruned multi-rank steps
+        return deleted
+
+
+POLICIES = WalkBackPolicies()
 
 
 def newest_valid(store, run: str) -> tuple[int | None, list[Rejection]]:
@@ -202,11 +266,13 @@ def verify_store(store, run: str | None = None, *, progress: Callable[[], Any] |
     checked = CheckedChunks()
     for r in ([run] if run is not None else store.runs()):
         for step in store.steps(r):
-            ck, rejection = _judge(store, r, step, verify=checked)
-            if ck is not None:
+            # each checkpoint judged on its own, as a walk of one candidate
+            one = walk_back(r, [Candidate(step, store.ref(r, step))],
+                            lambda c: read_verified(store, r, c.step, verify=checked))
+            if one.checkpoint is not None:
                 rep.ok.append((r, step))
             else:
-                rep.rejected.append(rejection)
+                rep.rejected.extend(one.rejected)
             if progress:
                 progress()
     return rep

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .checkpoint import Checkpoint
-from .errors import (AgckError, CheckpointNotFoundError, CorruptCheckpointError, FormatError, UnsupportedVersionError,
+from .errors import (AgckError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedVersionError,
                      UsageError)
 from .names import check_run, check_step
 
@@ -93,6 +93,27 @@ class Commit:
         return {COMMIT_KEY: {"version": COMMIT_VERSION, "kind": self.kind, "epoch": self.epoch,
                              "world_size": self.world_size,
                              "parts": [[p.run, p.nonce] for p in self.parts], "extra": self.extra}}
+
+
+def put_part(parts, run: str, step: int, epoch: int, rank: int, world_size: int, nonce: str, state: Any,
+             **put) -> str:
+    """Write ``rank``'s part of ``step`` into the parts namespace ``parts``
+    (:meth:`agck.stores.Store.parts_store`): an ordinary put to the part run of
+    ``epoch``, with the meta that binds it to its step and this write's ``nonce``.
+    ``put``: more arguments of the put (``parent``, ``expect_unchanged``)."""
+    return parts.put(part_run(run, epoch, rank), step, state,
+                     meta=part_meta(run, step, epoch, rank, world_size, nonce), **put)
+
+
+def commit_step(store, run: str, step: int, epoch: int, nonces: list[str], *, kind: str = "snapshot",
+                extra: Any = None, meta: Any = None, parent: int | None = None) -> str:
+    """Make ``step`` visible: put its commit record, binding the part of each rank
+    (``nonces[rank]``, the nonce it wrote its part with), fenced by ``epoch``. Call
+    only once every part is durable. Returns the record's ref."""
+    commit = Commit(run=run, step=step, epoch=epoch, world_size=len(nonces),
+                    parts=[PartRef(r, part_run(run, epoch, r), n) for r, n in enumerate(nonces)],
+                    kind=kind, extra=extra)
+    return store.put(run, step, commit.state(), meta=meta, parent=parent, epoch=epoch)
 
 
 def part_meta(run: str, step: int, epoch: int, rank: int, world_size: int, nonce: str, user: Any = None) -> dict:
@@ -244,10 +265,9 @@ def _commit_at(store, run: str, step: int) -> Commit | None:
     try:
         return as_commit(store.read(run, step))
     except AgckError as e:
-        if isinstance(e, UnsupportedVersionError) or not isinstance(
-                e, (CorruptCheckpointError, FormatError, CheckpointNotFoundError)):
-            raise
-        return None
+        if e.verdict or isinstance(e, CheckpointNotFoundError):
+            return None
+        raise
 
 
 def clean_partial(store, run: str | None = None) -> list[str]:

@@ -1,4 +1,9 @@
-"""The package's import graph: one way, no cycles (lazy imports inside functions count)."""
+"""The package's import graph: one way, no cycles, and no import that points up a floor
+(lazy imports inside functions count).
+
+The floors, bottom up (README, "Layout"): a module may import its own floor and the
+ones below, never one above. agck/__init__.py, the public face, sits above them all.
+"""
 
 import ast
 import pathlib
@@ -42,6 +47,53 @@ def _edges(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
             if t and t != name:
                 out.add(t)
     return out
+
+
+# (floor, module prefixes): a module's floor is that of its longest matching prefix.
+FLOORS = [
+    (0, ["agck.errors", "agck.names", "agck.memory", "agck.chunking", "agck.version", "agck.failpoints"]),
+    (1, ["agck.format", "agck.durable"]),
+    (2, ["agck.codec"]),
+    (3, ["agck.checkpoint", "agck.export"]),
+    (4, ["agck.stores"]),
+    (5, ["agck.recovery", "agck.sharded"]),
+    (6, ["agck.distributed", "agck.snapshot", "agck.capture", "agck.staging", "agck.dcp", "agck.integrations"]),
+    (7, ["agck.cli"]),
+    (8, ["agck"]),
+]
+
+
+def floor_of(module: str) -> int:
+    best = None
+    for floor, prefixes in FLOORS:
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and (best is None or len(p) > len(best[1])):
+                best = (floor, p)
+    assert best is not None, f"{module} is on no floor: add it to FLOORS (and to the README's layout)"
+    return best[0]
+
+
+def test_no_import_points_up_a_floor():
+    mods = _modules()
+    up = []
+    for n, p in sorted(mods.items()):
+        for d in sorted(_edges(n, p, set(mods))):
+            if floor_of(d) > floor_of(n):
+                up.append(f"{n} (floor {floor_of(n)}) imports {d} (floor {floor_of(d)})")
+    assert not up, "imports that point up:\n" + "\n".join(up)
+
+
+def test_the_floor_check_sees_an_upward_import(tmp_path):
+    """The check itself: a store importing recovery is reported."""
+    fake = tmp_path / "agck" / "stores"
+    fake.mkdir(parents=True)
+    (tmp_path / "agck" / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("")
+    (fake / "base.py").write_text("from .. import recovery\n")
+    (tmp_path / "agck" / "recovery.py").write_text("")
+    known = {"agck", "agck.stores", "agck.stores.base", "agck.recovery"}
+    edges = _edges("agck.stores.base", fake / "base.py", known)
+    assert edges == {"agck.recovery"} and floor_of("agck.recovery") > floor_of("agck.stores.base")
 
 
 def test_import_graph_has_no_cycles():

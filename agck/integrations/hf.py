@@ -83,7 +83,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass, field
 from typing import Any
 
 try:
@@ -97,9 +96,9 @@ except ImportError as e:  # raised at import of this module only; agck itself ne
 
 from .. import durable, format
 from ..checkpoint import load, save
-from ..errors import (AgckError, CorruptCheckpointError, DurabilityError, MalformedCheckpointError,
+from ..errors import (CorruptCheckpointError, DurabilityError, MalformedCheckpointError,
                       NoValidCheckpointError, StoreConnectionError, UnsupportedVersionError, UsageError)
-from ..recovery import Rejection, is_verdict
+from ..recovery import Candidate, Recovery, walk_back
 
 logger = logging.getLogger(__name__)
 
@@ -317,19 +316,9 @@ def verify_checkpoint(checkpoint_dir: str | os.PathLike) -> int:
     return len(table)
 
 
-@dataclass
-class CheckpointScan:
-    """What :func:`scan_checkpoints` found in an output directory."""
-
-    output_dir: str
-    path: str | None                       # the newest checkpoint directory that verifies; None if none does
-    step: int | None
-    rejected: list[Rejection] = field(default_factory=list)   # newer candidates refused, newest first
-    candidates: int = 0                    # checkpoint-<step> directories found
-
-    def as_dict(self) -> dict:
-        return {"output_dir": self.output_dir, "path": self.path, "step": self.step,
-                "candidates": self.candidates, "rejected": [r.as_dict() for r in self.rejected]}
+# What scan_checkpoints returns: the walk back's report (``run`` is the output
+# directory, ``path`` the checkpoint directory chosen, ``rejected`` the newer ones).
+CheckpointScan = Recovery
 
 
 def _candidates(output_dir: str) -> list[tuple[int, str]]:
@@ -350,30 +339,20 @@ def _candidates(output_dir: str) -> list[tuple[int, str]]:
     return out
 
 
-def scan_checkpoints(output_dir: str | os.PathLike) -> CheckpointScan:
+def scan_checkpoints(output_dir: str | os.PathLike) -> Recovery:
     """Walk ``output_dir``'s ``checkpoint-<step>`` directories from the highest
     step down to the first that verifies (:func:`verify_checkpoint`), logging
-    each one passed over with its reason. Raises whatever is not a verdict on a
-    checkpoint (a permission problem, a manifest of a newer agck): walking past
-    those could resume from an older state for no reason."""
+    each one passed over with its reason (:func:`agck.recovery.walk_back`).
+    Raises whatever is not a verdict on a checkpoint (a permission problem, a
+    manifest of a newer agck): walking past those could resume from an older
+    state for no reason."""
     out = _abspath(output_dir, "output_dir")
-    cands = _candidates(out)
-    scan = CheckpointScan(output_dir=out, path=None, step=None, candidates=len(cands))
-    for step, path in cands:
-        try:
-            verify_checkpoint(path)
-        except AgckError as e:
-            if not is_verdict(e):
-                raise
-            r = Rejection(run=out, step=step, ref=e.ref or path, reason=e.reason, section=getattr(e, "section", None))
-            logger.warning("agck: not resuming from %s: %s", path, e.reason)
-            scan.rejected.append(r)
-            continue
-        scan.path, scan.step = path, step
-        if scan.rejected:
-            logger.warning("agck: resuming from %s, the newest checkpoint that verifies (%d newer passed over)",
-                           path, len(scan.rejected))
-        break
+    scan = walk_back(out, [Candidate(step, path) for step, path in _candidates(out)],
+                     lambda c: verify_checkpoint(c.ref),
+                     on_reject=lambda r: logger.warning("agck: not resuming from %s: %s", r.ref, r.reason))
+    if scan.path is not None and scan.rejected:
+        logger.warning("agck: resuming from %s, the newest checkpoint that verifies (%d newer passed over)",
+                       scan.path, len(scan.rejected))
     return scan
 
 
@@ -391,7 +370,7 @@ def newest_valid_checkpoint(output_dir: str | os.PathLike, *, strict: bool = Tru
         first = scan.rejected[0]
         raise NoValidCheckpointError(
             f"none of the {scan.candidates} checkpoint directories verifies (newest, step {first.step}: "
-            f"{first.reason})", ref=scan.output_dir, report=scan,
+            f"{first.reason})", ref=scan.run, report=scan,
             hint="see the log for every reason; to start over, move them away or pass strict=False; "
             "directories written without AgckCallback can be adopted with write_manifest()")
     return scan.path

@@ -106,14 +106,13 @@ import logging
 import os
 import pathlib
 import stat
-from dataclasses import dataclass, field
 from typing import Any
 
 from .. import durable, format
 from ..checkpoint import load as _agck_load, save as _agck_save
 from ..errors import (AgckError, CorruptCheckpointError, DependencyError, DurabilityError, EncodeError, FormatError,
-                      MalformedCheckpointError, NoValidCheckpointError, UsageError)
-from ..recovery import is_verdict
+                      MalformedCheckpointError, NoValidCheckpointError, StoreConnectionError, UsageError)
+from ..recovery import Candidate, Recovery, Rejection, Unsuitable, walk_back
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -463,24 +462,11 @@ def _lightning_state(ck, ref: str) -> dict:
 
 # --- choosing the checkpoint to resume from -----------------------------------------------
 
-@dataclass
-class Rejected:
-    """A checkpoint file passed over, and why."""
-
-    path: str
-    reason: str
-    section: str | None = None
-
-
-@dataclass
-class CheckpointScan:
-    """What :func:`scan_checkpoints` found in a directory."""
-
-    dirpath: str
-    path: str | None                       # the newest file that verifies, None if none does
-    rejected: list[Rejected] = field(default_factory=list)   # newer files passed over, newest first
-    candidates: int = 0                    # files matching the pattern
-    orphans: list[str] = field(default_factory=list)         # temp files left by interrupted writes
+# What scan_checkpoints returns: the walk back's report (``run`` is the directory,
+# ``path`` the file chosen, ``rejected`` the newer files passed over, each a
+# Rejection with its ``path``), and the name it had for a rejection.
+CheckpointScan = Recovery
+Rejected = Rejection
 
 
 def scan_checkpoints(dirpath, pattern: str = "*.ckpt", *, weights_only_ok: bool = False) -> CheckpointScan:
@@ -496,20 +482,19 @@ def scan_checkpoints(dirpath, pattern: str = "*.ckpt", *, weights_only_ok: bool 
     dangling symlink). Anything else (a missing torch, no permission) is raised:
     it says nothing about the checkpoint."""
     d = _local_path(dirpath)
-    scan = CheckpointScan(dirpath=d, path=None)
     try:
         entries = list(os.scandir(d))
     except FileNotFoundError:
         log.info("%s: no such directory; no checkpoint to resume from", d)
-        return scan
+        return Recovery(run=d)
     except NotADirectoryError:
         raise UsageError("not a directory", ref=d, hint="pass the ModelCheckpoint dirpath") from None
     except PermissionError:
-        raise UsageError("permission denied", ref=d, hint="check the directory's permissions") from None
-    found = []
+        raise StoreConnectionError("permission denied", ref=d, hint="check the directory's permissions") from None
+    found, orphans = [], []
     for e in entries:
         if durable.is_temp_name(e.name):
-            scan.orphans.append(e.path)
+            orphans.append(e.path)
             continue
         if not fnmatch.fnmatch(e.name, pattern):
             continue
@@ -527,22 +512,28 @@ def scan_checkpoints(dirpath, pattern: str = "*.ckpt", *, weights_only_ok: bool 
         written = _written_at(e.path) if why is None else None
         found.append((st.st_mtime_ns if written is None else written, 0 if link else 1, e.name, e.path, st, why))
     found.sort(reverse=True)
-    scan.candidates = len(found)
-    judged: dict = {}                    # (dev, inode) -> rejection reason: a link and its target judged once
-    for _, _, _, path, st, why in found:
+    facts = {path: (st, why) for _, _, _, path, st, why in found}
+    judged: dict = {}                    # (dev, inode) -> the verdict: a link and its target judged once
+
+    def judge(c: Candidate) -> str:
+        st, why = facts[c.ref]
         if why is None:
             ident = (st.st_dev, st.st_ino)
-            if ident in judged:
-                why = judged[ident]
-            else:
-                why = _judge(path, weights_only_ok)
-                judged[ident] = why
-        if why is None:
-            scan.path = path
-            break
-        reason, section = why if isinstance(why, tuple) else (why, None)
-        scan.rejected.append(Rejected(path=path, reason=reason, section=section))
-        log.warning("%s: passed over, %s", path, reason)
+            if ident not in judged:
+                try:
+                    judged[ident] = _judge(c.ref, weights_only_ok)
+                except AgckError as e:
+                    if not e.verdict:
+                        raise
+                    judged[ident] = (e.reason, getattr(e, "section", None))
+            why = judged[ident]
+        if why is not None:       # named by the candidate's own path: a link and its target apart
+            reason, section = why if isinstance(why, tuple) else (why, None)
+            raise Unsuitable(reason, ref=c.ref, section=section)
+        return c.ref
+
+    scan = walk_back(d, [Candidate(None, path) for _, _, _, path, _, _ in found], judge, orphans=orphans,
+                     on_reject=lambda r: log.warning("%s: passed over, %s", r.path, r.reason))
     if scan.path is not None:
         log.info("%s: newest checkpoint that verifies%s", scan.path,
                  f" ({len(scan.rejected)} newer passed over)" if scan.rejected else "")
@@ -558,21 +549,18 @@ def _written_at(path: str) -> int | None:
         return None      # judged in its turn
 
 
-def _judge(path: str, weights_only_ok: bool):
-    """None if ``path`` verifies and can be resumed from, else (reason, section)."""
-    try:
-        ck = _agck_load(path, verify=True, mmap=True)
-        state = _lightning_state(ck, path)
-    except AgckError as e:
-        if is_verdict(e):
-            return (getattr(e, "reason", str(e)), getattr(e, "section", None))
-        raise
+def _judge(path: str, weights_only_ok: bool) -> None:
+    """Returns if ``path`` verifies and can be resumed from; raises a verdict
+    (:class:`agck.recovery.Unsuitable` for a file that verifies but cannot be
+    resumed from) or anything that is not one."""
+    ck = _agck_load(path, verify=True, mmap=True)
+    state = _lightning_state(ck, path)
     ours = isinstance(ck.meta, dict) and isinstance(ck.meta.get("lightning"), dict)
     if not ours and "pytorch-lightning_version" not in state:
-        return ("verifies, but is not a Lightning checkpoint", None)
+        raise Unsuitable("verifies, but is not a Lightning checkpoint", ref=path)
     if not weights_only_ok and "optimizer_states" not in state:
-        return ("verifies, but holds weights only (save_weights_only=True): fit cannot resume from it", None)
-    return None
+        raise Unsuitable("verifies, but holds weights only (save_weights_only=True): fit cannot resume from it",
+                         ref=path)
 
 
 def newest_valid_checkpoint(dirpath, pattern: str = "*.ckpt", *, strict: bool = True,
@@ -590,7 +578,7 @@ def newest_valid_checkpoint(dirpath, pattern: str = "*.ckpt", *, strict: bool = 
             f"none of the {scan.candidates} checkpoint files verifies: "
             + "; ".join(f"{os.path.basename(r.path)}: {r.reason}" for r in scan.rejected[:5])
             + (" ..." if len(scan.rejected) > 5 else ""),
-            ref=scan.dirpath, report=scan,
+            ref=scan.run, report=scan,
             hint="nothing to resume from: start the run over (strict=False returns None), or restore the "
                  "directory from a backup")
     return scan.path

@@ -17,10 +17,10 @@ from __future__ import annotations
 import os
 
 from ..errors import DependencyError, StoreConnectionError
-from .base import CheckpointInfo, PutEntry, Rejection, Store, check_run, check_step
+from .base import CheckpointInfo, PutEntry, Store, check_run, check_step
 from .dsn import dsn_secrets, dsn_without_password, is_kv_dsn, redact_dsn, split_agck_params
 
-__all__ = ["open_store", "Store", "PutEntry", "CheckpointInfo", "Rejection", "check_run", "check_step", "redact_dsn",
+__all__ = ["open_store", "Store", "PutEntry", "CheckpointInfo", "check_run", "check_step", "redact_dsn",
            "dsn_secrets", "dsn_without_password", "is_kv_dsn", "split_agck_params"]
 
 _URL_HINT = "use a directory path, sqlite:///relative.db, sqlite:////abs/path.db or postgresql://..."

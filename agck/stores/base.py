@@ -19,10 +19,11 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from typing import Any, Collection, Iterable, Sequence
 
-from .. import checkpoint, format, recovery, sharded
+from typing import ClassVar, Protocol
+
+from .. import checkpoint, format
 from ..checkpoint import Checkpoint
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StaleEpochError, UsageError
-from ..recovery import Rejection  # noqa: F401  (re-exported: agck.stores.Rejection)
+from ..errors import CorruptCheckpointError, StaleEpochError, UsageError
 from ..names import check_run, check_step
 from .content import (DEFAULT_VERIFY_REUSED, QuarantinedChunk, ScrubReport, WriteCache, WriteCaches, cannot_confirm,
                       check_verify_reused)
@@ -63,6 +64,18 @@ class PutEntry:
 MIN_CHUNKED = 64 << 10
 
 
+class Policies(Protocol):
+    """What is decided above the store floor, over the store interface: which
+    checkpoint of a run is the newest that verifies, and what retention deletes.
+    :mod:`agck.recovery` implements it; agck's public face installs it as
+    :attr:`Store.policies` on import, so a store never imports the policies that
+    judge it."""
+
+    def newest(self, store: "Store", run: str, *, map_location=None) -> Checkpoint: ...
+
+    def prune(self, store: "Store", run: str, *, keep_last, keep_every, before, epoch) -> list[int]: ...
+
+
 def check_last(last: Any) -> int | None:
     """``steps(run, last=...)``: None (every step) or a positive integer."""
     if last is None:
@@ -76,6 +89,7 @@ class Store(ABC):
     """Backend interface. Implementations must be safe to share between threads."""
 
     url: str
+    policies: ClassVar[Policies | None] = None   # installed by agck (agck.recovery.POLICIES)
 
     incremental = False
     full_every: int | None = None
@@ -261,15 +275,17 @@ class Store(ABC):
         """A human-readable location of (run, step)."""
 
     def get(self, run: str, step: int | None = None, *, verify: bool = True, map_location=None) -> Checkpoint:
-        """(run, step), or with ``step=None`` the newest checkpoint of ``run`` that verifies."""
+        """(run, step), or with ``step=None`` the newest checkpoint of ``run`` that
+        verifies (:func:`agck.recovery.recover_run`, strict)."""
         check_run(run)
         if step is not None:
             return self.read(run, check_step(step), verify=verify, map_location=map_location)
-        rec = recovery.recover_run(self, run, map_location=map_location, strict=True)
-        if rec.checkpoint is None:
-            raise CheckpointNotFoundError(f"run {run!r} has no checkpoints", ref=self.url,
-                                          hint="check the run name (`agck ls` lists the runs)")
-        return rec.checkpoint
+        return self._policies().newest(self, run, map_location=map_location)
+
+    def _policies(self) -> Policies:
+        if self.policies is None:
+            raise UsageError("no recovery policies are installed", ref=self.url, hint="import agck")
+        return self.policies
 
     # -- housekeeping ----------------------------------------------------------
     def orphans(self, run: str | None = None) -> list[str]:
@@ -287,12 +303,10 @@ class Store(ABC):
         Keeps the newest ``keep_last``, every step divisible by ``keep_every``,
         and all steps >= ``before`` (when given, only steps below it are
         candidates). Never deletes the newest checkpoint that verifies, and
-        deletes nothing when it cannot find one (see :func:`agck.recovery.prune`)."""
-        deleted = recovery.prune(self, run, keep_last=keep_last, keep_every=keep_every, before=before, epoch=epoch)
-        if deleted:
-            self.collect_garbage()
-            sharded.clean_partial(self, run)   # the parts of pruned multi-rank steps
-        return deleted
+        deletes nothing when it cannot find one (see :func:`agck.recovery.prune`);
+        then collects the garbage and the parts of pruned multi-rank steps."""
+        return self._policies().prune(self, run, keep_last=keep_last, keep_every=keep_every, before=before,
+                                      epoch=epoch)
 
     # -- damaged chunks ----------------------------------------------------------
     def quarantine(self, addresses) -> dict[bytes, str]:
