@@ -32,12 +32,6 @@ from .errors import AgckError, CheckpointNotFoundError, NoValidCheckpointError, 
 from .names import check_run
 
 
-def is_verdict(e: BaseException) -> bool:
-    """True when ``e`` judges a checkpoint's own bytes: the ``verdict`` of its class
-    (:class:`agck.errors.AgckError`)."""
-    return isinstance(e, AgckError) and e.verdict
-
-
 class Unsuitable(AgckError):
     """A judge's verdict that is not an error of the candidate's own bytes: it verifies
     but cannot be resumed from (weights only, not a framework's checkpoint), it is a

@@ -805,7 +805,6 @@ def test_writer_and_reader_agree_on_depth():
 
 
 def test_unreadable_file_is_not_a_verdict(monkeypatch, tmp_path):
-    from agck import recovery
     path = tmp_path / "c.agck"
     agck.save(path, {})
 
@@ -815,7 +814,7 @@ def test_unreadable_file_is_not_a_verdict(monkeypatch, tmp_path):
     monkeypatch.setattr(checkpoint, "open", denied, raising=False)
     with pytest.raises(AgckError) as ei:
         agck.load(path)
-    assert not recovery.is_verdict(ei.value)
+    assert not ei.value.verdict
 
 
 _plain = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text()

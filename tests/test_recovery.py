@@ -13,7 +13,7 @@ import pytest
 
 import agck
 from agck import errors, recovery
-from agck.recovery import is_verdict, prune, recover_run
+from agck.recovery import prune, recover_run
 
 from test_stores import corrupt_payload, state_for
 
@@ -34,7 +34,7 @@ def _fill(store, steps=(1, 2, 3), corrupt=(), spec=None):
     (errors.SchemaMismatchError, False), (errors.CheckpointNotFoundError, False), (errors.AgckError, False),
 ])
 def test_only_verdicts_on_bytes_are_verdicts(cls, verdict):
-    assert is_verdict(cls("x")) is verdict
+    assert cls("x").verdict is verdict and cls.verdict is verdict     # a property of the class
 
 
 @pytest.mark.parametrize("cls", [errors.DependencyError, errors.UsageError, errors.StoreError,

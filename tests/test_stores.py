@@ -1647,7 +1647,6 @@ def test_an_io_error_reading_a_checkpoint_is_a_verdict_other_errors_are_not(tmp_
     import builtins
     import errno
     from agck import checkpoint
-    from agck.recovery import is_verdict
     path = str(tmp_path / "x.agck")
     agck.save(path, {"x": 1})
     real_open = builtins.open
@@ -1660,4 +1659,4 @@ def test_an_io_error_reading_a_checkpoint_is_a_verdict_other_errors_are_not(tmp_
         with pytest.raises(AgckError) as ei:
             checkpoint.read_file(path)
         monkeypatch.setattr(builtins, "open", real_open)
-        assert is_verdict(ei.value) == verdict and os.strerror(code) in str(ei.value)
+        assert ei.value.verdict == verdict and os.strerror(code) in str(ei.value)

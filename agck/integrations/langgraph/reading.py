@@ -50,7 +50,7 @@ from langgraph.checkpoint.base import (BaseCheckpointSaver, CheckpointTuple, Del
                                        writes_sort_key)
 
 from ...errors import AgckError, CheckpointNotFoundError, CorruptCheckpointError, MalformedCheckpointError, UsageError
-from ...recovery import is_verdict
+from ...recovery import Candidate, Unsuitable, walk_back
 from ...stores import Store
 from .layout import (_FORMAT, _Runs, _is_place, _is_records_run, _matches, _prefilter, _thread_prefix,
                      checkpoint_key)
@@ -153,7 +153,7 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
         except CheckpointNotFoundError:
             return None
         except AgckError as e:
-            if is_verdict(e):
+            if e.verdict:
                 raise _Damage("its record", e, self.store.ref(runs.records, key)) from None
             raise
         m = ck.meta
@@ -204,7 +204,7 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
             except CheckpointNotFoundError as err:
                 raise _Damage(what + " (its stored entry is missing)", err, ref) from None
             except AgckError as err:
-                if is_verdict(err):
+                if err.verdict:
                     raise _Damage(what, err, ref) from None
                 raise
             for c in chans:
@@ -225,7 +225,7 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
             except CheckpointNotFoundError:
                 continue
             except AgckError as err:
-                if is_verdict(err):
+                if err.verdict:
                     raise _Damage("a pending write", err, ref) from None
                 raise
             try:
@@ -239,16 +239,20 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
         return [w for _, w in rows]
 
     def _previous(self, runs: _Runs, below: int, expect: tuple[str, str] | None) -> CheckpointTuple | None:
-        for s in reversed(self.store.steps(runs.records)):
-            if s >= below:
-                continue
+        """The newest checkpoint of the namespace below key ``below`` that verifies
+        (:func:`agck.recovery.walk_back`), None if none does."""
+        def judge(c: Candidate) -> CheckpointTuple:
             try:
-                t = self._load(runs, s, expect=expect)
-            except _Damage:
-                continue
-            if t is not None:
-                return t
-        return None
+                t = self._load(runs, c.step, expect=expect)
+            except _Damage as d:
+                raise Unsuitable(f"{d.part}: {getattr(d.cause, 'reason', d.cause)}", ref=d.ref) from None
+            if t is None:
+                raise Unsuitable("gone, or another thread's or namespace's", ref=c.ref)
+            return t
+
+        steps = [s for s in self.store.steps(runs.records) if s < below]
+        return walk_back(runs.records, [Candidate(s, self.store.ref(runs.records, s)) for s in reversed(steps)],
+                         judge).checkpoint
 
     def _identify(self, runs: _Runs, key: int, thread_id, ns, cid) -> tuple:
         """Who a damaged checkpoint is, from whichever of its parts still says: its record,
@@ -429,7 +433,7 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
             except _Damage as d:
                 raise self._damaged(runs, key, thread_id, ns, cursor, d) from None
             except AgckError as e:
-                if is_verdict(e):
+                if e.verdict:
                     raise self._damaged(runs, key, thread_id, ns, cursor,
                                         _Damage("its record", e, self.store.ref(runs.records, key))) from None
                 raise

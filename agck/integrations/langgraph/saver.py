@@ -29,7 +29,6 @@ from langgraph.checkpoint.base import (WRITES_IDX_MAP, ChannelVersions, Checkpoi
                                        CheckpointTuple, DeltaChannelHistory, get_checkpoint_metadata)
 
 from ...errors import AgckError, CheckpointExistsError, CheckpointNotFoundError, EncodeError, UsageError
-from ...recovery import is_verdict
 from ...stores import PutEntry, Store, open_store
 from .layout import (_FORMAT, _MAX_STEP, _OWN_ENTRY_BYTES, _UNDECIDED, _is_lg_run, _is_records_run,
                      _metadata_projection, _Runs, _task_slot, _thread_prefix, checkpoint_key)
@@ -204,7 +203,7 @@ class AgckSaver(_CheckpointReader):
         except CheckpointNotFoundError:
             return
         except AgckError as e:
-            if is_verdict(e):
+            if e.verdict:
                 return
             raise
         other = ck.meta.get("checkpoint_id") if isinstance(ck.meta, dict) else None
@@ -253,7 +252,7 @@ class AgckSaver(_CheckpointReader):
             except CheckpointNotFoundError:
                 continue
             except Exception as e:   # a damaged older record: the value may be found further back
-                if isinstance(e, AgckError) and not is_verdict(e):
+                if isinstance(e, AgckError) and not e.verdict:
                     raise
                 continue
             for c in list(wanted):
@@ -309,7 +308,7 @@ class AgckSaver(_CheckpointReader):
             except CheckpointNotFoundError:
                 continue   # deleted meanwhile: put again
             except Exception as e:
-                if isinstance(e, AgckError) and not is_verdict(e):
+                if isinstance(e, AgckError) and not e.verdict:
                     raise
                 raise self._damaged(runs, key, thread_id, ns, cid,
                                     _Damage(f"the pending writes stored at slot {slot}", e,
@@ -450,7 +449,7 @@ class AgckSaver(_CheckpointReader):
             except CheckpointNotFoundError:
                 break
             except Exception as e:
-                if isinstance(e, AgckError) and not is_verdict(e):
+                if isinstance(e, AgckError) and not e.verdict:
                     raise
                 return   # the chain a delta channel needs cannot be judged: delete nothing
             keep.add(key)
@@ -478,7 +477,7 @@ class AgckSaver(_CheckpointReader):
                 except CheckpointNotFoundError:
                     continue
                 except AgckError as e:
-                    if is_verdict(e):
+                    if e.verdict:
                         key = int(kind[1:], 16) if kind[0] == "w" else s
                         raise self._damaged(_Runs(run[:run.rindex(".") + 1]), key, None, None, None,
                                             _Damage(f"a stored entry of {run}", e, self.store.ref(run, s))) from None
