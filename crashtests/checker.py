@@ -16,7 +16,8 @@ as Jepsen classifies operations:
                     and the library disagreeing, or a resume that diverged;
 * ``error``         the harness itself could not judge (reported, never hidden).
 
-``lost`` and ``corrupt`` must be zero.
+``lost`` and ``corrupt`` must be zero. A trial that never started (the campaign's
+time limit came first) is ``skipped``: not judged, so neither ok nor an error.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 OUTCOMES = ("ok", "indeterminate", "lost", "corrupt", "error")
+SKIPPED = "skipped"     # the outcome of a trial that never started: no outcome of the code under test
+STORES = ("file", "sqlite", "postgres")
+FAULTS = ("kill", "failpoint", "pgkill", "powerloss", "corrupt", "stale", "dist", "distpower", "chunkrot")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -37,7 +41,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class Trial:
     id: int
     store: str                      # file | sqlite | postgres
-    fault: str                      # kill | failpoint | pgkill | powerloss | corrupt | stale | dist
+    fault: str                      # one of FAULTS
     run: str
     url: str
     point: str = ""                 # the crash point reached (label), "" when none was
@@ -57,6 +61,7 @@ class Trial:
     outcome: str = ""
     reasons: list = field(default_factory=list)
     detail: str = ""
+    skipped: bool = False           # never started (the campaign's time limit): not judged
 
     @property
     def last_ack(self):
@@ -146,6 +151,9 @@ def cli_recover(url: str, run: str | None = None, timeout: float = 300) -> dict:
 
 def classify(t: Trial) -> str:
     """Set and return ``t.outcome`` from what was observed."""
+    if t.skipped:
+        t.outcome = SKIPPED
+        return t.outcome
     reasons = list(t.reasons)
     lost = corrupt = error = False
     rec = t.recovered

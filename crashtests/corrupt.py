@@ -11,6 +11,15 @@ or step copied in. SQL stores: the same on the chunk rows, plus deleted chunk
 rows and a whole (manifest, chunks) pair from another run or step swapped in.
 With ``fix`` the manifest's size, chunk count and checksum are recomputed over
 the damaged bytes, so that only the container's own checks can catch it.
+
+Fault kind ``corrupt`` of the campaign (:func:`trials`): per store, a trial puts
+the first three checkpoint steps of the pipeline (in-process) under its own run,
+damages one or more of them (the newest most often; sometimes an older one only,
+or all) and recovers: every damaged step must be rejected, and recovery must walk
+back to the newest intact one, bit-identical to the reference (``expected``).
+SQL stores are used with their default chunk size and with 64 KiB chunks (a
+container over several rows). A trial not started before the time limit is
+skipped; a harness failure is an error on its trial.
 """
 
 from __future__ import annotations
@@ -20,6 +29,11 @@ import random
 import struct
 
 import xxhash
+
+from . import checker
+from .campaign import Campaign, _log
+from .checker import Trial
+
 
 class Unchanged(RuntimeError):
     """The chosen damage would leave the stored bytes as they were."""
@@ -235,3 +249,90 @@ def corrupt(store, run: str, step: int, kind: str, rng: random.Random, **kw) -> 
 
 def kinds_for(store) -> tuple[str, ...]:
     return FILE_KINDS if type(store).__name__ == "FileStore" else SQL_KINDS
+
+
+# --- the campaign's trials -----------------------------------------------------------------
+
+def trials(c: Campaign) -> None:
+    from agck.stores.file import FileStore
+    from agck.stores.sqlite import SqliteStore
+    cfg = c.cfg
+    if not c._starts("corrupt"):
+        return
+    trees = c.trees()
+    steps = sorted(trees)[:3]
+    opened = []
+    targets = {}
+    for s in cfg.stores:
+        if s == "file":
+            url = os.path.join(c.work, "corrupt-file")
+            stores = [FileStore(url)]
+        elif s == "sqlite":
+            url = f"sqlite:///{c.work}/corrupt.db"
+            stores = [SqliteStore(url), SqliteStore(url, chunk_size=65536)]
+        else:
+            from agck.stores.postgres import PostgresStore
+            url = c.cluster.dsn("corrupt")
+            stores = [PostgresStore(url), PostgresStore(url, chunk_size=65536)]
+        opened += stores
+        targets[s] = (url, stores)
+    try:
+        for s, (url, stores) in targets.items():
+            n = cfg.n(s, "corrupt")
+            _log(cfg, f"corruption trials on {s}: {n}")
+            for st in stores[:1]:
+                for k in steps:
+                    st.put("donor", k, trees[k], meta={"snapshot": True})
+            for i in range(n):
+                if not c._time_left():
+                    c._skip_rest(s, "corrupt", n - i)
+                    break
+                t = c._new_trial(s, "corrupt", "c", url)
+                try:
+                    trial(c, t, c.rng.choice(stores), steps, trees)
+                except Exception as e:
+                    t.reasons.append(f"harness error: {type(e).__name__}: {e}")
+                    t.recovered = "raised"
+    finally:
+        for st in opened:
+            st.close()
+
+
+def trial(c: Campaign, t: Trial, store, steps: list[int], trees: dict) -> None:
+    rng = c.rng
+    parent = None
+    for k in steps:
+        store.put(t.run, k, trees[k], meta={"snapshot": True}, parent=parent)
+        parent = k
+    t.acked = list(steps)
+    r = rng.random()
+    if r < 0.65:
+        damaged = steps[-1:]
+    elif r < 0.85:
+        damaged = steps[-2:]
+    elif r < 0.93:
+        damaged = steps[1:2]         # an older one: the newest must still be chosen
+    else:
+        damaged = list(steps)
+    labels = []
+    for k in damaged:
+        for attempt in range(5):
+            kind = rng.choice(kinds_for(store))
+            donor_step = rng.choice([s for s in steps if s != k]) if kind == "swap_step" else k
+            try:
+                labels.append(corrupt(store, t.run, k, kind, rng, donor_run="donor", donor_step=donor_step))
+                break
+            except Unchanged:   # e.g. swapping in a step that was already swapped for this one
+                continue
+        else:
+            raise RuntimeError(f"could not damage step {k}")
+    t.damaged = list(damaged)
+    intact = [k for k in steps if k not in damaged]
+    t.expected = max(intact) if intact else None
+    t.reached = True
+    t.point = ",".join(sorted(set(labels)))
+    checker.check_library(store, t, c._full)
+    missed = [k for k in damaged if k not in t.rejected and k > (t.recovered or -1)]
+    if missed:
+        t.reasons.append(f"damaged steps {missed} not reported as rejected")
+        t.hash_ok = False

@@ -305,6 +305,39 @@ class SimFS(durable.FileSystem):
         return desc
 
 
+def crash_at_every_operation(work: str, before: dict, operation, check) -> int:
+    """Cut the power at each file-system operation of ``operation`` in turn; returns how many it makes.
+
+    ``before`` is the tree that exists (durable) when ``operation(root, fs)`` starts
+    ({relative path: bytes, or None for a directory}, as :meth:`SimFS.image_tree`
+    gives). A first run, in ``work/count``, counts the operations; then for every
+    crash_at from 1 to that count, ``operation`` runs in a fresh ``work/c{crash_at}``
+    on a SimFS that loses power at operation crash_at (completing anyway is an
+    AssertionError), and each post-crash tree, one per mode of :data:`MODES` drawn
+    with ``random.Random(crash_at)``, must satisfy ``check(tree)`` (AssertionError
+    naming crash_at, the operation cut and the mode otherwise)."""
+    count = os.path.join(work, "count")
+    materialize(before, count)
+    probe = SimFS(count)
+    operation(count, probe)
+    for crash_at in range(1, probe.ops + 1):
+        root = os.path.join(work, f"c{crash_at}")
+        materialize(before, root)
+        sim = SimFS(root, crash_at=crash_at)
+        try:
+            operation(root, sim)
+        except Crash:
+            pass
+        else:
+            raise AssertionError(f"the operation completed although the power was cut at operation {crash_at}")
+        rng = random.Random(crash_at)
+        for mode in MODES:
+            tree = sim.image_tree(sim.choose(rng, mode)[1])
+            if not check(tree):
+                raise AssertionError(f"power cut at operation {crash_at} ({sim.crash_op}), {mode}: {sorted(tree)}")
+    return probe.ops
+
+
 def materialize(tree: dict, dst: str) -> None:
     os.makedirs(dst, exist_ok=True)
     for rel in sorted(tree):

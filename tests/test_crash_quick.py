@@ -12,7 +12,7 @@ import pytest
 
 from agck import durable
 from crashtests import campaign, pgcluster
-from crashtests.simfs import MODES, Crash, SimFS
+from crashtests.simfs import MODES, Crash, SimFS, crash_at_every_operation
 
 
 # --- simfs --------------------------------------------------------------------------
@@ -121,20 +121,9 @@ def test_early_writeback_is_no_durability_point(tmp_path, monkeypatch):
     assert all(a + n == b for (a, n), (b, _) in zip(calls, calls[1:]))
     assert calls[-1][0] + calls[-1][1] <= len(new)
 
-    probe = SimFS(str(tmp_path / "count"))
-    durable.write_atomic(os.path.join(probe.root, "ckpt"), parts, fs=probe)
-    for crash_at in range(1, probe.ops + 1):
-        root = str(tmp_path / f"c{crash_at}")
-        os.makedirs(root)
-        with open(os.path.join(root, "ckpt"), "wb") as f:
-            f.write(old)
-        sim = SimFS(root, crash_at=crash_at)
-        with pytest.raises(Crash):
-            durable.write_atomic(os.path.join(root, "ckpt"), parts, fs=sim)
-        rng = random.Random(crash_at)
-        for mode in MODES:
-            got = sim.image_tree(sim.choose(rng, mode)[1]).get("ckpt")
-            assert got in (old, new), (crash_at, sim.crash_op, mode)
+    crash_at_every_operation(str(tmp_path / "cut"), {"ckpt": old},
+                             lambda root, fs: durable.write_atomic(os.path.join(root, "ckpt"), parts, fs=fs),
+                             lambda tree: tree.get("ckpt") in (old, new))
 
 
 def test_writeback_hint_failures_never_fail_a_write(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ import xxhash
 
 from agck import checkpoint, durable, failpoints, format
 from agck.errors import CheckpointExistsError, DurabilityError
-from crashtests.simfs import MODES, Crash, SimFS
+from crashtests.simfs import MODES, SimFS, crash_at_every_operation
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -163,21 +163,11 @@ def test_direct_write_power_loss_at_every_operation(tmp_path, small_chunks):
     mid[:] = np.frombuffer(new[100:150_100], dtype=np.uint8)
     parts = [new[:100], memoryview(mid), new[150_100:]]
     assert _joined(parts) == new
-    probe = SimFS(str(tmp_path / "count"))
-    durable.write_atomic(os.path.join(probe.root, "ckpt"), parts, size=len(new), fs=probe)
-    assert probe.ops > 6
-    for crash_at in range(1, probe.ops + 1):
-        root = str(tmp_path / f"c{crash_at}")
-        os.makedirs(root)
-        with open(os.path.join(root, "ckpt"), "wb") as f:
-            f.write(old)
-        sim = SimFS(root, crash_at=crash_at)
-        with pytest.raises(Crash):
-            durable.write_atomic(os.path.join(root, "ckpt"), parts, size=len(new), fs=sim)
-        rng = random.Random(crash_at)
-        for mode in MODES:
-            got = sim.image_tree(sim.choose(rng, mode)[1]).get("ckpt")
-            assert got in (old, new), (crash_at, sim.crash_op, mode)
+    ops = crash_at_every_operation(
+        str(tmp_path / "cut"), {"ckpt": old},
+        lambda root, fs: durable.write_atomic(os.path.join(root, "ckpt"), parts, size=len(new), fs=fs),
+        lambda tree: tree.get("ckpt") in (old, new))
+    assert ops > 6
     sim = SimFS(str(tmp_path / "done"))
     durable.write_atomic(os.path.join(sim.root, "ckpt"), parts, size=len(new), fs=sim)
     sim.crash()
