@@ -451,10 +451,43 @@ def crowded(keys, n: int) -> bool:
     return bool((h[MAX_SAME_HASH:] == h[:-MAX_SAME_HASH]).any())
 
 
+_EXACT_KEYS = frozenset({str, int, bytes, bool, type(None)})   # types that hold no NaN
+_NAN = object()     # only in _nan_bits' stand-ins: equal to no value a tree holds
+_F64 = struct.Struct("<d")
+
+
+def nan_twins(keys) -> bool:
+    """Whether two of ``keys`` (distinct as Python values) are one key by the tree
+    rules: equal but for NaNs of the same bits. Python's NaN is unequal even to
+    itself, so a dict or set keeps both, though msgpack writes them as the same
+    bytes. Keys of types that hold no NaN (str, int, ...) cost one scan in C."""
+    if _EXACT_KEYS.issuperset(map(type, keys)):
+        return False
+    return len(set(map(_nan_bits, keys))) != len(keys)
+
+
+def _nan_bits(k):
+    """``k``, or where it holds a NaN (numpy's NaT too) a stand-in equal only to
+    the stand-in of a value equal to ``k`` but for NaNs of the same bits."""
+    t = type(k)
+    if t is tuple:
+        return tuple(map(_nan_bits, k))
+    if t is frozenset:
+        return frozenset(map(_nan_bits, k))
+    if isinstance(k, float):     # numpy's float64 too: it equals the float, and metadata stores it as one
+        return k if k == k else (_NAN, _F64.pack(k))
+    if t is complex:
+        return k if k == k else (_NAN, _F64.pack(k.real), _F64.pack(k.imag))
+    if isinstance(k, np.generic):
+        return k if k == k else (_NAN, k.dtype.str, k.tobytes())
+    return k
+
+
 class TreeBuilder:
     """msgpack hooks that build arrays and maps under the tree rules: containers
-    nest at most MAX_DEPTH deep, a map's keys are distinct (as Python values) and
-    at most MAX_SAME_HASH of them share a hash.
+    nest at most MAX_DEPTH deep, a map's keys are distinct (as Python values, NaNs
+    of the same bits equal: :func:`nan_twins`) and at most MAX_SAME_HASH of them
+    share a hash.
 
     Hooks run bottom-up, so depth is checked as height: a container's height is
     1 + the greatest height among its items, kept by ``id`` (only when over 1)
@@ -491,8 +524,8 @@ class TreeBuilder:
             return items
         return self.place(items, self.height(items))
 
-    def map(self, pairs: list, _plain=_SCANNED.isdisjoint, _map=map, _type=type, _dict=dict, _len=len,
-            _flat=chain.from_iterable) -> dict:
+    def map(self, pairs: list, _plain=_SCANNED.isdisjoint, _exact=_EXACT_KEYS.issuperset, _map=map, _type=type,
+            _dict=dict, _len=len, _set=set, _flat=chain.from_iterable) -> dict:
         n = _len(pairs)
         try:
             if n > MAX_SAME_HASH and crowded([k for k, _ in pairs], n):
@@ -500,9 +533,10 @@ class TreeBuilder:
             d = _dict(pairs)
         except TypeError:
             raise self.bad("unhashable map key") from None
-        if _len(d) != n:
+        kinds = _set(_map(_type, d))    # the keys' types, for both checks below: one scan in C
+        if _len(d) != n or (not _exact(kinds) and nan_twins(d)):
             raise self.bad("duplicate map key")
-        if _plain(_map(_type, _flat(pairs))):
+        if _plain(kinds) and _plain(_map(_type, d.values())):
             return d
         return self.place(d, self.height(_flat(pairs)))
 
@@ -515,7 +549,7 @@ class TreeBuilder:
             s = kind(items)
         except TypeError:
             raise self.bad("unhashable set item") from None
-        if len(s) != n:
+        if len(s) != n or nan_twins(s):
             raise self.bad("duplicate set item")
         return s
 

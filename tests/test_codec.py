@@ -610,7 +610,7 @@ def test_missing_dtypes_are_dependency_errors(monkeypatch):
         agck.loads(data)
     if hasattr(np, "float128"):
         data = agck.dumps([np.zeros(2, np.float128)])
-        monkeypatch.setattr(codec, "_NP_NAMES", [n for n in codec._NP_NAMES if n != "float128"])
+        monkeypatch.setattr(codec.tables, "_NP_NAMES", [n for n in codec._NP_NAMES if n != "float128"])
         with pytest.raises(agck.DependencyError, match="float128"):
             agck.loads(data)
 
@@ -712,6 +712,117 @@ def test_a_deep_caller_stack_is_not_corruption():
 
     with pytest.raises(RecursionError):
         deep(sys.getrecursionlimit() - 200)
+
+
+# --- the reader refuses what no writer writes (FORMAT.md sections 6 and 8) --------
+
+def _container(tree: bytes, tensors: list = (), blobs: list = ()) -> bytes:
+    from agck import format
+    return b"".join(bytes(p) for p in format.ContainerWriter({"tensors": list(tensors), "state": tree},
+                                                             list(blobs)).parts())
+
+
+def _ext_tree(code: int, payload: bytes) -> bytes:
+    return msgpack.packb(msgpack.ExtType(code, payload))
+
+
+@pytest.mark.parametrize("payload, what", [
+    (bytes.fromhex("91cf8000000000000000"), "entry 0 is 9223372036854775808"),    # [2**63]
+    (msgpack.packb([0, 2 ** 64 - 1]), "entry 1 is 18446744073709551615"),
+])
+def test_torch_size_entries_beyond_int64_are_refused(payload, what):
+    with pytest.raises(errors.MalformedCheckpointError, match=f"torch.Size {what}, outside int64"):
+        agck.loads(_container(_ext_tree(9, payload)))
+
+
+def test_torch_size_entries_at_the_ends_of_int64_load():
+    size = torch.Size([2 ** 63 - 1, 0, -2 ** 63, -1])
+    assert agck.loads(_container(_ext_tree(9, msgpack.packb(list(size))))).state == size
+    assert agck.loads(agck.dumps(size)).state == size
+
+
+def _encoded_tensor():
+    enc = codec.encode_state([np.arange(3, dtype=np.int32)])
+    return enc.tree, enc.tensors, enc.blobs
+
+
+@pytest.mark.parametrize("path, what", [(..., "no path"), (5, "path is a int"), (None, "path is a NoneType"),
+                                        (b"state[0]", "path is a bytes")])
+def test_a_descriptor_path_is_a_string(path, what):
+    tree, tensors, blobs = _encoded_tensor()
+    d = dict(tensors[0])
+    if path is ...:
+        del d["path"]
+    else:
+        d["path"] = path
+    with pytest.raises(errors.MalformedCheckpointError, match=f"tensor 0: {what}"):
+        agck.loads(_container(tree, [d], blobs))
+    assert agck.loads(_container(tree, [dict(tensors[0], path="anything")], blobs)).state[0].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("extra", [5, None, [], "d", b""])
+def test_an_unreferenced_descriptor_is_still_a_map(extra):
+    tree, tensors, blobs = _encoded_tensor()
+    with pytest.raises(errors.MalformedCheckpointError, match="tensor descriptor 1 is not a map"):
+        agck.loads(_container(tree, tensors + [extra], blobs))
+    assert len(agck.loads(_container(tree, tensors + [{"unreferenced": 1}], blobs)).state) == 1
+
+
+NAN = struct.unpack("<d", struct.pack("<Q", 0x7FF8000000000001))[0]
+OTHER_NAN = struct.unpack("<d", struct.pack("<Q", 0xFFF8000000000002))[0]
+
+
+def _same_nan() -> float:
+    """A NaN of NAN's bits, another object (Python compares NaNs as unequal, even to themselves)."""
+    return struct.unpack("<d", struct.pack("<d", NAN))[0]
+
+
+@pytest.mark.parametrize("tree, what", [
+    (b"\x82" + msgpack.packb(NAN) + b"\x00" + msgpack.packb(NAN) + b"\x01", "duplicate map key"),
+    (b"\x82" + _ext_tree(1, msgpack.packb([NAN, 1])) + b"\x00" + _ext_tree(1, msgpack.packb([NAN, 1.0])) + b"\x01",
+     "duplicate map key"),
+    (b"\x82" + _ext_tree(7, msgpack.packb([0.0, NAN])) + b"\x00" + _ext_tree(7, msgpack.packb([0.0, NAN])) + b"\x01",
+     "duplicate map key"),
+    (b"\x82" + _ext_tree(3, msgpack.packb([NAN])) + b"\x00" + _ext_tree(3, msgpack.packb([NAN])) + b"\x01",
+     "duplicate map key"),
+    (b"\x82" + _ext_tree(6, msgpack.packb(["float32", b"\x01\x00\xc0\x7f"])) + b"\x00"
+     + _ext_tree(6, msgpack.packb(["float32", b"\x01\x00\xc0\x7f"])) + b"\x01", "duplicate map key"),
+    (_ext_tree(2, msgpack.packb([NAN, 1, NAN])), "duplicate set item"),
+], ids=["float", "tuple", "complex", "frozenset", "numpy", "set"])
+def test_nan_keys_of_the_same_bits_are_one_key(tree, what):
+    with pytest.raises(errors.MalformedCheckpointError, match=what):
+        agck.loads(_container(tree))
+
+
+def test_nan_keys_of_other_bits_are_distinct():
+    tree = b"\x82" + msgpack.packb(NAN) + b"\x00" + msgpack.packb(OTHER_NAN) + b"\x01"
+    got = agck.loads(_container(tree)).state
+    assert sorted(struct.pack("<d", k) for k in got) == sorted(struct.pack("<d", k) for k in (NAN, OTHER_NAN))
+    state = {NAN: 0, OTHER_NAN: 1, (NAN, 1): 2, (_same_nan(), 2): 3, "one": {NAN: 0}}
+    assert_same(state, roundtrip(state))
+    got = roundtrip({NAN, OTHER_NAN, 1.0})   # sets of NaNs never compare equal: compare their bits
+    assert sorted(struct.pack("<d", k) for k in got) == sorted(struct.pack("<d", k) for k in (NAN, OTHER_NAN, 1.0))
+
+
+@pytest.mark.parametrize("state", [
+    {NAN: 0, _same_nan(): 1},
+    {"k": [{(NAN, 1): 0, (_same_nan(), 1.0): 1}]},
+    {complex(NAN, 0): 0, complex(_same_nan(), 0): 1},
+    {np.float32(NAN): 0, np.float32(_same_nan()): 1},
+    {"s": {NAN, _same_nan()}},
+    [frozenset({NAN, _same_nan(), 1})],
+], ids=["float", "tuple", "complex", "numpy", "set", "frozenset"])
+def test_the_writer_refuses_nan_keys_of_the_same_bits(state):
+    with pytest.raises(agck.EncodeError, match="NaN"):
+        agck.dumps(state)
+    with pytest.raises(agck.EncodeError, match=r"^state\['k'\]\[0\]: keys equal but for NaNs"):
+        agck.dumps({"k": [{NAN: 0, _same_nan(): 1}]})
+
+
+def test_meta_with_nan_keys_of_the_same_bits_is_refused():
+    with pytest.raises(agck.EncodeError, match=r"meta\['k'\]: .*NaN"):
+        agck.dumps({}, meta={"k": {NAN: 0, np.float64(_same_nan()): 1}})
+    assert len(agck.loads(agck.dumps({}, meta={NAN: 0, OTHER_NAN: 1})).meta) == 2
 
 
 # --- EncodeMemo: lists walked only where they changed, the same bytes as a fresh encode ---

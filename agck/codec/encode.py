@@ -1,178 +1,35 @@
-"""The tensor-aware value codec: a state tree <-> (msgpack tree, tensor descriptors, blobs).
+"""The encoder: a state tree -> a msgpack tree with tensor references, the tensor
+descriptors and the blobs (:func:`encode_state`); and the check that metadata
+is plain data that loads back equal (:func:`encode_plain`).
 
-No pickle, no import-by-name, no code runs on decode: the decoder only builds
-values of a fixed set of types from data, finding dtypes and devices in fixed
-tables. Arrays and tensors are not put in the msgpack tree; they become blobs
-(raw bytes, written by the format layer 64-byte aligned) described by
-descriptors, and the tree holds a reference.
-
-Sharing: tensors that share memory (the same object twice, tied weights,
-views of one storage) are stored once and come back sharing memory. Within one
-torch storage (or one numpy base buffer) the smallest byte span that covers
-every tensor seen is stored, and each tensor is a strided view into it. A
-tensor alone in its storage is stored compact (contiguous, only its own bytes).
+What the format cannot hold, or what would not load back as it was saved,
+raises EncodeError naming its path; a tree it returns obeys the tree rules
+(FORMAT.md section 8), so it loads. The bytes depend only on the state:
+:class:`EncodeMemo` lets the next encode of a run skip what it already walked,
+and it gives the bytes a fresh encode gives.
 """
 
 from __future__ import annotations
 
 import copy
-import ctypes
-import math
-import re
-import sys
 import weakref
-from operator import attrgetter, is_, methodcaller
-from typing import Any, Callable
+from operator import attrgetter, is_
+from typing import Any
 
 import msgpack
 import numpy as np
 
-from .errors import AgckError, DependencyError, EncodeError, MalformedCheckpointError, UsageError
-from .format import MAX_DEPTH, MAX_SAME_HASH, TreeBuilder, array_header, crowded, map_header
+from ..errors import EncodeError
+from ..format import MAX_DEPTH, MAX_SAME_HASH, array_header, crowded, map_header, nan_twins
+from .blobs import _all_numpy, _compact_bytes, _descriptor, _memory_key, _own_bytes, _own_bytes_all, _shared_group
+from .tables import (EXT_BIGINT, EXT_COMPLEX, EXT_FROZENSET, EXT_NP_DTYPE, EXT_NP_SCALAR, EXT_SET, EXT_TENSOR,
+                     EXT_TORCH_DEVICE, EXT_TORCH_DTYPE, EXT_TORCH_SIZE, EXT_TUPLE, _DEVICE_TYPES, _INT_MAX, _INT_MIN,
+                     _TORCH_DTYPE_NAMES, _TORCH_VALUE_NAME, _bind_torch, _device_syntax, _shape_error,
+                     np_dtype_from_name, np_dtype_name, share_torch)
 
-# torch is optional and slow to import (about a second), so agck never imports it
-# to encode (a state can only hold torch values if the process already has torch)
-# and imports it to decode only when a container holds torch values. `import agck`
-# and the CLI stay fast; see _bind_torch.
-torch: Any = None
+torch: Any = None          # the torch module once it is bound: see share_torch
+share_torch(globals())
 
-EXT_TUPLE = 1
-EXT_SET = 2
-EXT_FROZENSET = 3
-EXT_BIGINT = 4
-EXT_TENSOR = 5
-EXT_NP_SCALAR = 6
-EXT_COMPLEX = 7
-EXT_TORCH_DTYPE = 8
-EXT_TORCH_SIZE = 9
-EXT_TORCH_DEVICE = 10
-EXT_NP_DTYPE = 11
-
-_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
-
-# --- dtypes -----------------------------------------------------------------------
-
-_NP_NAMES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-             "float16", "float32", "float64", "complex64", "complex128"]
-_NP_LONG_DOUBLE = ("float128", "complex256")  # x86-64 long double: 80-bit extended, 16 bytes
-if hasattr(np, "float128"):
-    _NP_NAMES += _NP_LONG_DOUBLE
-_NP_TIME = re.compile(r"(datetime64|timedelta64)\[(Y|M|W|D|h|m|s|ms|us|ns|ps|fs|as)\]")
-
-
-def np_dtype_name(dt: np.dtype) -> str | None:
-    """The format's name for a numpy dtype, or None if unsupported."""
-    try:
-        return _NP_NAME_OF[dt]
-    except (KeyError, TypeError):
-        pass
-    name = _np_dtype_name(dt)
-    if len(_NP_NAME_OF) < 1024:
-        try:
-            _NP_NAME_OF[dt] = name
-        except TypeError:
-            pass
-    return name
-
-
-_NP_NAME_OF: dict = {}   # dtypes are hashed by value (byte order included): a cache of the rule below
-
-
-def _np_dtype_name(dt: np.dtype) -> str | None:
-    if dt.kind in "mM":
-        name = str(dt.newbyteorder("="))
-        return name if _NP_TIME.fullmatch(name) else None
-    name = dt.newbyteorder("=").name
-    return name if name in _NP_NAMES and dt.fields is None else None
-
-
-def np_dtype_from_name(name: str) -> np.dtype:
-    """The little-endian numpy dtype of a format name (ValueError for any other
-    name; DependencyError for long double where numpy lacks it)."""
-    if isinstance(name, str) and (name in _NP_NAMES or _NP_TIME.fullmatch(name)):
-        return np.dtype(name).newbyteorder("<")
-    if name in _NP_LONG_DOUBLE:
-        raise DependencyError(f"this checkpoint holds numpy {name} values, which numpy has no type for on "
-                              "this platform", hint="load it on x86-64 Linux, where numpy has float128")
-    raise ValueError(f"unknown numpy dtype {name!r}")
-
-
-# Tensor dtypes (FORMAT.md section 7), then the other dtypes a torch.dtype value (ext 8) may
-# be. Fixed lists: the decoder never looks a name up in the torch module.
-_TORCH_NAMES = ["bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
-                "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
-                "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"]
-_TORCH_VALUE_NAMES = _TORCH_NAMES + [
-    "float4_e2m1fn_x2", "bits1x8", "bits2x4", "bits4x2", "bits8", "bits16",
-    "int1", "int2", "int3", "int4", "int5", "int6", "int7",
-    "uint1", "uint2", "uint3", "uint4", "uint5", "uint6", "uint7",
-    "qint8", "quint8", "qint32", "quint4x2", "quint2x4"]
-TORCH_DTYPES: dict[str, Any] = {}        # tensor dtypes by name; filled in place once torch is bound
-_TORCH_DTYPE_NAMES: dict[Any, str] = {}
-_TORCH_VALUES: dict[str, Any] = {}       # every dtype ext 8 may name, by name
-_TORCH_VALUE_NAME: dict[Any, str] = {}
-
-# Device types a torch.device value (ext 10) may have: torch 2.13's list.
-_DEVICE_TYPES = frozenset({"cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve",
-                           "fpga", "maia", "xla", "lazy", "vulkan", "mps", "meta", "hpu", "mtia", "privateuseone"})
-_DEVICE_RE = re.compile(r"([a-z][a-z0-9_]*)(?::(0|[1-9][0-9]{0,2}))?")
-
-
-def _device_syntax(s) -> str | None:
-    """The device type of a device string ``type`` or ``type:index`` (index 0-127), else None."""
-    m = _DEVICE_RE.fullmatch(s) if type(s) is str else None
-    return m.group(1) if m and (m.group(2) is None or int(m.group(2)) < 128) else None
-
-
-def _bind_torch(load: bool = False):
-    """The torch module once it is in use, else None. ``load`` imports it (to
-    decode torch values; raises :class:`DependencyError` if torch is missing or
-    broken); without it, only a torch the process has fully imported counts."""
-    global torch
-    if torch is not None:
-        return torch
-    mod = sys.modules.get("torch")
-    if mod is not None and getattr(getattr(mod, "__spec__", None), "_initializing", False):
-        mod = None            # another thread is importing it: only a real import waits for that
-    if mod is None:
-        if not load:
-            return None
-        try:
-            import torch as mod
-        except Exception as e:  # ImportError, or a broken install (OSError, RuntimeError, ...)
-            raise DependencyError(f"this checkpoint holds torch values and `import torch` failed: "
-                                  f"{type(e).__name__}: {e}") from None
-    dtype_type = getattr(mod, "dtype", None)
-    found = {n: getattr(mod, n, None) for n in _TORCH_VALUE_NAMES} if isinstance(dtype_type, type) else {}
-    dtypes = {n: d for n, d in found.items() if isinstance(d, dtype_type)}
-    if "float32" not in dtypes:   # not a complete torch module: never bind a partial one
-        if load:
-            raise DependencyError("torch is importable but incomplete (no torch.float32)")
-        return None
-    _TORCH_VALUES.update(dtypes)
-    _TORCH_VALUE_NAME.update({v: k for k, v in dtypes.items()})
-    TORCH_DTYPES.update({n: d for n, d in dtypes.items() if n in _TORCH_NAMES})
-    _TORCH_DTYPE_NAMES.update({v: k for k, v in TORCH_DTYPES.items()})
-    torch = mod
-    return torch
-
-
-def _torch_dtype(name: str, table: dict, what: str, bad):
-    """The torch.dtype a format name stands for: refused (``bad``) when the name
-    is not in the format's list, DependencyError when this torch lacks it."""
-    dt = table.get(name) if type(name) is str else None
-    if dt is not None:
-        return dt
-    if name in (_TORCH_NAMES if table is TORCH_DTYPES else _TORCH_VALUE_NAMES):
-        raise DependencyError(f"this checkpoint holds {what} of torch dtype {name}, which torch "
-                              f"{torch.__version__} lacks", hint="load it with a newer torch")
-    raise bad(f"unknown torch dtype {name!r} for {what}")
-
-
-_bind_torch()
-
-
-# --- encoding ---------------------------------------------------------------------
 
 class _Unencodable(Exception):
     def __init__(self, msg: str):
@@ -322,10 +179,6 @@ def _signature(x):
 _NP_META = attrgetter("dtype", "shape", "strides")
 
 
-def _all_numpy(xs: list) -> bool:
-    return list(map(type, xs)).count(np.ndarray) == len(xs)
-
-
 def _signatures(seg: list) -> list:
     """What :func:`_signature` depends on, for tensors it accepted, in bulk: in C
     (``map``) for a segment of numpy arrays, where it costs most per item."""
@@ -374,6 +227,7 @@ def encode_state(state: Any, *, root: str = "state", memo: EncodeMemo | None = N
 
 
 _PLAIN_KEYS = (type(None), bool, int, float, str, bytes)
+_NAN_TWINS = "keys equal but for NaNs of the same bits are one key in the format (the map would not load)"
 
 
 def encode_plain(value: Any, what: str = "meta") -> Any:
@@ -422,6 +276,8 @@ def _check_plain(x, depth: int) -> None:
         except _Unencodable as e:
             e.path.append(_key_repr(k))
             raise
+    if nan_twins(x):
+        raise _Unencodable(_NAN_TWINS)
 
 
 class _Fragment:
@@ -547,6 +403,9 @@ class _Encoder:
             if depth >= MAX_DEPTH:
                 raise _Unencodable(f"nesting deeper than {MAX_DEPTH}")
             out = self.items(items, depth, 0)     # hashable items: no list, so nothing spliced
+            if nan_twins(x):
+                raise _Unencodable("set items equal but for NaNs of the same bits are one item in the format "
+                                   "(the set would not load)")
             if len(set(out)) != len(out):  # items equal once encoded (str subclasses with their own ==)
                 raise _Unencodable("set items that differ only by their type would load back equal")
             return msgpack.ExtType(code, self.pack(out))
@@ -729,6 +588,8 @@ class _Encoder:
             except _Unencodable as e:
                 e.path.append(_key_repr(k))
                 raise
+        if nan_twins(m):
+            raise _Unencodable(_NAN_TWINS)
         if len(out) != len(m):  # keys equal once encoded (str subclasses with their own ==)
             raise _Unencodable("keys that differ only by their type would load back equal")
         return out if self.spliced == spliced else _SplicedMap(out)
@@ -859,17 +720,6 @@ def _packed_index(idx: int) -> bytes:
 _FIXINTS = [bytes([i]) for i in range(0x80)]
 
 
-def _shape_error(shape, itemsize: int) -> str | None:
-    """What makes a shape one the format cannot hold (FORMAT.md section 6), or None."""
-    if len(shape) > 64:
-        return f"{len(shape)} dimensions (at most 64)"
-    if any(n >= 1 << 62 for n in shape):
-        return f"a dimension of 2**62 or more in {tuple(shape)}"
-    if math.prod(n for n in shape if n) * itemsize >= 1 << 63:
-        return f"shape {tuple(shape)} spans 2**63 bytes or more"
-    return None
-
-
 def _check_np(a: np.ndarray) -> None:
     if type(a) not in (np.ndarray, np.memmap):
         # a masked array or matrix would come back a plain array, silently losing what makes it one
@@ -899,455 +749,3 @@ def _check_torch(t) -> None:
     err = _shape_error(t.shape, t.element_size())
     if err:
         raise _Unencodable(f"cannot encode a tensor of {err}")
-
-
-def _memory_key(x, i):
-    if isinstance(x, np.ndarray):
-        if x.size == 0:
-            return ("solo", i)
-        root = x
-        while isinstance(root, np.ndarray) and root.base is not None:
-            root = root.base
-        return ("np", id(root))
-    if x.numel() == 0 or x.is_conj() or x.is_neg():
-        # a lazy conj/neg view's storage holds the unresolved values: store it resolved, alone
-        return ("solo", i)
-    st = x.untyped_storage()
-    return ("pt", str(x.device), st.data_ptr())
-
-
-def _compact_bytes(x) -> tuple[memoryview, Any]:
-    """The tensor's elements, C-contiguous little-endian, as a flat byte view."""
-    if isinstance(x, np.ndarray):
-        a = x
-        if a.dtype.byteorder == ">":
-            a = a.astype(a.dtype.newbyteorder("<"))
-        if not a.flags.c_contiguous:
-            a = np.ascontiguousarray(a).reshape(x.shape)
-        flat = a.reshape(-1).view(np.uint8)
-        return memoryview(flat), a
-    t = x.detach()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    t = t.contiguous()
-    if t.numel() == 0:
-        return memoryview(b""), None
-    flat = t.reshape(-1)
-    if flat.numel() == 1:  # a one-element view may keep any stride; view(uint8) needs 1
-        flat = flat.as_strided((1,), (1,))
-    flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()), t
-
-
-def _own_bytes_all(xs: list) -> list[memoryview]:
-    """:func:`_own_bytes` of each, in C where every one is a numpy array with a buffer format."""
-    if _all_numpy(xs):
-        try:
-            return list(map(_CAST_BYTES, map(memoryview, xs)))
-        except ValueError:       # datetime64 and timedelta64 have no buffer format
-            pass
-    return list(map(_own_bytes, xs))
-
-
-_CAST_BYTES = methodcaller("cast", "B")
-
-
-def _own_bytes(x) -> memoryview:
-    """The bytes of a tensor that :func:`_signature` accepts, in place: the view
-    :func:`_compact_bytes` gives, taken the short way where the buffer protocol can."""
-    try:
-        if type(x) is np.ndarray:
-            return memoryview(x).cast("B")
-        return memoryview(x.detach().numpy()).cast("B")
-    except (ValueError, TypeError):   # numpy: datetime64 and timedelta64; torch: dtypes numpy lacks (bfloat16)
-        return _compact_bytes(x)[0]
-
-
-def _descriptor(x, path: str, blob: int, offset: int, strides) -> dict:
-    if isinstance(x, np.ndarray):
-        d = {"path": path, "lib": "numpy", "dtype": np_dtype_name(x.dtype), "shape": list(x.shape),
-             "blob": blob, "offset": offset}
-        if strides is not None:
-            d["strides"] = strides
-        return d
-    d = {"path": path, "lib": "torch", "dtype": _TORCH_DTYPE_NAMES[x.dtype], "shape": list(x.shape),
-         "blob": blob, "offset": offset}
-    if strides is not None:
-        d["strides"] = strides
-    if x.requires_grad:
-        d["grad"] = True
-    if isinstance(x, torch.nn.Parameter):
-        d["param"] = True
-    if x.device.type != "cpu":
-        d["device"] = str(x.device)
-    return d
-
-
-def _extent(ptr: int, shape, byte_strides, itemsize: int) -> tuple[int, int]:
-    lo = hi = ptr
-    for n, s in zip(shape, byte_strides):
-        if s < 0:
-            lo += (n - 1) * s
-        else:
-            hi += (n - 1) * s
-    return lo, hi + itemsize
-
-
-def _shared_group(members, refs, paths, descs, views, owners) -> None:
-    """Several tensors over one memory region: store the span covering all, once."""
-    spans = []
-    first = refs[members[0]]
-    if isinstance(first, np.ndarray):
-        for i in members:
-            a = refs[i]
-            if a.dtype.byteorder == ">":  # cannot share a byte-swapped view: store it alone
-                view, owner = _compact_bytes(a)
-                descs[i] = _descriptor(a, paths[i], len(views), 0, None)
-                views.append(view)
-                owners.append(owner)
-                continue
-            ptr = a.__array_interface__["data"][0]
-            spans.append((i, ptr, list(a.strides), a.itemsize))
-        base_ptr, owner, device = None, [refs[i] for i in members], None
-    else:
-        storage = first.untyped_storage()
-        base_ptr, device = storage.data_ptr(), first.device
-        for i in members:
-            t = refs[i]
-            spans.append((i, t.data_ptr(), [s * t.element_size() for s in t.stride()], t.element_size()))
-        owner = [refs[i] for i in members]
-    if not spans:
-        return
-    lo = min(_extent(p, refs[i].shape, st, k)[0] for i, p, st, k in spans)
-    hi = max(_extent(p, refs[i].shape, st, k)[1] for i, p, st, k in spans)
-    if base_ptr is not None:  # keep element offsets divisible by any itemsize
-        lo = base_ptr + ((lo - base_ptr) & ~15)
-    n = hi - lo
-    if device is not None and device.type != "cpu":
-        u8 = torch.empty(0, dtype=torch.uint8, device=device).set_(refs[members[0]].untyped_storage())
-        host = u8[lo - base_ptr: hi - base_ptr].to("cpu")
-        view, owner = memoryview(host.numpy()), host
-    else:
-        view = memoryview((ctypes.c_ubyte * n).from_address(lo)).cast("B")
-    blob_index = len(views)
-    views.append(view)
-    owners.append(owner)
-    for i, p, st, k in spans:
-        x = refs[i]
-        contiguous = (x.flags.c_contiguous if isinstance(x, np.ndarray) else x.is_contiguous())
-        descs[i] = _descriptor(x, paths[i], blob_index, p - lo, None if contiguous else st)
-
-
-# --- decoding ---------------------------------------------------------------------
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-def _usable_device(target, what: str):
-    """``target`` as a torch.device this process can allocate on, else UsageError."""
-    if not isinstance(target, (str, torch.device)):
-        raise UsageError(f"{what} is a {type(target).__name__}, not a device (a str or torch.device)")
-    try:
-        dev = torch.device(target)
-    except (RuntimeError, ValueError, TypeError) as e:
-        raise UsageError(f"{what}: {target!r} is not a device ({_first_line(e)})") from None
-    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
-        raise UsageError(f"{what}: {str(dev)!r} is not available here "
-                         f"({torch.cuda.device_count()} CUDA devices)")
-    try:
-        torch.empty(0, device=dev)
-    except Exception as e:  # each backend fails its own way (AssertionError, RuntimeError, ...)
-        raise UsageError(f"{what}: device {str(dev)!r} is not available here ({_first_line(e)})") from None
-    return dev
-
-
-class _DeviceMap:
-    """A checked ``map_location``: saved device string -> torch.device, or None for
-    "leave it on the CPU". Results of a callable are checked once per saved device."""
-
-    def __init__(self, *, fixed=None, table: dict | None = None, fn: Callable | None = None):
-        self.fixed, self.table, self.fn = fixed, table, fn
-        self.seen: dict[str, Any] = {}
-
-    def __call__(self, saved: str):
-        if self.table is not None:
-            return self.table.get(saved)
-        if self.fn is None:
-            return self.fixed
-        if saved not in self.seen:
-            try:
-                target = self.fn(saved)
-            except Exception as e:
-                raise UsageError(f"map_location({saved!r}) raised {type(e).__name__}: {e}") from e
-            self.seen[saved] = None if target is None else _usable_device(target, f"map_location({saved!r})")
-        return self.seen[saved]
-
-
-def check_map_location(map_location) -> _DeviceMap | None:
-    """Check ``map_location`` before anything is decoded: None; a device (str or
-    torch.device) for every tensor; a dict from saved device (``"cuda:0"``) to
-    device, tensors saved elsewhere staying on the CPU; or a callable taking the
-    saved device string and returning a device or None (the CPU), checked when
-    first called. A device that does not parse or that this process cannot
-    allocate on raises :class:`UsageError`, never a checkpoint error."""
-    if map_location is None or isinstance(map_location, _DeviceMap):
-        return map_location
-    if callable(map_location):
-        return _DeviceMap(fn=map_location)
-    _bind_torch(load=True)
-    if not isinstance(map_location, dict):
-        return _DeviceMap(fixed=_usable_device(map_location, "map_location"))
-    table = {}
-    for k, v in map_location.items():
-        if not isinstance(k, (str, torch.device)):
-            raise UsageError(f"map_location keys are saved devices (str), not {type(k).__name__}")
-        table[str(k)] = None if v is None else _usable_device(v, f"map_location[{k!r}]")
-    return _DeviceMap(table=table)
-
-
-_CONTAINER_EXT = {EXT_TUPLE: tuple, EXT_SET: set, EXT_FROZENSET: frozenset}
-
-
-class _Decoder(TreeBuilder):
-    def __init__(self, tensors: list, blob: Callable[[int], memoryview], nblobs: int, *, copy: bool,
-                 devices: _DeviceMap | None, ref):
-        super().__init__(lambda msg: MalformedCheckpointError(msg, ref=ref, section="metadata"))
-        self.descs = tensors
-        self.blob = blob
-        self.nblobs = nblobs
-        self.copy = copy
-        self.devices = devices
-        self.ref = ref
-        self.cache: dict[int, Any] = {}
-        self.bases: dict[tuple[str, int], Any] = {}
-        self.depth = 0
-
-    def ext(self, code: int, data: bytes):
-        self.depth += 1
-        try:
-            # Containers nest at most MAX_DEPTH deep and a leaf extension value may sit in
-            # the deepest; this bounds the recursion before heights are known.
-            if self.depth > MAX_DEPTH + 1:
-                raise self.bad(f"extension values nest deeper than {MAX_DEPTH + 1}")
-            if code == EXT_BIGINT:
-                return int.from_bytes(data, "little", signed=True)
-            inner = self.unpack(data)
-            kind = _CONTAINER_EXT.get(code)
-            if kind is not None and type(inner) is list:
-                h = self.heights.pop(id(inner), 1)   # the payload array is this container
-                return self.place(tuple(inner) if kind is tuple else self.members(inner, kind), h)
-            if code == EXT_TENSOR and type(inner) is int:
-                return self.tensor(inner)
-            if (code == EXT_NP_SCALAR and type(inner) is list and len(inner) == 2
-                    and type(inner[1]) is bytes):
-                dt = np_dtype_from_name(inner[0])
-                raw = inner[1]
-                if len(raw) != dt.itemsize:
-                    raise self.bad(f"numpy scalar of {inner[0]} with {len(raw)} bytes")
-                if dt.kind == "b" and raw not in (b"\x00", b"\x01"):
-                    raise self.bad(f"numpy bool scalar with byte {raw!r}")
-                return np.frombuffer(raw, dtype=dt)[0].astype(dt.newbyteorder("="))[()]
-            if code == EXT_COMPLEX and type(inner) is list and len(inner) == 2 \
-                    and all(type(v) is float for v in inner):
-                return complex(inner[0], inner[1])
-            if code == EXT_NP_DTYPE and type(inner) is str:
-                return np_dtype_from_name(inner).newbyteorder("=")
-            if code == EXT_TORCH_SIZE and type(inner) is list and all(type(v) is int for v in inner):
-                _bind_torch(load=True)
-                return torch.Size(inner)
-            if code == EXT_TORCH_DTYPE and type(inner) is str:
-                _bind_torch(load=True)
-                return _torch_dtype(inner, _TORCH_VALUES, "a torch.dtype value", self.bad)
-            if code == EXT_TORCH_DEVICE and _device_syntax(inner) in _DEVICE_TYPES:
-                _bind_torch(load=True)
-                try:
-                    return torch.device(inner)
-                except RuntimeError:  # a device type of the format's list that this torch lacks
-                    raise DependencyError(f"this checkpoint holds a torch.device {inner!r}, which torch "
-                                          f"{torch.__version__} does not know",
-                                          hint="load it with a newer torch") from None
-            raise self.bad(f"invalid extension value (type {code})")
-        except (AgckError, RecursionError):  # the caller's stack, not the data: the nesting is bounded above
-            raise
-        except (ValueError, TypeError, RuntimeError, IndexError, OverflowError) as e:
-            raise self.bad(f"invalid extension value (type {code}): {e}") from None
-        finally:
-            self.depth -= 1
-
-    def unpack(self, data):
-        # Extension payloads nest one unpack per level. unpackb keeps its parse stack
-        # (~40 KB) on the C stack, so ~200 levels overflow it and crash the process;
-        # an Unpacker keeps it on the heap.
-        if not data:
-            raise ValueError("empty msgpack document")
-        u = msgpack.Unpacker(None, raw=False, strict_map_key=False, ext_hook=self.ext, list_hook=self.array,
-                             object_pairs_hook=self.map, unicode_errors="surrogatepass",
-                             max_buffer_size=len(data))
-        u.feed(data)
-        try:
-            value = u.unpack()
-        except msgpack.OutOfData:
-            raise ValueError("truncated msgpack document") from None
-        if u.tell() != len(data):
-            raise ValueError(f"{len(data) - u.tell()} bytes after a msgpack document")
-        return value
-
-    def tensor(self, idx: int):
-        if idx in self.cache:
-            return self.cache[idx]
-        if not 0 <= idx < len(self.descs):
-            raise self.bad(f"tensor reference {idx} out of range ({len(self.descs)} tensors)")
-        d = self.descs[idx]
-        value = self.build(d, idx)
-        self.cache[idx] = value
-        return value
-
-    def build(self, d, idx):
-        lib, dtype_name, shape, b, off = _check_descriptor(d, self.nblobs, self.bad, idx)
-        blob = self.blob(b)
-        if lib == "numpy":
-            dt = np_dtype_from_name(dtype_name)
-        else:
-            _bind_torch(load=True)
-            dt = _torch_dtype(dtype_name, TORCH_DTYPES, f"tensor {idx}", self.bad)
-        itemsize = dt.itemsize
-        err = _shape_error(shape, itemsize)
-        if err:
-            raise self.bad(f"tensor {idx}: {err}")
-        strides = d.get("strides")
-        count = math.prod(shape)
-        if strides is None:
-            strides = []
-            acc = itemsize
-            for n in reversed(shape):
-                strides.append(acc)
-                acc *= n
-            strides.reverse()
-            contiguous = True
-        else:
-            if (type(strides) is not list or len(strides) != len(shape)
-                    or not all(type(s) is int and _INT_MIN <= s < -_INT_MIN for s in strides)):
-                raise self.bad(f"tensor {idx}: strides {strides!r} do not match shape {shape}")
-            contiguous = False
-        if count == 0:
-            lo, hi = off, off
-        else:
-            lo, hi = _extent(off, shape, strides, itemsize)
-        if lo < 0 or hi > blob.nbytes:
-            raise self.bad(f"tensor {idx} ({d.get('path')}): bytes [{lo}, {hi}) lie outside its blob "
-                           f"of {blob.nbytes} bytes")
-        if contiguous and hi - lo != count * itemsize:
-            raise self.bad(f"tensor {idx}: shape {shape} needs {count * itemsize} bytes")
-        if lib == "numpy":
-            base = self.base("numpy", b, blob)
-            arr = np.ndarray(shape, dtype=dt, buffer=base, offset=off, strides=strides)
-            return arr.view(dt.newbyteorder("="))
-        return self.torch_tensor(d, b, blob, dt, shape, strides, off, lo, hi, count, contiguous, idx)
-
-    def base(self, lib, b, blob):
-        key = (lib, b)
-        base = self.bases.get(key)
-        if base is None:
-            arr = np.frombuffer(blob, dtype=np.uint8) if blob.nbytes else np.empty(0, np.uint8)
-            # torch has no read-only tensors: over read-only memory it gets a copy, so
-            # that no write through a tensor can change the caller's bytes
-            if self.copy or (lib == "torch" and not arr.flags.writeable):
-                arr = arr.copy()
-            base = torch.from_numpy(arr) if lib == "torch" else arr
-            self.bases[key] = base
-        return base
-
-    def torch_tensor(self, d, b, blob, dt, shape, strides, off, lo, hi, count, contiguous, idx):
-        itemsize = dt.itemsize
-        if any(s % itemsize for s in strides) or off % itemsize:
-            raise self.bad(f"tensor {idx}: strides/offset not multiples of the {itemsize}-byte element")
-        if any(s < 0 for s in strides):
-            raise self.bad(f"tensor {idx}: negative strides")
-        if d.get("grad") and not (dt.is_floating_point or dt.is_complex):
-            raise self.bad(f"tensor {idx}: grad on a tensor of {dt}")
-        if count == 0:
-            t = torch.empty(shape, dtype=dt)
-        else:
-            base = self.base("torch", b, blob)
-            window = base[off: off + (hi - lo)]
-            if contiguous:
-                t = window.view(dt).reshape(shape)
-            else:
-                t = window.view(dt).as_strided(shape, [s // itemsize for s in strides])
-        dev = self.devices(d.get("device", "cpu")) if self.devices is not None else None
-        if dev is not None and dev.type != "cpu":
-            try:
-                t = t.to(dev)
-            except Exception as e:  # out of memory there, or a device gone since it was checked
-                raise UsageError(f"cannot move tensor {idx} ({d.get('path')}) to {dev}: {_first_line(e)}",
-                                 ref=self.ref) from None
-        if d.get("param"):
-            t = torch.nn.Parameter(t, requires_grad=bool(d.get("grad")))
-        elif d.get("grad"):
-            t.requires_grad_(True)
-        return t
-
-
-def _check_descriptor(d, nblobs, bad, idx):
-    if type(d) is not dict:
-        raise bad(f"tensor descriptor {idx} is not a map")
-    lib, dtype_name, shape, b, off = d.get("lib"), d.get("dtype"), d.get("shape"), d.get("blob"), d.get("offset")
-    if lib not in ("numpy", "torch"):
-        raise bad(f"tensor {idx}: unknown lib {lib!r}")
-    if type(dtype_name) is not str:
-        raise bad(f"tensor {idx}: dtype is not a string")
-    if lib == "numpy":
-        try:
-            np_dtype_from_name(dtype_name)
-        except ValueError:
-            raise bad(f"tensor {idx}: unknown numpy dtype {dtype_name!r}") from None
-        torch_only = [k for k in ("grad", "param", "device") if k in d]
-        if torch_only:
-            raise bad(f"tensor {idx}: {', '.join(torch_only)} on a numpy descriptor")
-    else:
-        if any(k in d and type(d[k]) is not bool for k in ("grad", "param")):
-            raise bad(f"tensor {idx}: grad and param are booleans")
-        if "device" in d and _device_syntax(d["device"]) is None:
-            raise bad(f"tensor {idx}: invalid device {d['device']!r}")
-    if (type(shape) is not list or len(shape) > 64
-            or not all(type(n) is int and 0 <= n < (1 << 62) for n in shape)):
-        raise bad(f"tensor {idx}: invalid shape {shape!r}")
-    if type(b) is not int or not 0 <= b < nblobs:
-        raise bad(f"tensor {idx}: blob index {b!r} out of range ({nblobs} blobs)")
-    if type(off) is not int or off < 0:
-        raise bad(f"tensor {idx}: invalid offset {off!r}")
-    return lib, dtype_name, shape, b, off
-
-
-def decode_state(tree: bytes, tensors: list, blob: Callable[[int], memoryview], nblobs: int, *,
-                 copy: bool = True, map_location=None, ref: str | None = None) -> Any:
-    """Rebuild the state tree. ``blob(i)`` returns blob i's bytes (a view).
-
-    With ``copy`` every blob is copied once into owned, writable memory; without
-    it numpy arrays are views of the blobs' memory (read-only when it is), and so
-    are torch tensors over writable memory; over read-only memory torch tensors
-    get a copy, as torch has no read-only tensors. ``map_location``: see
-    :func:`check_map_location`, which runs before anything is decoded."""
-    devices = check_map_location(map_location)
-    if type(tensors) is not list:
-        raise MalformedCheckpointError("tensor index is not a list", ref=ref, section="metadata")
-    dec = _Decoder(tensors, blob, nblobs, copy=copy, devices=devices, ref=ref)
-    try:
-        value = msgpack.unpackb(tree, raw=False, strict_map_key=False, ext_hook=dec.ext, list_hook=dec.array,
-                                object_pairs_hook=dec.map, unicode_errors="surrogatepass")
-    except (AgckError, MemoryError, RecursionError):  # not the data's fault: it nests boundedly
-        raise
-    except Exception as e:  # msgpack reports bad input with several exception types
-        raise dec.bad(f"state tree is not valid ({type(e).__name__}: {e})") from None
-    if type(value) is msgpack.Timestamp:
-        raise dec.bad("msgpack timestamp (extension type -1) in the tree")
-    return value
-
-
-sys.setrecursionlimit(max(sys.getrecursionlimit(), 4 * MAX_DEPTH + 1000))
