@@ -32,7 +32,17 @@ written; an exception of ``on_durable`` is raised as a ``SnapshotError`` that
 says the checkpoint itself is durable.
 
 What a SIGKILL loses: the steps completed since ``last_durable_step``, and
-nothing else.
+nothing else. SIGTERM and SIGINT finish the step in progress, take a final
+checkpoint (not under torch.distributed, whose ranks would not agree on its step;
+pending ones are flushed there), then exit with status 128 + the signal's number,
+after one log line naming the step and with no traceback; a handler the program
+installed before the snapshotter gets the signal first.
+
+The parts: capture of the state and RNG states (:mod:`agck.capture`), the staging
+copies of async mode (:mod:`agck.staging`), and where checkpoints go, one
+process's puts or one rank's part of a collective write (:mod:`agck.snapshot_run`).
+This module is the engine over them: cadence, the writer thread, backpressure,
+failures, resume, signals, and the decorator.
 """
 
 from __future__ import annotations
@@ -44,18 +54,14 @@ import ctypes
 import functools
 import inspect
 import logging
-import math
 import numbers
 import os
 import platform
 import queue
-import random
 import signal
-import sys
 import threading
 import time
 import warnings
-import weakref
 from typing import Any, Callable, Iterator
 
 try:
@@ -63,443 +69,23 @@ try:
 except ImportError:  # pragma: no cover (not on Windows)
     resource = None
 
-import numpy as np
-
-from . import chunking, failpoints
-from .codec import encode_plain, plain_packed
+from . import failpoints
+# capture's names are agck.snapshot's too (crashtests, tests and user code import them from here)
+from .capture import TAG, capture, fingerprint, restore_into, rng_state, set_rng_state  # noqa: F401
+from .codec import encode_plain
 from .errors import AgckError, ContentChangedError, SnapshotError, UsageError
 from .names import check_run, check_step
-from .distributed import Group, ShardedRun, active as dist_active
-from .recovery import Recovery, recover_run
-from .sharded import is_commit
+from .snapshot_run import SnapshotRun, open_run
+from .staging import TOUCH_MIN, Stager, has_cuda
 from .stores import Store, open_store
-from .version import __version__
-
-try:
-    import torch
-except ImportError:  # pragma: no cover
-    torch = None
 
 log = logging.getLogger("agck")
 
-TAG = "__agck__"   # marks a captured object inside the saved tree
+_Stager, _TOUCH_MIN = Stager, TOUCH_MIN     # their names before agck.staging (tests use them)
 
 
 class FingerprintWarning(UserWarning):
     """Resuming under different software or hardware: bit-exactness may not hold."""
-
-
-def fingerprint() -> dict:
-    fp = {"agck": __version__, "python": platform.python_version(), "numpy": np.__version__,
-          "machine": platform.machine()}
-    if torch is not None:
-        fp["torch"] = torch.__version__
-        fp["cuda"] = torch.version.cuda
-        if torch.cuda.is_available():
-            fp["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            try:
-                fp["driver"] = ".".join(map(str, torch.cuda.driver_version())) \
-                    if hasattr(torch.cuda, "driver_version") else None
-            except Exception:  # driver query is best effort
-                fp["driver"] = None
-    return fp
-
-
-# --- capture and restore ----------------------------------------------------------
-
-def _stateful(x) -> bool:
-    return (callable(getattr(x, "state_dict", None)) and callable(getattr(x, "load_state_dict", None))
-            and not isinstance(x, (dict, list, tuple)))
-
-
-def capture(x: Any) -> Any:
-    """The user's state as a tree the codec takes: objects with state_dict()
-    (modules, optimizers, schedulers, GradScaler) become tagged dicts of their
-    state_dict; RNG generators become tagged dicts of their state. Plain data
-    (what msgpack packs as is) is returned as it is, checked in C, not walked."""
-    t = type(x)
-    if t in _ATOMS or t is np.ndarray or t in _TENSOR_TYPES:
-        return x
-    if (t is list or t is dict) and len(x) >= _PLAIN_CHECK_MIN:
-        if plain_packed(x) is not None:
-            return x
-        if t is list and all(map(_PASSED.__contains__, map(type, x))):   # a list of tensors, checked in C
-            return x
-    if isinstance(x, dict):
-        return {k: capture(v) for k, v in x.items()}
-    if t is list:
-        return [capture(v) for v in x]
-    if type(x) is tuple:
-        return tuple(capture(v) for v in x)
-    if isinstance(x, np.random.Generator):
-        return {TAG: "np.Generator", "state": x.bit_generator.state}
-    if isinstance(x, random.Random):
-        return {TAG: "random.Random", "state": x.getstate()}
-    if torch is not None and isinstance(x, torch.Generator):
-        return {TAG: "torch.Generator", "state": x.get_state(), "device": str(x.device)}
-    if torch is not None and isinstance(x, torch.Tensor):
-        if _is_dtensor(x):
-            # this rank's shard: what the rank owns and restores in place (no resharding)
-            return {TAG: "dtensor", "local": x.to_local(), "shape": list(x.shape),
-                    "placements": [str(p) for p in x.placements], "mesh": list(x.device_mesh.shape)}
-        return x
-    if _stateful(x):
-        sd = x.state_dict()
-        dtensor = _dtensor_class()
-        if dtensor is not None and any(isinstance(v, dtensor) for v in _leaves(sd)):
-            sd = capture(sd)      # sharded parameters and optimizer state (FSDP2): their local shards
-        return {TAG: "stateful", "type": f"{type(x).__module__}.{type(x).__qualname__}", "state": sd}
-    return x
-
-
-def _dtensor_class():
-    """DTensor, or None while torch.distributed.tensor is not imported (then there are none:
-    no import, no walk)."""
-    if "torch.distributed.tensor" not in sys.modules:
-        return None
-    from torch.distributed.tensor import DTensor
-    return DTensor
-
-
-def _is_dtensor(x) -> bool:
-    dtensor = _dtensor_class()
-    return dtensor is not None and isinstance(x, dtensor)
-
-
-def _leaves(x):
-    stack = [x]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, dict):
-            stack.extend(v.values())
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
-        else:
-            yield v
-
-
-def _has_tag(x, kind: str) -> bool:
-    return any(isinstance(v, dict) and v.get(TAG) == kind for v in _walk_dicts(x))
-
-
-def _walk_dicts(x):
-    stack = [x]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, dict):
-            yield v
-            stack.extend(v.values())
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
-
-
-def _restore_dtensor(live, saved: dict):
-    """A DTensor's local shard, copied back in place; refused when the live DTensor is
-    laid out otherwise (another shape, placement or mesh: that needs resharding)."""
-    if not _is_dtensor(live):
-        raise AgckError(f"the checkpoint holds a DTensor shard but the live state has {type(live).__name__} "
-                        "there", hint="pass the same state structure on resume")
-    now = {"shape": list(live.shape), "placements": [str(p) for p in live.placements],
-           "mesh": list(live.device_mesh.shape)}
-    was = {k: saved.get(k) for k in now}
-    if now != was:
-        raise UsageError(f"a DTensor was saved as {was} and is now {now}: a snapshot restores each rank's own "
-                         "shard and cannot reshard it",
-                         hint="resume with the same mesh and placements, or save it through agck.dcp")
-    local = live.to_local()
-    src = saved["local"]
-    if tuple(src.shape) != tuple(local.shape):
-        raise UsageError(f"this rank's DTensor shard is {tuple(local.shape)}, the saved one "
-                         f"{tuple(src.shape)}", hint="resume with the same world size and mesh")
-    with torch.no_grad():
-        local.copy_(src)
-    return live
-
-
-_PLAIN_CHECK_MIN = 32
-
-
-def restore_into(live: Any, saved: Any) -> Any:
-    """Merge a loaded tree into the user's live state. Stateful objects and
-    generators are restored in place; dicts are updated in place; anything
-    else is replaced by the saved value. Returns the restored state."""
-    if isinstance(saved, dict) and TAG in saved:
-        kind = saved[TAG]
-        if kind == "stateful" and live is not None and _stateful(live):
-            state = saved["state"]
-            if _has_tag(state, "dtensor"):
-                # sharded state: copy each shard into the live state_dict's DTensors, then load that
-                state = restore_into(live.state_dict(), state)
-            live.load_state_dict(state)
-            return live
-        if kind == "dtensor":
-            return _restore_dtensor(live, saved)
-        if kind == "np.Generator":
-            g = live if isinstance(live, np.random.Generator) else np.random.default_rng()
-            g.bit_generator.state = saved["state"]
-            return g
-        if kind == "random.Random":
-            g = live if isinstance(live, random.Random) else random.Random()
-            g.setstate(saved["state"])
-            return g
-        if kind == "torch.Generator" and torch is not None:
-            g = live if isinstance(live, torch.Generator) else torch.Generator(device=saved.get("device", "cpu"))
-            g.set_state(saved["state"])
-            return g
-        if kind == "stateful":
-            raise AgckError(f"the checkpoint holds the state of a {saved.get('type')} but the live state has "
-                            f"{type(live).__name__} there", hint="pass the same state structure on resume")
-    if torch is not None and isinstance(saved, torch.Tensor) and isinstance(live, torch.Tensor):
-        return saved.to(live.device) if saved.device != live.device else saved
-    if isinstance(saved, dict) and isinstance(live, dict):
-        for k in list(live.keys()):
-            if k not in saved:
-                del live[k]
-        for k, v in saved.items():
-            live[k] = restore_into(live.get(k), v)
-        return live
-    if type(saved) is list and type(live) is list and len(saved) == len(live):
-        live[:] = [restore_into(a, b) for a, b in zip(live, saved)]
-        return live
-    if type(saved) is tuple and type(live) is tuple and len(saved) == len(live):
-        return tuple(restore_into(a, b) for a, b in zip(live, saved))
-    return _plain(saved)
-
-
-def _plain(x):
-    """A saved subtree with no live counterpart: rebuild tagged objects fresh."""
-    if isinstance(x, dict):
-        if TAG in x:
-            return restore_into(None, x)
-        return {k: _plain(v) for k, v in x.items()}
-    if type(x) is list:
-        return [_plain(v) for v in x]
-    if type(x) is tuple:
-        return tuple(_plain(v) for v in x)
-    return x
-
-
-def rng_state() -> dict:
-    st = {"python": random.getstate(), "numpy": np.random.get_state()}
-    if torch is not None:
-        st["torch"] = torch.get_rng_state()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            st["cuda"] = torch.cuda.get_rng_state_all()
-    return st
-
-
-def set_rng_state(st: dict) -> None:
-    if "python" in st:
-        random.setstate(st["python"])
-    if "numpy" in st:
-        np.random.set_state(st["numpy"])
-    if torch is not None:
-        if "torch" in st:
-            torch.set_rng_state(st["torch"])
-        if "cuda" in st and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(st["cuda"])
-
-
-class _Stager:
-    """Reusable host buffers that hold a copy of the state's tensors between the
-    step boundary and the end of the background write.
-
-    Tensors are matched to buffers by their position in the tree walk, dtype
-    and shape, so a steady pipeline allocates once; a buffer that no tensor
-    matched in the last staging is let go. CUDA tensors go to pinned memory
-    with non_blocking copies and one synchronization at the end. The same
-    tensor object appearing twice (tied weights) is copied once.
-
-    :meth:`plan` walks a tree as :meth:`stage` would and lists the buffers the
-    pool lacks, copying nothing; :meth:`make` allocates them (on the writer
-    thread, before the first snapshot, so the pipeline does not wait for a
-    fresh gigabyte's page faults at its first checkpoint)."""
-
-    def __init__(self):
-        self.pool: dict[tuple, Any] = {}
-        self.dry = False
-        self.seen: dict | None = None
-
-    def stage(self, tree: Any, seen: dict | None = None) -> Any:
-        """Copy ``tree``'s tensors into staging buffers. With ``seen`` (what
-        :attr:`now` was at the last staging whose snapshot is durable), a CPU tensor
-        of ``LARGE_PART`` bytes or more that is the same object with the same
-        version counter, memory and layout as then is not copied: it goes into the
-        tree as itself, its address into :attr:`referenced`, and the store confirms
-        its bytes against that snapshot while it writes (``expect_unchanged``)."""
-        self.memo: dict[int, Any] = {}
-        self.n = 0
-        self.cuda: set = set()      # the devices whose copies into pinned memory are in flight
-        self.used: set = set()
-        self.seen = seen
-        self.now: dict[int, tuple] = {}
-        self.referenced: set[int] = set()
-        self.referenced_bytes = 0
-        out = self._walk(tree)
-        self.seen = None
-        for device in self.cuda:    # synchronize() alone waits for the current device only
-            torch.cuda.synchronize(device)
-        del self.memo
-        if len(self.used) != len(self.pool):
-            self.pool = {k: v for k, v in self.pool.items() if k in self.used}
-        return out
-
-    def plan(self, tree: Any) -> list[tuple[tuple, Callable[[], Any]]]:
-        self.memo, self.n, self.cuda, self.used, self.missing = {}, 0, set(), set(), []
-        self.dry = True
-        try:
-            self._walk(tree)
-            return self.missing
-        finally:
-            self.dry = False
-            del self.memo, self.missing
-
-    def make(self, missing, cancelled: Callable[[], bool] = lambda: False) -> None:
-        for key, make in missing:
-            if cancelled():
-                return
-            if key not in self.pool:
-                self.pool[key] = make()
-
-    def _buffer(self, key, make):
-        self.used.add(key)
-        buf = self.pool.get(key)
-        if buf is None:
-            buf = self.pool[key] = make()
-        return buf
-
-    def _walk(self, x):
-        t = type(x)
-        if t in _ATOMS:
-            return x
-        if isinstance(x, dict):  # dict subclasses too; the codec saves them as dict
-            return {self._walk(k): self._walk(v) for k, v in x.items()}
-        if t is list:
-            return [self._walk(v) for v in x]
-        if t is tuple:  # immutable, but may hold mutable items
-            return tuple(self._walk(v) for v in x)
-        if t is set:
-            return {self._walk(v) for v in x}
-        if t is frozenset:  # may hold tensors
-            return frozenset(self._walk(v) for v in x)
-        if isinstance(x, (bytearray, memoryview)):  # the codec saves both as bytes
-            return x if self.dry else bytes(x)
-        if t is np.ndarray or t is np.memmap:
-            hit = self.memo.get(id(x))
-            if hit is not None:
-                return hit
-            self.n += 1
-            key = (self.n, "np", x.dtype.str, x.shape)
-            if self.dry:
-                if key not in self.pool:
-                    self.missing.append((key, functools.partial(_host_array, x.shape, x.dtype, True)))
-                self.memo[id(x)] = x
-                return x
-            buf = self._buffer(key, lambda: _host_array(x.shape, x.dtype))
-            np.copyto(buf, x)
-            self.memo[id(x)] = buf
-            return buf
-        if torch is not None and _stageable(x):
-            hit = self.memo.get(id(x))
-            if hit is not None:
-                return hit
-            self.n += 1
-            pin = x.device.type == "cuda"
-            key = (self.n, "pt", x.dtype, tuple(x.shape), pin)
-            if self.dry:
-                if key not in self.pool:
-                    self.missing.append((key, functools.partial(_host_tensor, tuple(x.shape), x.dtype, pin, True)))
-                self.memo[id(x)] = x
-                return x
-            if self.seen is not None and not pin and _referable(x):
-                sig = _version_signature(x)
-                if sig is not None:
-                    self.now[id(x)] = (weakref.ref(x), sig)
-                    last = self.seen.get(id(x))
-                    if last is not None and last[0]() is x and last[1] == sig:
-                        self.used.add(key)       # its buffer stays for when it changes
-                        self.referenced.add(x.data_ptr())
-                        self.referenced_bytes += x.nbytes
-                        self.memo[id(x)] = x
-                        return x
-            buf = self._buffer(key, lambda: _host_tensor(x.shape, x.dtype, pin))
-            src = x.detach()
-            if src.is_conj():
-                src = src.resolve_conj()
-            buf.copy_(src, non_blocking=pin)
-            if pin:
-                self.cuda.add(x.device)
-            out = buf
-            if isinstance(x, torch.nn.Parameter) or x.requires_grad:
-                # keep what the codec records (Parameter, requires_grad, device) without copying again
-                out = _with_flags_of(buf, x)
-            self.memo[id(x)] = out
-            return out
-        # Immutable, or a value the codec refuses (array or tensor subclasses, sparse
-        # tensors): a plain copy here would save what sync mode refuses.
-        return x
-
-
-_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
-_TENSOR_TYPES = frozenset() if torch is None else frozenset({torch.Tensor, torch.nn.Parameter})
-_PASSED = _ATOMS | _TENSOR_TYPES | {np.ndarray}     # what capture() returns as it is
-
-
-# Staging buffers are plain host memory (pinned for CUDA tensors). Made ahead of
-# the first snapshot (Snapshotter._prepare_staging), their pages are touched on
-# the writer thread, so the first staging copy does not fault them in while the
-# pipeline waits. Not huge pages: on a VM that hands free memory back to its
-# host, a fresh 2 MiB page costs the host far more than the 4 KiB faults saved.
-_TOUCH_MIN = 1 << 20
-
-
-def _host_array(shape, dtype, touch: bool = False) -> np.ndarray:
-    buf = np.empty(shape, dtype)
-    if touch and buf.nbytes >= _TOUCH_MIN and not dtype.hasobject:
-        buf.reshape(-1).view(np.uint8).fill(0)
-    return buf
-
-
-def _host_tensor(shape, dtype, pin: bool, touch: bool = False):
-    if not touch or pin:   # pinned memory is resident once allocated
-        return torch.empty(shape, dtype=dtype, pin_memory=pin)
-    n = math.prod(shape) * dtype.itemsize
-    if n < _TOUCH_MIN:
-        return torch.empty(shape, dtype=dtype)
-    return torch.zeros(n, dtype=torch.uint8).view(dtype).view(shape)
-
-
-def _stageable(x) -> bool:
-    return (type(x) in (torch.Tensor, torch.nn.Parameter) and x.layout == torch.strided and not x.is_nested
-            and not x.is_quantized and x.device.type != "meta")
-
-
-def _referable(x) -> bool:
-    """A tensor that can go into a snapshot uncopied: its memory is exactly its bytes
-    (contiguous, the whole of its storage), large enough to be a chunked piece of
-    its own, so the store can confirm it as a whole (``expect_unchanged``)."""
-    if x.device.type != "cpu" or x.is_conj() or x.is_neg() or not x.is_contiguous() or x.storage_offset():
-        return False
-    n = x.numel() * x.element_size()
-    return n >= chunking.LARGE_PART and x.untyped_storage().nbytes() == n
-
-
-def _version_signature(x) -> tuple | None:
-    """What changes when a tensor's bytes may have: autograd's version counter (every
-    in-place op, ``optimizer.step()``, ``load_state_dict``), its memory and layout.
-    Not sound alone (``.data`` and numpy views write without it), hence confirmed."""
-    try:
-        return (x._version, x.data_ptr(), x.dtype, tuple(x.shape), x.stride())
-    except RuntimeError:     # inference tensors keep no version counter
-        return None
-
-
-def _with_flags_of(buf, src):
-    """The staged buffer, marked as the codec must record it: Parameter, requires_grad."""
-    t = buf.detach()
-    if isinstance(src, torch.nn.Parameter):
-        return torch.nn.Parameter(t, requires_grad=src.requires_grad)
-    return t.requires_grad_(True) if src.requires_grad else t
 
 
 # --- the background writer's priority -------------------------------------------
@@ -696,7 +282,7 @@ class Snapshotter:
         self._error: BaseException | None = None
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
-        self._stagers: list[_Stager] = []
+        self._stagers: list[Stager] = []
         self._free_stagers: queue.Queue | None = None
         self._pending = 0
         self._cv = threading.Condition()
@@ -713,10 +299,9 @@ class Snapshotter:
         self._seen: dict[int, tuple] = {}
         self.dropped_steps: list[int] = []        # snapshots not written: a tensor taken uncopied changed
         self.epoch: int | None = None              # this incarnation of the run (_incarnate)
-        # under torch.distributed: this rank's side of the run's collective checkpoints
-        self._dist: ShardedRun | None = None
-        if distributed or (distributed is None and dist_active()):
-            self._dist = ShardedRun(self.store, self.run, Group())
+        # where checkpoints go and come from: this process's puts, or under torch.distributed
+        # this rank's part of collective writes; chosen here, once, and never asked again
+        self._target: SnapshotRun = open_run(self.store, self.run, distributed)
         if handle_signals:
             self._install_signals()
         atexit.register(self._close_at_exit)
@@ -742,18 +327,11 @@ class Snapshotter:
             self._start_over()
             self._state = state
             return state
-        if self._dist is not None:
-            commit, ck, rejected, candidates = self._dist.find()
-            self.recovery = Recovery(run=self.run, checkpoint=ck, rejected=rejected, candidates=candidates)
-            meta_source = commit
-        else:
-            self.recovery = recover_run(self.store, self.run)
-            ck = meta_source = self.recovery.checkpoint
-            if ck is not None and is_commit(ck):
-                raise UsageError(f"run {self.run!r}: step {ck.step} was checkpointed by several ranks under "
-                                 "torch.distributed; this process is not one of them", ref=ck.ref,
-                                 hint="restore it under torch.distributed with the same world size")
-        rec = self.recovery
+        # meta_source: the record whose meta and ref stand for the step (a commit record
+        # under torch.distributed, where ck is this rank's part)
+        self.recovery, meta_source = self._target.find()
+        rec, ck = self.recovery, self.recovery.checkpoint
+        self._target.check_restorable(ck)
         for rj in rec.rejected:
             log.warning("agck: run %r: skipped step %d (%s): %s", self.run, rj.step, rj.ref, rj.reason)
         if ck is None:
@@ -793,26 +371,14 @@ class Snapshotter:
         while the old one hung) can no longer commit: its puts fail with
         :class:`StaleEpochError`, raised as a :class:`SnapshotError` in its pipeline."""
         if self.epoch is None:
-            if self._dist is None:
-                self.epoch = self.store.begin_epoch(self.run)
-            else:
-                self.epoch = self._dist.begin_epoch()
-                self._dist.clean_partial()   # earlier incarnations' uncommitted parts can never commit now
+            self.epoch = self._target.begin_epoch()
 
     def _start_over(self) -> None:
         """resume=False: delete the run's old checkpoints, once, before anything new is written."""
         if self._started_over:
             return
         self._started_over = True
-        if self._dist is not None:
-            self._dist.delete_all(self.epoch)
-            return
-        old = self.store.steps(self.run)
-        if old:
-            log.warning("agck: resume=False: deleting %d old checkpoints of run %r (steps %d..%d)",
-                        len(old), self.run, old[0], old[-1])
-            for s in old:
-                self.store.delete(self.run, s, epoch=self.epoch)
+        self._target.delete_all(self.epoch)
 
     # -- the loop form ---------------------------------------------------------
     def steps(self, total: int | None = None) -> Iterator[int]:
@@ -847,7 +413,8 @@ class Snapshotter:
         steps_done = check_step(steps_done, "steps_done")
         self._state = state
         # (under torch.distributed every rank must take the same steps: no extra one on a signal)
-        if force or steps_done % self.every == 0 or (self._stop_signal is not None and self._dist is None):
+        if force or steps_done % self.every == 0 or (self._stop_signal is not None
+                                                     and self._target.checkpoint_on_signal):
             self.snapshot(steps_done, state)
         elif not self._prepared:
             self._prepare_staging(state)
@@ -874,7 +441,7 @@ class Snapshotter:
             self._fingerprint = fingerprint()
         meta = {"fingerprint": self._fingerprint, "user": self.meta, "snapshot": True}
         if self._async is None:
-            self._async = _has_cuda(tree)
+            self._async = has_cuda(tree)
         if not self._async:
             self.blocked_seconds.append(0.0)
             ref = self._persist(step, tree, meta, self.last_durable_step)
@@ -887,7 +454,7 @@ class Snapshotter:
         try:     # any failure from here gives the stager back: the next snapshot would wait for it forever
             self.raise_pending()
             # ({} still notes this staging's tensors, for the snapshot after it)
-            seen = self._seen if self._seen and self._can_confirm_unchanged() else {}
+            seen = self._seen if self._seen and self._target.can_confirm_unchanged(self.epoch) else {}
             try:
                 staged = stager.stage(tree, seen)
             except AgckError:
@@ -905,26 +472,16 @@ class Snapshotter:
         self._taken = step
         self.blocked_seconds.append(time.perf_counter() - t0)
 
-    def _persist(self, step, tree, meta, parent, stager: _Stager | None = None) -> str:
+    def _persist(self, step, tree, meta, parent, stager: Stager | None = None) -> str:
         t0, (u0, s0) = time.perf_counter(), _thread_cpu()
         referenced = stager.referenced if stager is not None else ()
-        if self._dist is not None:
-            ref = self._dist.write(step, tree, meta=meta, parent=parent, epoch=self.epoch,
-                                   expect_unchanged=referenced)
-        else:
-            ref = self.store.put(self.run, step, tree, meta=meta, parent=parent, expect_unchanged=referenced,
-                                 epoch=self.epoch)
+        ref = self._target.write(step, tree, meta=meta, parent=parent, epoch=self.epoch, expect_unchanged=referenced)
         u1, s1 = _thread_cpu()
         self.write_stats.append({"step": step, "thread": threading.current_thread().name, "start": t0,
                                  "end": time.perf_counter(), "cpu_user_s": u1 - u0,
                                  "cpu_sys_s": None if s0 is None else s1 - s0,
                                  "referenced_bytes": stager.referenced_bytes if stager is not None else 0})
         return ref
-
-    def _can_confirm_unchanged(self) -> bool:
-        if self._dist is not None:
-            return self._dist.parts.can_confirm_unchanged(self._dist.part_run(self.epoch))
-        return self.store.can_confirm_unchanged(self.run)
 
     def _acknowledge(self, step: int, ref: str) -> None:
         failpoints.hit("snapshot.before_ack")
@@ -944,7 +501,7 @@ class Snapshotter:
         self._queue = queue.Queue()
         self._free_stagers = queue.Queue()
         for _ in range(self.max_in_flight):
-            s = _Stager()
+            s = Stager()
             self._stagers.append(s)
             self._free_stagers.put(s)
         self._worker = threading.Thread(target=self._work, name=f"agck-snapshot-{self.run}", daemon=True)
@@ -961,7 +518,7 @@ class Snapshotter:
             tree = {"step": 0, "state": capture(state)}
             if self.capture_rng:
                 tree["rng"] = rng_state()
-            if self._async is None and not _has_cuda(tree):
+            if self._async is None and not has_cuda(tree):
                 return   # auto mode will choose sync: nothing to stage
             self._start_worker()
             while True:
@@ -1071,8 +628,7 @@ class Snapshotter:
                 self._worker = None
             self._restore_signals()
             atexit.unregister(self._close_at_exit)
-            if self._dist is not None:
-                self._dist.close()
+            self._target.close()
             if self._own_store:
                 self.store.close()
 
@@ -1098,20 +654,36 @@ class Snapshotter:
 
     def _on_signal(self, signum, frame) -> None:
         # The state is mid-step here; the final checkpoint is taken at the next
-        # step boundary, then the signal is re-raised with the old handler.
+        # step boundary, then the process exits (_exit_on_signal).
         if self._stop_signal is not None:  # a second signal: stop now
             _Signals.restore_all()
             signal.raise_signal(signum)
             return
         self._stop_signal = signum
-        log.warning("agck: %s received: checkpointing run %r at the end of this step, then exiting",
-                    signal.Signals(signum).name, self.run)
+        then = "checkpointing" if self._target.checkpoint_on_signal else "flushing the pending checkpoints of"
+        log.warning("agck: %s received: %s run %r at the end of this step, then exiting",
+                    signal.Signals(signum).name, then, self.run)
 
     def _exit_on_signal(self) -> None:
+        """After the final checkpoint, exit as a command line tool does on a signal: one
+        line naming the step, then SystemExit(128 + signum), the status a shell reports
+        for the signal, with the program's finally blocks and atexit handlers run and
+        no traceback (Python's SIGINT handler would print one through this frame, on
+        every rank). A handler the program installed before ours gets the signal
+        first, as if agck had not been there."""
         signum = self._stop_signal
-        self.close()
-        signal.raise_signal(signum)
+        self.close()    # flushes, and puts back the handlers found before ours
+        if signal.getsignal(signum) not in _PYTHON_HANDLERS:
+            signal.raise_signal(signum)
+        name, step = signal.Signals(signum).name, self.last_durable_step
+        log.warning("agck: %s: run %r %s; exiting with status %d", name, self.run,
+                    "has no checkpoint" if step is None else f"is checkpointed at step {step}", 128 + signum)
         raise SystemExit(128 + signum)
+
+
+# no handling of the program's own: the default actions, KeyboardInterrupt, or ignoring
+# (which our handler overrode while it was installed)
+_PYTHON_HANDLERS = (signal.SIG_DFL, signal.SIG_IGN, signal.default_int_handler)
 
 
 class _Prepare:
@@ -1119,22 +691,6 @@ class _Prepare:
 
     def __init__(self, jobs):
         self.jobs = jobs
-
-
-def _has_cuda(tree) -> bool:
-    if torch is None or not torch.cuda.is_available():
-        return False
-    stack = [tree]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            if x.is_cuda:
-                return True
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-    return False
 
 
 # --- the decorator ----------------------------------------------------------------

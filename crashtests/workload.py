@@ -135,6 +135,8 @@ def main(argv=None) -> int:
     p.add_argument("--out")
     p.add_argument("--die-at", type=int, help="SIGKILL self right after this step completes")
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--pause-at", type=int, help="inside this step, print 'paused STEP' and wait for stdin to "
+                   "close: a signal sent meanwhile lands in this step, however slow the machine")
     p.add_argument("--hashes", help="write the state hash after every step (reference runs)")
     p.add_argument("--full-hashes", help="write, after every step, the hash of the whole tree a snapshot "
                    "at that step holds (state, step, RNG states): what the crash checker compares")
@@ -155,6 +157,9 @@ def main(argv=None) -> int:
         state = run_step(state, i)
         if a.step_sleep:
             time.sleep(a.step_sleep)
+        if a.pause_at is not None and i + 1 == a.pause_at:
+            print(f"paused {i + 1}", flush=True)
+            sys.stdin.read()     # a signal's handler runs meanwhile and the read goes on (PEP 475)
         return state
 
     state = build_state(a.steps, a.device, seed=1234 + a.rank)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections import OrderedDict, defaultdict
 
@@ -180,15 +181,20 @@ def test_global_rng_is_restored(tmp_path):
 
 
 class FailingStore(FileStore):
-    """Fails the nth put the way a full disk would."""
+    """Fails the nth put the way a full disk would. ``gates`` (step -> threading.Event):
+    the put of that step waits until the test sets its event, so what the test does
+    before setting it comes before the write, however the threads are scheduled."""
 
-    def __init__(self, root, fail_on, delay=0.0):
+    def __init__(self, root, fail_on, delay=0.0, gates=None):
         super().__init__(root)
-        self.fail_on, self.delay, self.puts = fail_on, delay, 0
+        self.fail_on, self.delay, self.puts, self.gates = fail_on, delay, 0, gates or {}
 
     def put(self, run, step, state, **kw):
         self.puts += 1
         time.sleep(self.delay)
+        gate = self.gates.get(step)
+        if gate is not None and not gate.wait(120):
+            raise AssertionError(f"the put of step {step} was never let through")
         if self.puts == self.fail_on:
             raise DurabilityError("write failed: disk full", ref=self.path(run, step))
         return super().put(run, step, state, **kw)
@@ -230,14 +236,16 @@ def test_backpressure_bounds_in_flight(tmp_path):
 
 
 def test_async_snapshot_is_isolated_from_later_mutation(tmp_path):
-    store = FailingStore(tmp_path, fail_on=-1, delay=0.2)
+    mutated = threading.Event()
+    store = FailingStore(tmp_path, fail_on=-1, gates={1: mutated})
     snap = Snapshotter(store, "iso", every=1, mode="async", handle_signals=False)
     t = torch.zeros(1000)
     a = np.zeros(5)
     snap.restore({"t": t, "a": a, "l": [1]})
     snap.snapshot(1, {"t": t, "a": a, "l": [1]})
     t += 5
-    a += 5  # mutated while the write is in flight
+    a += 5  # mutated while the write is in flight: it waits for this
+    mutated.set()
     snap.close()
     st = store.get("iso", 1).state["state"]
     assert torch.equal(st["t"], torch.zeros(1000)) and np.array_equal(st["a"], np.zeros(5))
@@ -305,13 +313,17 @@ def test_async_snapshot_captures_every_mutable_kind_by_value(tmp_path):
     for mode in ("sync", "async"):
         d = tmp_path / mode
         d.mkdir()
-        store = FailingStore(d, fail_on=-1, delay=0.2 if mode == "async" else 0.0)
+        # async: the write of step k waits until step k+1 has mutated the state
+        gates = {1: threading.Event(), 2: threading.Event()} if mode == "async" else {}
+        store = FailingStore(d, fail_on=-1, gates=gates)
         state, step = every_mutable_kind(d)
         np.random.seed(0), random.seed(0), torch.manual_seed(0)
         with Snapshotter(store, "iso", every=1, mode=mode, handle_signals=False) as snap:
             state = snap.restore(state)
             for i in snap.steps(3):
                 state = step(state, i)
+                if i in gates:
+                    gates[i].set()
         trees[mode] = {k: store.get("iso", k).state for k in (1, 2, 3)}
     first = trees["async"][1]["state"]
     assert first["seen"] == {0} and first["buf"] == b"x\x00" and first["tup"][1] == {0}
@@ -672,22 +684,114 @@ def test_bit_exact_resume_after_external_sigkill(tmp_path, reference):
     assert json.load(open(tmp_path / "out.json"))["final_hash"] == reference
 
 
+def _signal_in_step(cmds, sig):
+    """Run ``cmds`` (one process, or the ranks of one job), each of which prints
+    'paused ...' inside a step and then reads its stdin to the end; send ``sig`` to
+    each there, wait until every snapshotter says it got it, then close the stdins to
+    let the step end. The signal so lands in that step, however slow the machine.
+    Returns, per command, (exit status, stdout after the 'paused' line, stderr)."""
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for cmd in cmds]
+    errs, noted = [[] for _ in procs], [threading.Event() for _ in procs]
+
+    def read_stderr(k):
+        for line in procs[k].stderr:
+            errs[k].append(line)
+            if f"{sig.name} received" in line:
+                noted[k].set()
+    readers = [threading.Thread(target=read_stderr, args=(k,), daemon=True) for k in range(len(procs))]
+    outs = []
+    try:
+        for r in readers:
+            r.start()
+        for k, p in enumerate(procs):
+            assert p.stdout.readline().startswith("paused"), "".join(errs[k])
+        for p in procs:
+            p.send_signal(sig)
+        for k, n in enumerate(noted):
+            assert n.wait(120), "".join(errs[k])
+        for p in procs:
+            p.stdin.close()
+        for p in procs:
+            outs.append(p.stdout.read())
+            p.wait(timeout=120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r in readers:
+        r.join(30)
+    return [(p.returncode, out, "".join(err)) for p, out, err in zip(procs, outs, errs)]
+
+
 def test_sigterm_takes_a_final_checkpoint(tmp_path):
     acks = tmp_path / "acks"
-    cmd = [sys.executable, "-m", "crashtests.workload", "--store", str(tmp_path / "store"), "--steps", "400",
-           "--every", "50", "--ack-log", str(acks), "--step-sleep", "0.05", "--hashes", str(tmp_path / "h")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
-    while time.time() < deadline and not (acks.exists() and acks.read_text().split()):
-        time.sleep(0.1)  # the first scheduled checkpoint: handlers are installed by now
-    time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=60)
-    steps = FileStore(tmp_path / "store").steps("pipeline")
-    acked = [int(x) for x in acks.read_text().split()]
-    assert proc.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM), proc.stderr.read()
-    assert steps[-1] < 400 and steps[-1] % 50 != 0  # taken because of the signal, not the schedule
-    assert acked[-1] == steps[-1]  # and acknowledged before exit
+    cmd = [sys.executable, "-m", "crashtests.workload", "--store", str(tmp_path / "store"), "--steps", "120",
+           "--every", "50", "--ack-log", str(acks), "--pause-at", "73"]
+    [(rc, _, err)] = _signal_in_step([cmd], signal.SIGTERM)
+    assert rc == 128 + signal.SIGTERM, err
+    assert FileStore(tmp_path / "store").steps("pipeline") == [50, 73]   # 73: the signal's, not the schedule's
+    assert [int(x) for x in acks.read_text().split()] == [50, 73]          # acknowledged before exit
+    assert "SIGTERM: run 'pipeline' is checkpointed at step 73; exiting with status 143" in err
+    assert "Traceback" not in err
+
+
+_PAUSING_LOOP = """
+import signal, sys
+from agck import checkpoint_every
+{before}
+@checkpoint_every(4, store={store!r}, run="loop", total=100)
+def step(state, i):
+    state["n"] += i
+    if i + 1 == 6:
+        print("paused 6", flush=True)
+        sys.stdin.read()
+    return state
+
+state = {{"n": 0}}
+for i in range(100):
+    state = step(state, i)
+step.close()
+"""
+
+
+def test_ctrl_c_checkpoints_and_exits_130_without_a_traceback(tmp_path):
+    script = _PAUSING_LOOP.format(before="", store=str(tmp_path))
+    [(rc, _, err)] = _signal_in_step([[sys.executable, "-c", script]], signal.SIGINT)
+    assert rc == 128 + signal.SIGINT, err
+    assert FileStore(tmp_path).steps("loop") == [4, 6]
+    assert FileStore(tmp_path).get("loop", 6).state["state"] == {"n": 15}
+    assert "SIGINT: run 'loop' is checkpointed at step 6; exiting with status 130" in err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+
+
+def test_a_signal_handler_of_the_program_gets_the_signal_after_the_checkpoint(tmp_path):
+    own = """
+def own(signum, frame):
+    print("own handler", flush=True)
+    sys.exit(3)
+signal.signal(signal.SIGINT, own)
+"""
+    script = _PAUSING_LOOP.format(before=own, store=str(tmp_path))
+    [(rc, out, err)] = _signal_in_step([[sys.executable, "-c", script]], signal.SIGINT)
+    assert (rc, out) == (3, "own handler\n"), err
+    assert FileStore(tmp_path).steps("loop") == [4, 6]
+    assert "Traceback" not in err
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_sigterm_under_torch_distributed_flushes_and_every_rank_exits_143(tmp_path):
+    """No out-of-cadence checkpoint (the ranks would not agree on its step): every
+    rank exits at the signal's step, naming the last committed one, without a traceback."""
+    cmds = [[sys.executable, "-m", "crashtests.workload", "--store", str(tmp_path / "store"), "--steps", "20",
+             "--every", "4", "--world", "2", "--rank", str(r), "--rendezvous", str(tmp_path / "rdv"),
+             "--pause-at", "6"] for r in range(2)]
+    for rc, _, err in _signal_in_step(cmds, signal.SIGTERM):
+        assert rc == 128 + signal.SIGTERM, err
+        assert "SIGTERM: run 'pipeline' is checkpointed at step 4; exiting with status 143" in err
+        assert "Traceback" not in err
+    assert FileStore(tmp_path / "store").steps("pipeline") == [4]
 
 
 # --- async snapshots take a large tensor that did not change uncopied, and the store confirms it ---

@@ -102,13 +102,15 @@ def test_staging_buffers_are_made_before_the_first_snapshot(tmp_path):
 
 # --- failures of the background write, and signal handlers ---------------------------------
 
-def _failing_puts(snap, fail_from: int):
-    """Make the store's puts of steps >= fail_from fail, slowly enough to queue behind."""
+def _failing_puts(snap, fail_from: int, gate: threading.Event | None = None):
+    """Make the store's puts of steps >= fail_from fail; with ``gate``, only once the
+    test has set it (what it queued before is queued behind the failure)."""
     put = snap.store.put
 
     def failing(run, step, *a, **kw):
         if step >= fail_from:
-            time.sleep(0.05)
+            if gate is not None:
+                assert gate.wait(120), "the failing put was never let through"
             raise OSError(28, "No space left on device")
         return put(run, step, *a, **kw)
     snap.store.put = failing
@@ -148,9 +150,11 @@ def test_writes_queued_behind_a_failure_are_named(tmp_path):
     state = {"w": torch.zeros(1000)}
     snap = Snapshotter(str(tmp_path), "run", every=1, mode="async", max_in_flight=3, handle_signals=False)
     snap.restore(state)
-    _failing_puts(snap, 1)
+    queued = threading.Event()
+    _failing_puts(snap, 1, queued)
     for step in (1, 2, 3):
         snap.snapshot(step, state)
+    queued.set()
     with pytest.raises(agck.SnapshotError, match=r"step 1 .*steps \[2, 3\] queued behind it were not written"):
         snap.flush()
     snap.close()

@@ -1,0 +1,139 @@
+"""Where a Snapshotter's checkpoints go and come from: one process's, or one rank's part.
+
+Contract: :func:`open_run` chooses, once, between
+
+- :class:`SingleRankRun`: this process owns the run; a checkpoint is one ``put``
+  to the store, and restore walks back with :func:`agck.recovery.recover_run`;
+- :class:`MultiRankRun`: this process is one rank of a torch.distributed job;
+  a checkpoint is this rank's part of a collective write
+  (:class:`agck.distributed.ShardedRun`: one part per rank, then one commit
+  record), and restore takes the newest step every rank can verify.
+
+Both implement :class:`SnapshotRun`, so the Snapshotter calls them without
+asking which it has. A :class:`MultiRankRun` is made, and its ``begin_epoch``,
+``find``, ``delete_all`` and ``write`` are called, collectively: by every rank,
+in the same order. Neither closes the store.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Collection
+
+from .distributed import Group, ShardedRun, active as dist_active
+from .errors import UsageError
+from .recovery import Recovery, recover_run
+from .sharded import is_commit
+from .stores import Store
+
+log = logging.getLogger("agck")
+
+
+class SnapshotRun:
+    """One run's checkpoints, as a Snapshotter of this process reads and writes them."""
+
+    #: whether a signal may add a checkpoint out of the ``every`` cadence
+    checkpoint_on_signal: bool
+
+    def begin_epoch(self) -> int:
+        """Begin a new incarnation of the run (:meth:`Store.begin_epoch`); its epoch."""
+        raise NotImplementedError
+
+    def find(self) -> tuple[Recovery, Any]:
+        """The recovery outcome, and the record whose ``meta`` and ``ref`` stand for the
+        step it found (None when it found none)."""
+        raise NotImplementedError
+
+    def check_restorable(self, ck) -> None:
+        """Raise :class:`UsageError` when this process cannot restore ``ck``."""
+
+    def delete_all(self, epoch: int) -> None:
+        """Delete the run's checkpoints (``resume=False``)."""
+        raise NotImplementedError
+
+    def write(self, step: int, tree: Any, *, meta: Any, parent: int | None, epoch: int,
+              expect_unchanged: Collection[int]) -> str:
+        """Make ``step`` durable; its ref."""
+        raise NotImplementedError
+
+    def can_confirm_unchanged(self, epoch: int) -> bool:
+        """Whether a write may pass tensors uncopied for the store to confirm."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Let go of what the run object holds (not the store)."""
+
+
+class SingleRankRun(SnapshotRun):
+    checkpoint_on_signal = True
+
+    def __init__(self, store: Store, run: str):
+        self.store, self.run = store, run
+
+    def begin_epoch(self) -> int:
+        return self.store.begin_epoch(self.run)
+
+    def find(self) -> tuple[Recovery, Any]:
+        recovery = recover_run(self.store, self.run)
+        return recovery, recovery.checkpoint
+
+    def check_restorable(self, ck) -> None:
+        if ck is not None and is_commit(ck):
+            raise UsageError(f"run {self.run!r}: step {ck.step} was checkpointed by several ranks under "
+                             "torch.distributed; this process is not one of them", ref=ck.ref,
+                             hint="restore it under torch.distributed with the same world size")
+
+    def delete_all(self, epoch: int) -> None:
+        old = self.store.steps(self.run)
+        if old:
+            log.warning("agck: resume=False: deleting %d old checkpoints of run %r (steps %d..%d)",
+                        len(old), self.run, old[0], old[-1])
+            for s in old:
+                self.store.delete(self.run, s, epoch=epoch)
+
+    def write(self, step, tree, *, meta, parent, epoch, expect_unchanged) -> str:
+        return self.store.put(self.run, step, tree, meta=meta, parent=parent, expect_unchanged=expect_unchanged,
+                              epoch=epoch)
+
+    def can_confirm_unchanged(self, epoch: int) -> bool:
+        return self.store.can_confirm_unchanged(self.run)
+
+
+class MultiRankRun(SnapshotRun):
+    # the ranks would not agree on the step of an extra one
+    checkpoint_on_signal = False
+
+    def __init__(self, sharded: ShardedRun):
+        self.sharded = sharded
+
+    def begin_epoch(self) -> int:
+        epoch = self.sharded.begin_epoch()
+        self.sharded.clean_partial()   # earlier incarnations' uncommitted parts can never commit now
+        return epoch
+
+    def find(self) -> tuple[Recovery, Any]:
+        commit, ck, rejected, candidates = self.sharded.find()
+        # the commit record, not this rank's part, carries the user's meta and names the step
+        return Recovery(run=self.sharded.run, checkpoint=ck, rejected=rejected, candidates=candidates), commit
+
+    def delete_all(self, epoch: int) -> None:
+        self.sharded.delete_all(epoch)
+
+    def write(self, step, tree, *, meta, parent, epoch, expect_unchanged) -> str:
+        return self.sharded.write(step, tree, meta=meta, parent=parent, epoch=epoch,
+                                  expect_unchanged=expect_unchanged)
+
+    def can_confirm_unchanged(self, epoch: int) -> bool:
+        return self.sharded.parts.can_confirm_unchanged(self.sharded.part_run(epoch))
+
+    def close(self) -> None:
+        self.sharded.close()
+
+
+def open_run(store: Store, run: str, distributed: bool | None) -> SnapshotRun:
+    """The run object for ``distributed`` (None: multi-rank whenever a default process
+    group of more than one rank is up). Multi-rank is collective: every rank makes it
+    at the same point of its program."""
+    if distributed or (distributed is None and dist_active()):
+        return MultiRankRun(ShardedRun(store, run, Group()))
+    return SingleRankRun(store, run)
