@@ -26,6 +26,7 @@ import xxhash
 
 from . import memory
 from .errors import CorruptCheckpointError, FormatError, MalformedCheckpointError, UnsupportedVersionError
+from .names import MAX_STEP
 
 MAGIC = b"AGCK"
 END_MAGIC = b"AGCK_END"
@@ -584,11 +585,11 @@ def check_blob_table(h: Header, table, *, ref: str | None = None) -> list[tuple[
 
 # --- chunked containers (version 1.1, FORMAT.md section 12) -------------------------
 
-CHUNKED_MINOR = 1
+CHUNKED_MINOR = 1            # what a writer writes; a reader takes any minor version (section 4)
 ADDRESS_SIZE = 32            # BLAKE3-256
 MAX_CHUNKS = 1 << 24
 MAX_CHUNK_SIZE = (1 << 32) - 1
-_CHUNKED_KEYS = {"run", "step", "parent", "meta", "blobs", "chunks", "sizes", "length"}
+_LISTING_KEYS = ("chunks", "sizes", "length")    # required; run, step, parent, meta may be absent (nil)
 
 
 def is_chunked(h: Header) -> bool:
@@ -623,16 +624,25 @@ def dumps_chunked(*, run, step, parent, meta, addresses: Sequence[bytes], sizes:
 
 
 def open_chunked(c: Container) -> ChunkedContainer:
-    """Check a parsed chunked container's listing (section 12, rules 1-2)."""
+    """Check a parsed chunked container's listing: FORMAT.md rules 12.1 and 12.2
+    (MalformedCheckpointError, section ``metadata``). Keys other than those rule
+    12.2 names are ignored (section 5), ``tensors`` and ``state`` included."""
     h, m = c.header, c.meta
 
     def bad(msg):
         return MalformedCheckpointError(f"chunk listing: {msg}", ref=c.ref, section="metadata")
 
-    if not is_chunked(h) or h.blob_count or h.payload_len:
+    if not is_chunked(h) or h.blob_count or h.payload_len:        # 12.1
         raise bad("not a chunked container (flag 0 unset, or it has a payload)")
-    if set(m) != _CHUNKED_KEYS:
-        raise bad(f"keys {sorted(map(str, m))}, expected {sorted(_CHUNKED_KEYS)}")
+    missing = [k for k in _LISTING_KEYS if k not in m]            # 12.2
+    if missing:
+        raise bad(f"no {', '.join(missing)}")
+    run, step, parent = m.get("run"), m.get("step"), m.get("parent")
+    if run is not None and type(run) is not str:
+        raise bad(f"run {run!r} is not a str or nil")
+    for name, v in (("step", step), ("parent", parent)):
+        if v is not None and (type(v) is not int or not 0 <= v <= MAX_STEP):
+            raise bad(f"{name} {v!r} is not nil or an int in [0, 2**63)")
     chunks, sizes, length = m["chunks"], m["sizes"], m["length"]
     if type(chunks) is not bytes or len(chunks) % ADDRESS_SIZE:
         raise bad(f"chunks is not a multiple of {ADDRESS_SIZE} bytes")
@@ -644,4 +654,4 @@ def open_chunked(c: Container) -> ChunkedContainer:
     if type(length) is not int or length != sum(sizes) or length > MAX_TOTAL_LEN:
         raise bad(f"length {length!r} is not the sum of the chunk sizes")
     addresses = [chunks[i:i + ADDRESS_SIZE] for i in range(0, len(chunks), ADDRESS_SIZE)]
-    return ChunkedContainer(m["run"], m["step"], m["parent"], m["meta"], addresses, sizes, length, h, c.ref)
+    return ChunkedContainer(run, step, parent, m.get("meta"), addresses, sizes, length, h, c.ref)

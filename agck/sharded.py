@@ -39,8 +39,10 @@ COMMIT_KEY = "agck.commit"    # the single key of a commit record's state
 PART_KEY = "agck.part"        # the key of a part's meta that binds it to its step
 COMMIT_VERSION = 1
 
-_PART_RUN_RE = re.compile(r"(?P<run>.+)\.e(?P<epoch>[0-9]{1,19})\.r(?P<rank>[0-9]{1,9})", re.ASCII)
+# decimal without sign or leading zeros (FORMAT.md 13.3): one name per (run, epoch, rank)
+_PART_RUN_RE = re.compile(r"(?P<run>.+)\.e(?P<epoch>0|[1-9][0-9]{0,18})\.r(?P<rank>0|[1-9][0-9]{0,8})", re.ASCII)
 _MAX_RANKS = 1 << 20
+_MAX_EPOCH = (1 << 63) - 1
 
 
 def part_run(run: str, epoch: int, rank: int) -> str:
@@ -123,12 +125,20 @@ def part_meta(run: str, step: int, epoch: int, rank: int, world_size: int, nonce
 
 
 def is_commit(ck: Checkpoint) -> bool:
+    """FORMAT.md 13.1: a state map whose one key is ``agck.commit``; beside other keys
+    that key is the user's own (an ordinary checkpoint)."""
     return isinstance(ck.state, dict) and COMMIT_KEY in ck.state and len(ck.state) == 1
+
+
+def _uint(x, top: int) -> bool:
+    """An int in [0, top] (a bool is not one: msgpack keeps them apart)."""
+    return type(x) is int and 0 <= x <= top
 
 
 def as_commit(ck: Checkpoint) -> Commit | None:
     """The commit record ``ck`` holds, None when it is a single-process checkpoint;
-    :class:`CorruptCheckpointError` (section ``commit``) when its record is malformed."""
+    :class:`CorruptCheckpointError` (section ``commit``) when its record is malformed
+    (FORMAT.md 13.3: ``kind`` any str, ``extra`` may be absent, other keys ignored)."""
     if not is_commit(ck):
         return None
     body = ck.state[COMMIT_KEY]
@@ -139,15 +149,15 @@ def as_commit(ck: Checkpoint) -> Commit | None:
     if not isinstance(body, dict):
         raise bad("not a map")
     version = body.get("version")
-    if not isinstance(version, int) or version < 1:
+    if type(version) is not int or version < 1:
         raise bad(f"version {version!r}")
     if version > COMMIT_VERSION:
         raise UnsupportedVersionError(f"commit record version {version}; this agck reads up to {COMMIT_VERSION}",
                                       ref=ck.ref, hint="upgrade agck to read this run")
     epoch, world, parts, kind = body.get("epoch"), body.get("world_size"), body.get("parts"), body.get("kind")
-    if not isinstance(epoch, int) or epoch < 0:
+    if not _uint(epoch, _MAX_EPOCH):
         raise bad(f"epoch {epoch!r}")
-    if not isinstance(world, int) or not 1 <= world <= _MAX_RANKS:
+    if not _uint(world, _MAX_RANKS) or world < 1:
         raise bad(f"world_size {world!r}")
     if not isinstance(kind, str):
         raise bad(f"kind {kind!r}")
@@ -165,8 +175,10 @@ def as_commit(ck: Checkpoint) -> Commit | None:
 
 def read_part(store, commit: Commit, rank: int, *, verify=True, map_location=None) -> Checkpoint:
     """Rank ``rank``'s part of a committed step, verified and checked to be the part
-    the commit record binds. CorruptCheckpointError (naming the part) if it is
-    missing, damaged or another write's; section ``part``."""
+    the commit record binds (FORMAT.md 13.4). CorruptCheckpointError, section
+    ``part``, naming the rank and why, if it is missing, does not verify (whatever
+    part of it failed) or is another write's; a part of a newer format version is
+    UnsupportedVersionError, as for any checkpoint."""
     p = commit.parts[rank]
     parts = store.parts_store()
     try:
@@ -174,20 +186,26 @@ def read_part(store, commit: Commit, rank: int, *, verify=True, map_location=Non
     except CheckpointNotFoundError as e:
         raise CorruptCheckpointError(f"rank {rank}'s part is missing ({e.reason})", ref=parts.ref(p.run, commit.step),
                                      section="part") from None
-    except CorruptCheckpointError as e:
-        raise CorruptCheckpointError(f"rank {rank}'s part does not verify: {e.reason}", ref=e.ref,
-                                     section=e.section or "part") from None
+    except (CorruptCheckpointError, FormatError) as e:
+        if isinstance(e, UnsupportedVersionError):
+            raise
+        where = f" (its {e.section})" if getattr(e, "section", None) else ""
+        raise CorruptCheckpointError(f"rank {rank}'s part does not verify{where}: {e.reason}", ref=e.ref,
+                                     section="part") from None
     bound = ck.meta.get(PART_KEY) if isinstance(ck.meta, dict) else None
     want = {"run": commit.run, "step": commit.step, "epoch": commit.epoch, "rank": rank,
             "world_size": commit.world_size, "nonce": p.nonce}
-    if bound != want:
+    # the same keys, each value equal and of the same type (1 is not 1.0 nor true)
+    if (type(bound) is not dict or bound.keys() != want.keys()
+            or any(type(bound[k]) is not type(v) or bound[k] != v for k, v in want.items())):
         raise CorruptCheckpointError(f"rank {rank}'s part is not the one the commit record binds "
                                      f"(it says {bound!r})", ref=ck.ref, section="part")
     return ck
 
 
 def verify_parts(store, commit: Commit, *, verify=True) -> None:
-    """Read and verify every part of a committed step (raises on the first bad one)."""
+    """Read and verify every part of a committed step (raises on the first bad one):
+    what makes a step verify, with its record (FORMAT.md rule 13.5)."""
     for rank in range(commit.world_size):
         read_part(store, commit, rank, verify=verify)
 
@@ -228,7 +246,8 @@ def partial_parts(store, run: str | None = None) -> list[PartialPart]:
 
     A part of the run's current epoch may be a checkpoint in flight (at a new step,
     or rewriting an older one: a resumed job, a DCP save of an existing step):
-    listed with ``removable=False``. Once a newer epoch begins, it is removable."""
+    listed with ``removable=False``. Once a newer epoch begins, it is removable
+    (FORMAT.md rule 13.6)."""
     found = part_runs(store, run)
     if not found:
         return []
@@ -260,8 +279,9 @@ def partial_parts(store, run: str | None = None) -> list[PartialPart]:
 
 
 def _commit_at(store, run: str, step: int) -> Commit | None:
-    """The commit record at (run, step); None where none verifies (a verdict on its
-    bytes, or gone). Anything that is not a verdict (a newer version) is raised."""
+    """The commit record at (run, step); None where none verifies (rules 13.2 and
+    13.3: a verdict on its bytes, or gone). Anything that is not a verdict (a newer
+    version) is raised."""
     try:
         return as_commit(store.read(run, step))
     except AgckError as e:
