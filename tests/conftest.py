@@ -19,7 +19,7 @@ except ImportError:
     pass
 
 PG_DSN_DEFAULT = "postgresql://postgres@127.0.0.1:5432/test"
-BACKENDS = ("file", "sqlite", "postgres")
+BACKENDS = ("file", "sqlite", "postgres")   # a new backend: here and in make_spec (see test_store_contract.py)
 _prefixes = itertools.count()
 
 

@@ -15,7 +15,7 @@ import agck
 from agck import errors, recovery
 from agck.recovery import prune, recover_run
 
-from test_stores import corrupt_payload, state_for
+from storehelpers import corrupt_payload, state_for
 
 torch = pytest.importorskip("torch")
 
