@@ -186,8 +186,8 @@ def read_part(store, commit: Commit, rank: int, *, verify=True, map_location=Non
     except CheckpointNotFoundError as e:
         raise CorruptCheckpointError(f"rank {rank}'s part is missing ({e.reason})", ref=parts.ref(p.run, commit.step),
                                      section="part") from None
-    except (CorruptCheckpointError, FormatError) as e:
-        if isinstance(e, UnsupportedVersionError):
+    except AgckError as e:
+        if not e.verdict:      # (a newer format version: not a judgement of the part)
             raise
         where = f" (its {e.section})" if getattr(e, "section", None) else ""
         raise CorruptCheckpointError(f"rank {rank}'s part does not verify{where}: {e.reason}", ref=e.ref,

@@ -113,7 +113,7 @@ def test_12_4_a_listing_of_a_chunked_container_is_a_verdict_and_recovery_walks_p
     plant(store, 2, listing)
     with pytest.raises(MalformedCheckpointError, match="itself a chunked container") as e:
         store.get(RUN, 2)
-    assert e.value.section == "chunk" and recovery.is_verdict(e.value)
+    assert e.value.section == "chunk" and e.value.verdict
     assert rejected_at(store, 2).section == "chunk"
 
 
@@ -259,7 +259,7 @@ def test_12_6_a_listing_read_alone_is_a_usage_error_once_it_verifies(store):
     path = store.ref(RUN, 1)
     with pytest.raises(UsageError, match="store") as e:
         agck.load(path)
-    assert not recovery.is_verdict(e.value)
+    assert not e.value.verdict
     data = open(path, "rb").read()
     c = format.open_container(data)
     m = dict(c.meta, sizes=[1] * len(c.meta["sizes"]))        # a listing that breaks 12.2
