@@ -335,7 +335,7 @@ def test_sql_collector_beside_writers_never_leaves_a_missing_chunk(db_spec):
         first.close()
 
 
-def test_sql_collector_skips_what_a_writer_in_flight_relies_on(inc):
+def test_sql_collector_skips_what_a_writer_in_flight_relies_on(inc, monkeypatch):
     s, t = inc
     x = np.arange(300_000, dtype=np.int64)
     s.put("r", 1, {"x": x})
@@ -352,15 +352,26 @@ def test_sql_collector_skips_what_a_writer_in_flight_relies_on(inc):
             errors.append(e)
 
     failpoints.configure("sqlite.after_objects=sleep:1.5,pg.after_objects=sleep:1.5")
+    paused, times = threading.Event(), {}
+    pause = failpoints.hit
+
+    def hit(name):                   # the writer has found the objects and relies on them: now collect
+        if name.endswith(".after_objects"):
+            paused.set()
+        pause(name)
+
+    monkeypatch.setattr(failpoints, "hit", hit)
     try:
-        th = threading.Thread(target=writer)
+        th = threading.Thread(target=lambda: (writer(), times.setdefault("writer done", time.monotonic())))
         th.start()
-        time.sleep(0.5)
+        assert paused.wait(60), "the writer never reached its objects"
+        times["gc began"] = time.monotonic()
         s.collect_garbage()          # SQLite: waits for the writer; Postgres: skips the objects it locked
         th.join(30)
     finally:
         failpoints.configure("")
     assert not errors, errors
+    assert times["gc began"] < times["writer done"], "the collection did not overlap the writer's transaction"
     np.testing.assert_array_equal(s.read("r", 2).state["x"], x)
     s.collect_garbage()
     np.testing.assert_array_equal(s.read("r", 2).state["x"], x)
