@@ -750,8 +750,10 @@ class Snapshotter:
             self.recovery = recover_run(self.store, self.run)
             ck = meta_source = self.recovery.checkpoint
             if ck is not None and is_commit(ck):
-                raise UsageError(f"run {self.run!r}: step {ck.step} was checkpointed by several ranks under "
-                                 "torch.distributed; this process is not one of them", ref=ck.ref,
+                raise UsageError(f"run {self.run!r} step {ck.step} was checkpointed under torch.distributed "
+                                 f"with world size {next(iter(ck.state.values()))['world_size']}, and this "
+                                 "process runs alone (world size 1): a snapshot's per-rank state (its values and "
+                                 "RNG states) cannot be resharded", ref=ck.ref,
                                  hint="restore it under torch.distributed with the same world size")
         rec = self.recovery
         for rj in rec.rejected:
