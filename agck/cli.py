@@ -6,7 +6,8 @@ Exit codes (also in the README):
   2  usage error (bad arguments)
   3  nothing valid: no checkpoint verifies, or the file is corrupt
   4  cannot open the store or file (missing, unreachable server, bad credentials, unknown run/step,
-     an output path that cannot be written), or the checkpoint needs torch and `import torch` fails here
+     an output path that cannot be written), verify or recover of a store that holds no checkpoints,
+     or the checkpoint needs torch and `import torch` fails here
 
 Every error is one line on stderr, without a traceback and without a DSN password.
 """
@@ -138,6 +139,46 @@ def _size(n: int | None) -> str:
     return str(n)
 
 
+def _n(count: int, noun: str) -> str:
+    """``count`` and ``noun``, singular or plural as the count needs: 1 tensor, 2 tensors."""
+    return f"{count} {noun if count == 1 else noun + 's'}"
+
+
+MAX_COLUMN = 60     # widest a table column gets in text output (--json prints every value whole)
+
+
+def _clip(text: str, width: int = MAX_COLUMN) -> str:
+    """``text`` at most ``width`` characters: a longer one keeps its start and end around an ellipsis."""
+    if len(text) <= width:
+        return text
+    tail = (width - 1) // 2
+    return text[:width - 1 - tail] + "\u2026" + text[len(text) - tail:]
+
+
+def _table(rows: list, right: tuple = ()) -> list[str]:
+    """``rows`` (lists of cells) as aligned lines: each column as wide as its widest
+    cell, cells clipped to MAX_COLUMN; the last column is neither clipped nor padded.
+    Columns in ``right`` are aligned right."""
+    if not rows:
+        return []
+    rows = [[_clip(c) for c in r[:-1]] + [r[-1]] for r in rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.rjust(w) if i in right else c.ljust(w)
+                      for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
+
+
+def _unknown_run(command: str, store, run: str) -> _Exit:
+    """A --run with no checkpoints in ``store``: exit 4, naming the runs there are."""
+    return _Exit(EXIT_UNAVAILABLE, f"agck {command}: no run {run!r} with checkpoints in {store.url} "
+                                   f"(runs: {', '.join(store.runs()) or 'none'})")
+
+
+def _nothing_stored(command: str, store) -> _Exit:
+    """A store with no checkpoint at all: verify and recover have nothing to judge, which is not a success."""
+    return _Exit(EXIT_UNAVAILABLE, f"agck {command}: {store.url} holds no checkpoints, so there is nothing to "
+                                   f"{command} (check the path: an empty store, or not an agck store)")
+
+
 def _open(url: str):
     """An existing store; reading commands (and prune) never create one."""
     from .stores import is_kv_dsn, open_store
@@ -240,9 +281,7 @@ def _format_show(info: dict) -> str:
                          str(t.get("blob_offset", "-") if t.get("offset", 0) == 0 else
                              f"{t.get('blob_offset')}+{t.get('offset')}"),
                          str(t.get("blob_nbytes", "-")), str(t.get("xxh3", "-"))))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        for r in rows:
-            lines.append("    " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        lines += ["    " + line for line in _table(rows, right=(4, 5))]
     return "\n".join(lines)
 
 
@@ -250,22 +289,25 @@ def cmd_ls(args) -> int:
     with _open(args.store) as store:
         infos = store.list(args.run)
         partial = sharded.partial_parts(store, args.run)
+        if args.run is not None and not infos and not partial:   # a mistyped run lists nothing, successfully
+            raise _unknown_run("ls", store, args.run)
     rows = [{**i.as_dict(), "meta": _meta(i.meta)} for i in infos]
     # parts of multi-rank steps that no commit record binds: never resumed, listed apart
     rows += [{"run": p.run, "step": p.step, "partial": p.as_dict()} for p in partial]
 
     def text():
-        out = ["run  step  parent  size  created  meta"] if rows else ["(no checkpoints)"]
+        if not rows:
+            return "(no checkpoints)"
+        cells = [["run", "step", "parent", "size", "created", "meta"]]
         for r in rows:
             if "partial" in r:
                 p = r["partial"]
-                out.append(f"{r['run']}  {r['step']}  partial: rank {p['rank']}'s part (epoch {p['epoch']}), "
-                           f"not committed: {p['reason']}")
+                cells.append([r["run"], str(r["step"]), "-", "-", "-",
+                              f"partial: rank {p['rank']}'s part (epoch {p['epoch']}), not committed: {p['reason']}"])
                 continue
-            meta = _json(r["meta"]) if r["meta"] is not None else ""
-            out.append(f"{r['run']}  {r['step']}  {'-' if r['parent'] is None else r['parent']}  "
-                       f"{_size(r['size'])}  {_time(r['created_at'])}  {meta}")
-        return "\n".join(out)
+            cells.append([r["run"], str(r["step"]), "-" if r["parent"] is None else str(r["parent"]),
+                          _size(r["size"]), _time(r["created_at"]), _json(r["meta"]) if r["meta"] is not None else ""])
+        return "\n".join(_table(cells, right=(1, 2, 3)))
     _emit(args, rows, text)
     return EXIT_OK
 
@@ -286,9 +328,11 @@ def cmd_verify(args) -> int:
         return EXIT_OK
     with _open(args.target) as store:
         if args.run is not None and not store.steps(args.run):
-            raise _Exit(EXIT_UNAVAILABLE, f"agck verify: no checkpoints of run {args.run!r} in {store.url}")
+            raise _unknown_run("verify", store, args.run)
         runs = [args.run] if args.run else store.runs()
         total = sum(len(store.steps(r)) for r in runs)
+        if not total:       # verified nothing: not a green result
+            raise _nothing_stored("verify", store)
         with _progress(total, "verify", args.quiet) as bar:
             rep = verify_store(store, args.run, progress=lambda: bar.update(1))
     lines = [f"{len(rep.ok)} ok, {len(rep.rejected)} corrupt"]
@@ -301,11 +345,11 @@ def cmd_verify(args) -> int:
 def cmd_recover(args) -> int:
     from .recovery import recover_run
     with _open(args.store) as store:
-        runs = [check_run(args.run)] if args.run is not None else \
-            sorted(set(store.runs()) | {r for _, r, _, _ in sharded.part_runs(store)})
-        if args.run is not None and not store.steps(args.run) and not sharded.part_runs(store, args.run):
-            raise _Exit(EXIT_UNAVAILABLE, f"agck recover: no run {args.run!r} with checkpoints in {store.url} "
-                                          f"(runs: {', '.join(store.runs()) or 'none'})")
+        with_parts = {r for _, r, _, _ in sharded.part_runs(store, args.run)}   # runs with multi-rank parts
+        runs = [check_run(args.run)] if args.run is not None else sorted(set(store.runs()) | with_parts)
+        if not with_parts and not any(store.steps(r) for r in runs):    # nothing to recover is not a success
+            raise _unknown_run("recover", store, args.run) if args.run is not None else \
+                _nothing_stored("recover", store)
         results = []
         with _progress(None, "recover", args.quiet) as bar:
             for r in runs:
@@ -331,9 +375,9 @@ def cmd_recover(args) -> int:
         if rec.checkpoint is None and not rec.candidates:
             lines.append(f"{rec.run}: no checkpoints")
         elif rec.checkpoint is None:
-            lines.append(f"{rec.run}: NOTHING VALID among {rec.candidates} checkpoints")
+            lines.append(f"{rec.run}: NOTHING VALID among {_n(rec.candidates, 'checkpoint')}")
         else:
-            how = f", walked back past {len(rec.rejected)}" if rec.rejected else ""
+            how = f", walked back past {_n(len(rec.rejected), 'checkpoint')}" if rec.rejected else ""
             lines.append(f"{rec.run}: last valid step {rec.step} ({rec.ref}){how}")
         for rj in rec.rejected:
             lines.append(f"  rejected step {rj.step} ({rj.ref}): {rj.reason}")
@@ -355,23 +399,32 @@ def cmd_recover(args) -> int:
 def cmd_prune(args) -> int:
     with _open(args.store) as store:
         if not store.steps(args.run):   # a mistyped run would otherwise "prune" nothing, successfully
-            raise _Exit(EXIT_UNAVAILABLE, f"agck prune: no checkpoints of run {args.run!r} in {store.url}")
+            raise _unknown_run("prune", store, args.run)
         deleted = store.prune(args.run, keep_last=args.keep_last, keep_every=args.keep_every, before=args.before)
         left = store.steps(args.run)
     _emit(args, {"deleted": deleted, "kept": left},
-          lambda: f"deleted {len(deleted)} checkpoints of {args.run}; kept steps {left}")
+          lambda: f"deleted {_n(len(deleted), 'checkpoint')} of {args.run}; kept steps {left}")
     return EXIT_OK
 
 
 def cmd_gc(args) -> int:
     with _open(args.store) as store:
         got = store.collect_garbage()
+        stored = sum(len(store.steps(r)) for r in store.runs()) if got is not None else 0
     if got is None:
         _emit(args, {"collected": None}, lambda: f"{store.url}: this store shares no content; nothing to collect")
         return EXIT_OK
-    _emit(args, got.as_dict(), lambda: f"deleted {got.deleted_chunks} chunks ({_size(got.deleted_bytes)}); "
-          f"{got.live_chunks} chunks kept for {got.listings} checkpoints"
-          + "".join(f"\n  damaged listing (keeps nothing): {p}" for p in got.damaged))
+    # checkpoints that list no chunks (written whole: small, or not incremental) hold their own bytes
+    standalone = max(0, stored - got.listings - len(got.damaged))
+
+    def text():
+        out = (f"deleted {_n(got.deleted_chunks, 'chunk')} ({_size(got.deleted_bytes)}); "
+               f"{_n(got.live_chunks, 'chunk')} kept for {_n(got.listings, 'chunked checkpoint')}")
+        if standalone:
+            out += (f"; {_n(standalone, 'standalone checkpoint')}, which "
+                    f"{'shares' if standalone == 1 else 'share'} no chunks (each holds its own bytes)")
+        return out + "".join(f"\n  damaged listing (keeps nothing): {p}" for p in got.damaged)
+    _emit(args, {**got.as_dict(), "standalone": standalone}, text)
     return EXIT_OK
 
 
@@ -380,15 +433,17 @@ def cmd_scrub(args) -> int:
         with _progress(None, "scrub", args.quiet, unit="B") as bar:
             rep = store.scrub(quarantine=not args.no_quarantine, progress=bar.update)
     def text():
-        lines = [f"{rep.chunks} chunks ({_size(rep.bytes)}) of {rep.listings} chunked checkpoints checked: "
-                 + ("no damage" if rep.ok else f"{len(rep.damaged)} damaged, {len(rep.missing)} missing, "
-                    f"{len(rep.damaged_listings)} damaged listings; {len(rep.broken)} checkpoints broken")]
+        lines = [f"{_n(rep.chunks, 'chunk')} ({_size(rep.bytes)}) of {_n(rep.listings, 'chunked checkpoint')} "
+                 "checked: " + ("no damage" if rep.ok else
+                                f"{len(rep.damaged)} damaged, {len(rep.missing)} missing, "
+                                f"{_n(len(rep.damaged_listings), 'damaged listing')}; "
+                                f"{_n(len(rep.broken), 'checkpoint')} broken")]
         for d in rep.damaged + rep.missing:
             fate = {"quarantined": "quarantined now", "quarantined earlier": "quarantined earlier as damaged",
                     "intact": "re-read intact, left in place", None: "left in place"}.get(d.quarantined, "")
             what = f"{d.reason}; {fate}" if d.ref else fate or "missing"
             lines.append(f"  {'DAMAGED' if d.ref else 'MISSING'} chunk {d.address[:16]} ({what}): "
-                         f"breaks {len(d.checkpoints)} checkpoint(s)")
+                         f"breaks {_n(len(d.checkpoints), 'checkpoint')}")
             lines += [f"    {r}" for r in d.checkpoints[:10]]
             if len(d.checkpoints) > 10:
                 lines.append(f"    ... and {len(d.checkpoints) - 10} more (--json lists them all)")
@@ -409,10 +464,22 @@ def cmd_export(args) -> int:
         ck = _stored_checkpoint(args, args.source, "export")
     summary = export(ck, args.to, max_bytes=args.max_bytes)
     skipped = summary["skipped"]
-    _emit(args, summary, lambda: f"wrote {summary['tensors']} tensors to {args.to}"
+    converted = summary.get("converted") or {}
+    _emit(args, summary, lambda: f"wrote {_n(summary['tensors'], 'tensor')} to {args.to}"
           + (f" (skipped {len(skipped)}: {', '.join(skipped[:5])}"
-             f"{'...' if len(skipped) > 5 else ''})" if skipped else ""))
+             f"{'...' if len(skipped) > 5 else ''})" if skipped else "")
+          + (f"; converted {_converted(converted)}, so that torch.load reads it with weights_only=True"
+             if any(converted.values()) else ""))
     return EXIT_OK
+
+
+def _converted(converted: dict) -> str:
+    """What a .pt export converted, in words."""
+    arrays, scalars = converted.get("arrays", 0), converted.get("scalars", 0)
+    what = [f"{_n(arrays, 'numpy array')} to {'a torch tensor' if arrays == 1 else 'torch tensors'}" if arrays else "",
+            f"{_n(scalars, 'numpy scalar')} to {'a Python number' if scalars == 1 else 'Python numbers'}"
+            if scalars else ""]
+    return " and ".join(w for w in what if w)
 
 
 def cmd_db(args) -> int:
@@ -429,14 +496,35 @@ def cmd_db(args) -> int:
         value = flag if flag is not None else own.get(name)
         if value is not None:
             opts[name] = value
+    applied = None
     with PostgresStore(dsn, check_schema=False, **opts) as store:
         if args.action == "init":
             store.init_schema()
         elif args.action == "migrate":
-            store.migrate()
+            applied = store.migrate()
         status = store.schema_status()
-    _emit(args, status, lambda: f"{store.url}: schema {status}")
+    _emit(args, status, lambda: _format_schema(status, applied))
     return EXIT_OK
+
+
+_SCHEMA_STATES = {"current": "current", "uninitialized": "uninitialized (run agck db init)",
+                  "incomplete": "incomplete: tables missing (run agck db init)",
+                  "outdated": "outdated (run agck db migrate)", "newer": "made by a newer agck (upgrade agck)"}
+
+
+def _format_schema(status: dict, applied: list | None) -> str:
+    """``agck db``'s text output: one line per fact of the schema's status."""
+    version = "none" if status.get("version") is None else status["version"]
+    lines = [f"{status.get('url')}",
+             f"  state           {_SCHEMA_STATES.get(status.get('state'), status.get('state'))}",
+             f"  version         {version} (this agck uses {status.get('expected')})",
+             f"  prefix          {status.get('prefix')}",
+             f"  schema          {status.get('schema') or '(the search_path)'}",
+             f"  missing tables  {', '.join(status.get('missing_tables') or []) or 'none'}"]
+    if applied is not None:
+        lines.append("  migrated        " + (f"to version {', '.join(map(str, applied))}" if applied else
+                                              "nothing to do"))
+    return "\n".join(lines)
 
 
 # --- plumbing ---------------------------------------------------------------------
@@ -462,12 +550,17 @@ def _bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+_STORE_HELP = "a store directory or URL (sqlite:///x.db, postgresql://...)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="agck", description="Crash-safe checkpoints: inspect, verify, recover.",
                                 epilog="Exit codes: 0 ok, 1 walked back / corruption found, 2 usage, "
-                                       "3 nothing valid, 4 store or file unavailable (or torch needed and missing).")
+                                       "3 nothing valid, 4 store or file unavailable, no checkpoints to "
+                                       "verify or recover (or torch needed and missing).")
     p.add_argument("--version", action="version", version=f"agck {__import__('agck').__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           help="what to do (agck COMMAND --help lists its options)")
 
     def common(sp, reads=True):
         if reads:
@@ -475,8 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
     sp = sub.add_parser("recover", help="find each run's last valid checkpoint after a crash")
-    sp.add_argument("store", help="store URL or directory")
-    sp.add_argument("--run", help="only this run")
+    sp.add_argument("store", help=_STORE_HELP)
+    sp.add_argument("--run", help="only this run (default: every run of the store)")
     sp.add_argument("--restore-to", metavar="FILE", help="write the recovered checkpoint as a standalone .agck")
     sp.add_argument("--clean", action="store_true",
                     help="remove temp files left by interrupted writes and uncommitted multi-rank parts")
@@ -484,59 +577,61 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_recover)
 
     sp = sub.add_parser("ls", help="list checkpoints (reads no payload)")
-    sp.add_argument("store")
-    sp.add_argument("--run")
+    sp.add_argument("store", help=_STORE_HELP)
+    sp.add_argument("--run", help="only this run's checkpoints (default: every run's)")
     common(sp)
     sp.set_defaults(func=cmd_ls)
 
     sp = sub.add_parser("show", help="header, metadata and tensor table of a file or a stored checkpoint")
-    sp.add_argument("target", metavar="STORE_OR_FILE")
-    sp.add_argument("--run")
-    sp.add_argument("--step", type=_step, help="default: the newest that verifies")
+    sp.add_argument("target", metavar="STORE_OR_FILE", help="a checkpoint file, or a store (with --run)")
+    sp.add_argument("--run", help="the run to show a checkpoint of (a store needs it)")
+    sp.add_argument("--step", type=_step, help="the step to show (default: the newest that verifies)")
     sp.add_argument("--verify", action="store_true", help="also check every tensor checksum (files)")
     common(sp)
     sp.set_defaults(func=cmd_show)
 
     sp = sub.add_parser("verify", help="fully verify a file or every checkpoint of a store")
-    sp.add_argument("target", metavar="STORE_OR_FILE")
-    sp.add_argument("--run")
+    sp.add_argument("target", metavar="STORE_OR_FILE", help="a checkpoint file, or a store")
+    sp.add_argument("--run", help="only this run's checkpoints (default: every run's)")
     common(sp)
     sp.set_defaults(func=cmd_verify)
 
     sp = sub.add_parser("prune", help="delete old checkpoints; never the newest valid one")
-    sp.add_argument("store")
-    sp.add_argument("--run", required=True)
-    sp.add_argument("--keep-last", type=_step, required=True, metavar="N")
-    sp.add_argument("--keep-every", type=_step, metavar="K")
+    sp.add_argument("store", help=_STORE_HELP)
+    sp.add_argument("--run", required=True, help="the run to prune")
+    sp.add_argument("--keep-last", type=_step, required=True, metavar="N", help="keep the newest N checkpoints")
+    sp.add_argument("--keep-every", type=_step, metavar="K", help="also keep every step that is a multiple of K")
     sp.add_argument("--before", type=_step, metavar="STEP", help="only delete steps below STEP")
     common(sp)
     sp.set_defaults(func=cmd_prune)
 
     sp = sub.add_parser("gc", help="delete stored chunks no checkpoint refers to any more")
-    sp.add_argument("store")
+    sp.add_argument("store", help=_STORE_HELP)
     common(sp)
     sp.set_defaults(func=cmd_gc)
 
     sp = sub.add_parser("scrub", help="re-hash every stored chunk; report and quarantine damaged ones")
-    sp.add_argument("store", help="store URL or directory")
+    sp.add_argument("store", help=_STORE_HELP)
     sp.add_argument("--no-quarantine", action="store_true",
                     help="only report: leave damaged chunks where they are")
     common(sp)
     sp.set_defaults(func=cmd_scrub)
 
     sp = sub.add_parser("export", help="export a checkpoint to .safetensors, .pt, .npz or a standalone .agck")
-    sp.add_argument("source", metavar="STORE_OR_FILE")
-    sp.add_argument("--to", required=True, metavar="OUT")
-    sp.add_argument("--run")
-    sp.add_argument("--step", type=_step)
+    sp.add_argument("source", metavar="STORE_OR_FILE", help="a checkpoint file, or a store (with --run)")
+    sp.add_argument("--to", required=True, metavar="OUT",
+                    help="the file to write; its extension picks the format (.safetensors, .pt, .npz, .agck)")
+    sp.add_argument("--run", help="the run to export a checkpoint of (a store needs it)")
+    sp.add_argument("--step", type=_step, help="the step to export (default: the newest that verifies)")
     sp.add_argument("--max-bytes", type=_bytes, metavar="SIZE",
                     help="write at most this much tensor data (default: twice the checkpoint's size)")
     common(sp)
     sp.set_defaults(func=cmd_export)
 
     sp = sub.add_parser("db", help="Postgres schema: init, migrate, status")
-    sp.add_argument("action", choices=["init", "migrate", "status"])
-    sp.add_argument("dsn")
+    sp.add_argument("action", choices=["init", "migrate", "status"],
+                    help="init: create the tables; migrate: bring an older schema forward; status: say where it stands")
+    sp.add_argument("dsn", help="a postgresql:// URL or a libpq 'key=value ...' string")
     sp.add_argument("--prefix", help="table prefix (default agck, or agck_prefix= in the DSN)")
     sp.add_argument("--schema", help="Postgres schema of the tables (or agck_schema= in the DSN)")
     common(sp)

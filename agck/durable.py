@@ -528,13 +528,16 @@ def _write_atomic(path: str, parts: Iterable, *, overwrite: bool, size: int | No
             try:
                 fs.link(tmp, path)
             except FileExistsError:
-                raise CheckpointExistsError("a checkpoint already exists here", ref=path) from None
+                raise CheckpointExistsError.refused(path) from None
             fs.unlink(tmp)
         tmp = None
         failpoints.hit("file.after_rename")
         fs.fsync_dir(directory)
         failpoints.hit("file.after_dir_fsync")
     except OSError as e:
+        if isinstance(e, FileNotFoundError) and not os.path.isdir(directory):
+            raise DurabilityError(f"directory {directory} does not exist, so nothing was written", ref=path,
+                                  hint="create the directory first (os.makedirs), or check the path") from e
         what = "disk full" if e.errno == errno.ENOSPC else e.strerror or str(e)
         raise DurabilityError(f"write failed: {what}", ref=path) from e
     finally:

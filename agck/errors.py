@@ -147,9 +147,16 @@ class CheckpointNotFoundError(StoreError, KeyError):
 
 
 class CheckpointExistsError(StoreError):
-    """A checkpoint already exists at that run/step."""
+    """A checkpoint already exists at that run/step, and the write was told not to
+    replace it (``overwrite=False``; a put replaces by default)."""
 
-    default_hint = "checkpoints are immutable: delete it first or use a new step"
+    default_hint = "delete it first or use another step (a put without overwrite=False replaces it)"
+
+    @classmethod
+    def refused(cls, ref: str, step: int | None = None) -> "CheckpointExistsError":
+        """A put or save with ``overwrite=False`` onto an existing checkpoint."""
+        at = f"at step {step}" if step is not None else "at this path"
+        return cls(f"a checkpoint already exists {at}, and overwrite=False refuses to replace it", ref=ref)
 
 
 class DurabilityError(StoreError):

@@ -4,7 +4,12 @@
 flattened into dotted keys (``model.layers.3.weight``); two tensors whose keys
 flatten alike (``{"a.b": x, "a": {"b": y}}``) are an error naming both.
 Non-tensor values, and tensors of a dtype the format lacks, are skipped (and
-listed). ``.pt`` is ``torch.save`` of the whole state.
+listed). ``.pt`` is ``torch.save`` of the whole state, its structure kept, made
+for ``torch.load(path)`` with torch's default ``weights_only=True``, which
+refuses numpy objects: numpy arrays become torch tensors (sharing memory as
+the arrays did) and numpy scalars Python numbers, and the summary counts them
+(``converted``); a value that loader cannot read (a numpy dtype torch lacks,
+a frozenset, a numpy dtype object) is a UsageError naming its path.
 
 Export writes at most ``max_bytes`` of tensor data, by default twice the
 checkpoint's stored size (room for tied weights, which are stored once and
@@ -19,6 +24,7 @@ from __future__ import annotations
 import os
 import secrets
 import stat
+import warnings
 import zipfile
 from typing import Any, Iterator
 
@@ -127,8 +133,9 @@ def export(ck: Checkpoint, out: str | os.PathLike, *, max_bytes: int | None = No
     if fmt == "pt":
         tensors = [x for _, _, x in _leaves(ck.state) if _is_tensor(x)]
         _check_size(_pt_nbytes(ck.state), ck, max_bytes)
-        _write_replacing(out, lambda f, _: torch.save(ck.state, f))
-        return {"format": "pt", "tensors": len(tensors), "skipped": [], "path": out}
+        state, converted = _weights_only(ck.state, ck.ref)
+        _write_replacing(out, lambda f, _: torch.save(state, f))
+        return {"format": "pt", "tensors": len(tensors), "skipped": [], "path": out, "converted": converted}
     tensors, skipped = flatten(ck.state)
     chosen: dict[str, Any] = {}
     for k, v in tensors.items():
@@ -143,6 +150,66 @@ def export(ck: Checkpoint, out: str | os.PathLike, *, max_bytes: int | None = No
     else:
         _write_replacing(out, lambda f, _: _save_npz(chosen, f))
     return {"format": fmt, "tensors": len(chosen), "skipped": skipped, "path": out}
+
+
+_PLAIN_SCALARS = (bool, int, float, complex, str, bytes)
+
+
+def _weights_only(state: Any, ref: str | None) -> tuple[Any, dict]:
+    """``state`` as ``torch.load(weights_only=True)`` reads it back, and the counts of
+    what was converted (``{"arrays": n, "scalars": n}``). Numpy arrays become torch
+    tensors over the same memory (an array that appears twice becomes one tensor),
+    numpy scalars Python numbers; dicts, lists, tuples and sets keep their shape.
+    A value that loader refuses and that has no faithful conversion is a UsageError
+    naming its path."""
+    made: dict[int, Any] = {}          # id(array) -> its tensor
+    dtype_at: dict[int, Any] = {}      # storage address -> dtype: torch.save refuses two dtypes at one address
+    counts = {"arrays": 0, "scalars": 0}
+
+    def refuse(path: str, what: str):
+        return UsageError(f"{path} is {what}, which torch.load(weights_only=True) cannot read", ref=ref,
+                          hint="export to .agck or .npz, which keep it")
+
+    def tensor(a: np.ndarray, path: str):
+        if _torch_dtype(a) is None:
+            raise refuse(path, f"a numpy array of dtype {a.dtype}, which torch lacks")
+        if not a.dtype.isnative or any(st < 0 for st in a.strides):
+            a = np.ascontiguousarray(a, a.dtype.newbyteorder("="))
+        with warnings.catch_warnings():     # a read-only array: torch.save only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(a)
+        if t.numel():
+            at = t.untyped_storage().data_ptr()
+            if dtype_at.setdefault(at, t.dtype) != t.dtype:
+                t = t.clone()          # a view of the same bytes as another dtype: its own copy
+        return t
+
+    def conv(x, path: str):
+        if isinstance(x, np.ndarray):
+            if id(x) not in made:
+                made[id(x)] = tensor(x, path)
+                counts["arrays"] += 1
+            return made[id(x)]
+        if isinstance(x, np.generic):
+            v = x.item()
+            if type(v) not in _PLAIN_SCALARS:
+                raise refuse(path, f"a numpy {x.dtype} scalar, which has no Python equivalent")
+            counts["scalars"] += 1
+            return v
+        if isinstance(x, np.dtype):
+            raise refuse(path, f"a numpy dtype ({x})")
+        if isinstance(x, dict):
+            return {conv(k, f"{path} key {k!r}"): conv(v, f"{path}[{k!r}]") for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            items = [conv(v, f"{path}[{i}]") for i, v in enumerate(x)]
+            return items if isinstance(x, list) else tuple(items)
+        if isinstance(x, frozenset):
+            raise refuse(path, "a frozenset")
+        if isinstance(x, set):
+            return {conv(v, f"{path} item {v!r}") for v in x}
+        return x
+
+    return conv(state, "state"), counts
 
 
 def _unsupported(fmt: str, v) -> str | None:

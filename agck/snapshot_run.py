@@ -79,8 +79,10 @@ class SingleRankRun(SnapshotRun):
 
     def check_restorable(self, ck) -> None:
         if ck is not None and is_commit(ck):
-            raise UsageError(f"run {self.run!r}: step {ck.step} was checkpointed by several ranks under "
-                             "torch.distributed; this process is not one of them", ref=ck.ref,
+            raise UsageError(f"run {self.run!r} step {ck.step} was checkpointed under torch.distributed "
+                             f"with world size {next(iter(ck.state.values()))['world_size']}, and this "
+                             "process runs alone (world size 1): a snapshot's per-rank state (its values and "
+                             "RNG states) cannot be resharded", ref=ck.ref,
                              hint="restore it under torch.distributed with the same world size")
 
     def delete_all(self, epoch: int) -> None:
@@ -114,7 +116,8 @@ class MultiRankRun(SnapshotRun):
     def find(self) -> tuple[Recovery, Any]:
         commit, ck, rejected, candidates = self.sharded.find()
         # the commit record, not this rank's part, carries the user's meta and names the step
-        return Recovery(run=self.sharded.run, checkpoint=ck, rejected=rejected, candidates=candidates), commit
+        return Recovery(run=self.sharded.run, checkpoint=ck, rejected=rejected, candidates=candidates,
+                        step=None if ck is None else ck.step, ref=None if ck is None else ck.ref), commit
 
     def delete_all(self, epoch: int) -> None:
         self.sharded.delete_all(epoch)

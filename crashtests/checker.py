@@ -143,6 +143,8 @@ def cli_recover(url: str, run: str | None = None, timeout: float = 300) -> dict:
     if run is not None:
         cmd[5:5] = ["--run", run]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    if r.returncode == 4 and "holds no checkpoints" in r.stderr:     # every trial died before its first put
+        return {}
     if r.returncode not in (0, 1, 3):
         raise RuntimeError(f"agck recover exited {r.returncode}: {r.stderr.strip()[-500:]}")
     out = json.loads(r.stdout)

@@ -220,7 +220,7 @@ def test_export_refuses_to_expand_a_broadcast_view(tmp_path, capsys, ext):
     code, _, err = run_cli(capsys, "export", small, "--to", tmp_path / f"s{ext}")
     assert code == 2 and "16384" in err
     code, out, _ = run_cli(capsys, "export", small, "--to", tmp_path / f"s{ext}", "--max-bytes", "16K")
-    assert code == 0 and "wrote 1 tensors" in out
+    assert code == 0 and "wrote 1 tensor to" in out
     if ext == ".npz":
         assert np.array_equal(np.load(tmp_path / "s.npz")["a"], np.full((64, 64), 7, np.float32))
 
@@ -410,3 +410,164 @@ def test_gc_of_a_directory_that_holds_no_chunks_creates_nothing(tmp_path, capsys
     code, out, _ = run_cli(capsys, "gc", d)
     assert code == 0 and "deleted 0 chunks" in out
     assert sorted(os.listdir(d)) == ["notes.txt"]
+
+
+# --- what a new user meets first ----------------------------------------------------------------
+
+def test_export_pt_loads_with_torch_load_defaults(tmp_path, capsys):
+    """torch.load(path) with its default weights_only=True refuses numpy objects: .pt converts them."""
+    src = tmp_path / "c.agck"
+    tied = np.arange(6, dtype=np.float32).reshape(2, 3)
+    state = {"w": torch.ones(3), "a": np.arange(4), "tied": [tied, tied], "t": (np.float64(2.5), np.int64(7)),
+             "s": {np.int64(1), 2}, "flag": np.bool_(True), "name": "doc", "ints": np.arange(8, dtype=np.uint8)[::-1],
+             "nested": {"m": {"v": np.zeros((2, 2), np.float16)}}}
+    agck.save(src, state)
+    code, out, _ = run_cli(capsys, "export", src, "--to", tmp_path / "o.pt")
+    assert code == 0, out
+    assert "wrote 6 tensors" in out     # the tied array is one tensor, written twice by name
+    assert "converted 4 numpy arrays to torch tensors and 4 numpy scalars to Python numbers" in out
+    assert "weights_only=True" in out
+    got = torch.load(tmp_path / "o.pt")          # torch's defaults: weights_only=True
+    assert torch.equal(got["w"], torch.ones(3)) and torch.equal(got["a"], torch.arange(4))
+    assert torch.equal(got["tied"][0], torch.from_numpy(tied)) and got["tied"][0] is got["tied"][1]
+    assert got["t"] == (2.5, 7) and type(got["t"]) is tuple and type(got["t"][1]) is int
+    assert got["s"] == {1, 2} and got["flag"] is True and got["name"] == "doc"
+    assert got["ints"].tolist() == list(range(7, -1, -1)) and got["ints"].dtype == torch.uint8
+    assert got["nested"]["m"]["v"].dtype == torch.float16
+    code, out, _ = run_cli(capsys, "export", src, "--to", tmp_path / "o2.pt", "--json")
+    assert json.loads(out)["converted"] == {"arrays": 4, "scalars": 4}
+
+
+def test_export_pt_refuses_what_torch_load_cannot_read_by_path(tmp_path, capsys):
+    src = tmp_path / "c.agck"
+    agck.save(src, {"ok": np.zeros(2), "when": {"t": np.array(["2024-01-01"], "datetime64[D]")}})
+    code, _, err = run_cli(capsys, "export", src, "--to", tmp_path / "o.pt")
+    assert code == 2 and "state['when']['t']" in err and "datetime64" in err and ".npz" in err
+    assert_one_line(err)
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_verify_and_recover_of_a_directory_with_no_checkpoints_exit_4(tmp_path, capsys):
+    hf = tmp_path / "hf-output"                  # a Hugging Face checkpoint directory: files, no agck runs
+    (hf / "checkpoint-500").mkdir(parents=True)
+    (hf / "checkpoint-500" / "model.safetensors").write_bytes(b"x")
+    (hf / "config.json").write_text("{}")
+    empty = tmp_path / "empty"
+    agck.open_store(empty).close()               # an agck store just made: legitimately empty
+    for d in (hf, empty):
+        for command in ("verify", "recover"):
+            code, out, err = run_cli(capsys, command, d)
+            assert code == 4 and not out and f"{d} holds no checkpoints" in err and f"nothing to {command}" in err
+            assert_one_line(err)
+            assert run_cli(capsys, command, d, "--json")[0] == 4
+    code, out, err = run_cli(capsys, "ls", empty)
+    assert code == 0 and out.strip() == "(no checkpoints)" and not err
+    assert json.loads(run_cli(capsys, "ls", empty, "--json")[1]) == []
+    assert sorted(os.listdir(hf)) == ["checkpoint-500", "config.json"] and os.listdir(empty) == []
+
+
+def test_ls_of_an_unknown_run_is_exit_4_naming_the_runs(store, capsys):
+    code, out, err = run_cli(capsys, "ls", store.root, "--run", "rr")
+    assert code == 4 and not out and "no run 'rr'" in err and "runs: other, r" in err
+    assert_one_line(err)
+    code, out, _ = run_cli(capsys, "ls", store.root, "--run", "other")
+    assert code == 0 and "other" in out
+
+
+def test_every_option_and_argument_has_help():
+    from agck.cli import build_parser
+    parser = build_parser()
+    [sub] = [a for a in parser._actions if a.dest == "command"]
+    missing = [f"{name} {'/'.join(a.option_strings) or a.dest}"
+               for name, sp in sub.choices.items() for a in sp._actions if not a.help]
+    missing += [a.dest for a in parser._actions if not a.help]
+    assert missing == []
+
+
+def test_counts_are_singular_or_plural_as_they_need(tmp_path, capsys):
+    src = tmp_path / "c.agck"
+    agck.save(src, {"w": np.zeros(4)})
+    code, out, _ = run_cli(capsys, "export", src, "--to", tmp_path / "o.npz")
+    assert code == 0 and "wrote 1 tensor to" in out
+    code, out, _ = run_cli(capsys, "export", src, "--to", tmp_path / "o.pt")
+    assert "wrote 1 tensor to" in out and "converted 1 numpy array to a torch tensor," in out
+    s = FileStore(tmp_path / "s")
+    s.put("r", 1, {"x": 1})
+    s.put("r", 2, {"x": 2})
+    code, out, _ = run_cli(capsys, "prune", s.root, "--run", "r", "--keep-last", "1")
+    assert code == 0 and "deleted 1 checkpoint of r" in out
+    code, out, _ = run_cli(capsys, "gc", s.root)
+    assert code == 0 and "deleted 0 chunks" in out and "1 standalone checkpoint, which shares no chunks" in out
+    flip(s.path("r", 2), 70)
+    code, out, _ = run_cli(capsys, "recover", s.root)
+    assert code == 3 and "NOTHING VALID among 1 checkpoint" in out and "1 checkpoints" not in out
+
+
+def test_show_caps_column_widths_in_text_only(tmp_path, capsys):
+    """A Lightning checkpoint's callback keys run to hundreds of characters."""
+    key = "ModelCheckpoint{'monitor': 'train_loss', 'mode': 'min', 'every_n_train_steps': 0, " \
+          "'every_n_epochs': 1, 'train_time_interval': None}"
+    src = tmp_path / "c.agck"
+    agck.save(src, {"callbacks": {key: {"best_model_score": torch.tensor(0.5)}}, "w": torch.zeros(2)})
+    code, out, _ = run_cli(capsys, "show", src)
+    table = [line for line in out.splitlines() if "state[" in line or line.strip().startswith("path")]
+    assert code == 0 and len(table) == 3
+    assert max(len(line) for line in table) < 160, out
+    long_row = [line for line in table if "callbacks" in line][0]
+    assert "\u2026" in long_row and "['best_model_score']  torch  float32" in long_row    # start and end kept
+    # the columns after the clipped one line up
+    assert len({line.index("torch") for line in table if "state[" in line}) == 1
+    code, out, _ = run_cli(capsys, "show", src, "--json")
+    assert code == 0 and f"state['callbacks'][{key!r}]['best_model_score']" in \
+        {t["path"] for t in json.loads(out)["tensors"]}
+
+
+def test_gc_of_standalone_checkpoints_says_they_share_no_chunks(store, capsys):
+    code, out, _ = run_cli(capsys, "gc", store.root)
+    assert code == 0
+    assert "0 chunks kept for 0 chunked checkpoints; 7 standalone checkpoints, which share no chunks" in out
+    code, out, _ = run_cli(capsys, "gc", store.root, "--json")
+    assert code == 0 and json.loads(out)["standalone"] == 7 and json.loads(out)["listings"] == 0
+
+
+def test_ls_aligns_its_columns(store, capsys):
+    store.put("a-much-longer-run-name", 123456, {"x": np.zeros(10_000)}, meta={"k": 1})
+    code, out, _ = run_cli(capsys, "ls", store.root)
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split() == ["run", "step", "parent", "size", "created", "meta"]
+    # every row's creation time starts where the header's column does; numbers end where their header ends
+    created = lines[0].index("created")
+    assert all(line[created:created + 2] == "20" for line in lines[1:]), out
+    step_end = lines[0].index("step") + len("step")
+    assert all(line[step_end - 1].isdigit() and line[step_end] == " " for line in lines[1:]), out
+
+
+@pytest.mark.postgres
+def test_db_prints_readable_lines_and_json(pg_dsn, pg_schema, capsys):
+    from conftest import pg_prefix
+    prefix = pg_prefix()
+    sep = "&" if "?" in pg_dsn else "?"
+    url = f"{pg_dsn}{sep}agck_prefix={prefix}&agck_schema={pg_schema}"
+    code, out, _ = run_cli(capsys, "db", "status", url)
+    assert code == 0 and "{" not in out and "'state'" not in out
+    fields = dict(line.strip().split(None, 1) for line in out.splitlines()[1:] if line.strip())
+    assert fields["state"].startswith("uninitialized") and fields["prefix"] == prefix
+    assert fields["schema"] == pg_schema and f"{prefix}_manifest" in out and "missing tables" in out
+    code, out, _ = run_cli(capsys, "db", "init", url)
+    assert code == 0 and "state           current" in out and "missing tables  none" in out
+    assert "version         3 (this agck uses 3)" in out
+    code, out, _ = run_cli(capsys, "db", "migrate", url)
+    assert code == 0 and "migrated        nothing to do" in out
+    code, out, _ = run_cli(capsys, "db", "status", url, "--json")
+    assert json.loads(out)["state"] == "current" and json.loads(out)["missing_tables"] == []
+
+
+@pytest.mark.postgres
+def test_ls_of_a_database_without_the_schema_says_agck_once(pg_dsn, pg_schema, capsys):
+    sep = "&" if "?" in pg_dsn else "?"
+    url = f"{pg_dsn}{sep}agck_schema={pg_schema}"          # the default prefix, agck, in an empty schema
+    code, _, err = run_cli(capsys, "ls", url)
+    assert code == 4 and "agck db init" in err
+    assert err.startswith("agck: ") and not err.startswith("agck: agck") and "agck: agck:" not in err, err
+    assert f"tables {pg_schema}.agck_*" in err
+    assert_one_line(err)

@@ -244,9 +244,31 @@ def test_a_single_process_cannot_resume_a_multi_rank_run(tmp_path, out):
     url = str(tmp_path / "store")
     assert launch(_target(loop), 2, (url, {}, "r", 2, 2, str(out))) == [0, 0]
     snap = agck.Snapshotter(url, "r", every=1, handle_signals=False)
-    with pytest.raises(agck.UsageError, match="several ranks"):
+    with pytest.raises(agck.UsageError, match="with world size 2, and this process runs alone"):
         snap.restore({})
     snap.close()
+
+
+def test_a_single_process_refused_a_multi_rank_run_is_told_both_world_sizes(tmp_path):
+    """As the README says: the error names the run, the step, the world size it was
+    checkpointed with and this process's (1). A commit record of 3 ranks made by hand."""
+    url = str(tmp_path / "store")
+    with open_store(url) as store:
+        epoch = store.begin_epoch("r")
+        refs = []
+        for rank in range(3):
+            pr = sharded.part_run("r", epoch, rank)
+            store.parts_store().put(pr, 4, {"rank": rank}, meta=sharded.part_meta("r", 4, epoch, rank, 3, f"n{rank}"))
+            refs.append(sharded.PartRef(rank, pr, f"n{rank}"))
+        store.put("r", 4, sharded.Commit(run="r", step=4, epoch=epoch, world_size=3, parts=refs).state(), epoch=epoch)
+    snap = agck.Snapshotter(url, "r", every=1, handle_signals=False)
+    try:
+        with pytest.raises(agck.UsageError) as e:
+            snap.restore({})
+    finally:
+        snap.close()
+    text = str(e.value)
+    assert "run 'r' step 4" in text and "world size 3" in text and "world size 1" in text, text
 
 
 @pytest.mark.parametrize("point", ["dist.before_commit", "dist.after_part"])

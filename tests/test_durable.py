@@ -273,3 +273,23 @@ def test_temp_writer_alive_reads_the_pid_in_the_name():
     assert durable.temp_writer_alive(os.path.basename(durable.temp_name_for("/x/000000000001.agck")))
     assert not durable.temp_writer_alive(f".000000000001.agck.tmp.{dead}.abcd")
     assert not durable.temp_writer_alive(".junk.tmp.notapid.x") and not durable.temp_writer_alive(".a.tmp.0.x")
+
+
+def test_save_into_a_missing_directory_says_so(tmp_path):
+    """Not "the previous checkpoint is untouched; fix the storage": there is none, the directory is missing."""
+    import agck
+    with pytest.raises(DurabilityError) as e:
+        agck.save(tmp_path / "nodir" / "x.agck", {"a": 1})
+    text = str(e.value)
+    assert f"directory {tmp_path / 'nodir'} does not exist" in text and "create the directory" in text
+    assert "previous checkpoint" not in text and "fix the storage" not in text
+    assert not (tmp_path / "nodir").exists()
+
+
+def test_save_with_overwrite_false_names_what_refused(tmp_path):
+    import agck
+    agck.save(tmp_path / "x.agck", {"a": 1})
+    with pytest.raises(CheckpointExistsError) as e:
+        agck.save(tmp_path / "x.agck", {"a": 2}, overwrite=False)
+    assert "overwrite=False refuses to replace it" in str(e.value) and "immutable" not in str(e.value)
+    assert agck.load(tmp_path / "x.agck").state == {"a": 1}

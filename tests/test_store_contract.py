@@ -96,8 +96,13 @@ def test_overwrite(store):
     store.put("r", 5, state_for(1))
     store.put("r", 5, state_for(2))
     assert_state(store.read("r", 5), 2)
-    with pytest.raises(CheckpointExistsError):
+    with pytest.raises(CheckpointExistsError) as e:
         store.put("r", 5, state_for(3), overwrite=False)
+    # what the README says: a put replaces by default; overwrite=False is what refused
+    assert "a checkpoint already exists at step 5, and overwrite=False refuses to replace it" in str(e.value)
+    assert "immutable" not in str(e.value) and e.value.ref == store.ref("r", 5)
+    with pytest.raises(CheckpointExistsError, match="at step 5, and overwrite=False"):
+        store.put("r", 5, {"big": np.ones(1 << 17)}, overwrite=False)      # chunked where the store chunks
     assert_state(store.read("r", 5), 2)
     assert store.steps("r") == [5]
     store.put("r", 6, state_for(6), overwrite=False)

@@ -47,9 +47,21 @@ def test_file_store_refuses_a_file_in_the_way(tmp_path):
     (tmp_path / "f").write_text("not a store")
     with pytest.raises(StoreConnectionError, match="a file is in the way"):
         open_store(str(tmp_path / "f"))
-    with pytest.raises(StoreConnectionError, match="not a checkpoint directory"):
+    with pytest.raises(StoreConnectionError, match="no such store directory"):
         open_store(str(tmp_path / "missing"), create=False)
     assert not (tmp_path / "missing").exists()
+
+
+def test_a_missing_store_directory_hints_at_what_exists(tmp_path, monkeypatch):
+    """The hint names a real way on: no create=True, which agck.recover does not take."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StoreConnectionError) as e:
+        agck.recover("nosuchdir/", "x")
+    assert "nosuchdir" in str(e.value) and "create=True" not in str(e.value)
+    assert "check the path" in e.value.hint and "agck.open_store(path)" in e.value.hint
+    assert not (tmp_path / "nosuchdir").exists()
+    with agck.open_store("nosuchdir/") as s:     # the way the hint names
+        assert s.runs() == []
 
 
 def test_file_store_opened_without_create_creates_nothing(tmp_path):
@@ -126,7 +138,7 @@ def test_file_store_put_survives_a_delete_removing_its_run_directory(tmp_path):
     s.put("r", 1, {"x": 1})
     assert fs.times == 2 and s.steps("r") == [1] and s.read("r", 1).state == {"x": 1}
     fs.times = -10                                    # every try finds its directory gone: the error says so
-    with pytest.raises(DurabilityError, match="write failed"):
+    with pytest.raises(DurabilityError, match="store/r does not exist"):
         s.put("r", 2, {"x": 2})
 
 

@@ -70,8 +70,8 @@ class FileStore(Store):
         self.objects = ObjectDir(self.root, self.fs)
         if not os.path.isdir(self.root):
             if not create:
-                raise StoreConnectionError("not a checkpoint directory", ref=self.root,
-                                           hint="pass an existing directory, or create=True")
+                raise StoreConnectionError("no such store directory", ref=self.root,
+                                           hint="check the path; agck.open_store(path) creates a store there")
             try:
                 # the store's own directory through self.fs, so that a simulated file system
                 # (the crash harness) sees it made and made durable (a parts namespace is one)
@@ -112,29 +112,32 @@ class FileStore(Store):
         w, cache = self._encode(run, step, state, meta=meta, parent=parent, expect_unchanged=expect_unchanged,
                                 ref=path)
         if cache is None:
-            def write():
-                with self._fenced(run, epoch, path):
-                    durable.write_atomic(path, checkpoint.stream(w), overwrite=overwrite, size=w.total_len,
-                                         fs=self.fs)
-            self._in_run_dir(path, write)
+            self._write_step(run, step, epoch, path, lambda: checkpoint.stream(w), overwrite, w.total_len)
             self.last_put = None
             return path
         if not overwrite and os.path.exists(path):   # before writing chunks; link(2) below still decides
-            raise CheckpointExistsError("a checkpoint already exists here", ref=path)
+            raise CheckpointExistsError.refused(path, step)
         with self.objects.locked():   # no chunk we rely on can be collected until the listing is durable
             batch = self.objects.batch(self.verify_reused, self._reread_turn())
             chunks = content.store_chunks(w, batch.has, batch.add, cache, expect_unchanged=expect_unchanged,
                                           ref=path)
             batch.sync()
             listing = content.listing(w, chunks, run=run, step=step, parent=parent, meta=meta)
-
-            def write():
-                with self._fenced(run, epoch, path):
-                    durable.write_atomic(path, [listing], overwrite=overwrite, size=len(listing), fs=self.fs)
-            self._in_run_dir(path, write)
+            self._write_step(run, step, epoch, path, lambda: [listing], overwrite, len(listing))
         self._caches.give(run, cache)
         self.last_put = chunks
         return path
+
+    def _write_step(self, run: str, step: int, epoch: int | None, path: str, parts: Callable[[], Any],
+                    overwrite: bool, size: int) -> None:
+        """Write ``parts()`` as the step's file, fenced, with its run directory in place."""
+        def write():
+            with self._fenced(run, epoch, path):
+                try:
+                    durable.write_atomic(path, parts(), overwrite=overwrite, size=size, fs=self.fs)
+                except CheckpointExistsError:
+                    raise CheckpointExistsError.refused(path, step) from None
+        self._in_run_dir(path, write)
 
     # -- fencing: <run>/.epoch, under a flock on <run>/.lock --------------------
     def begin_epoch(self, run: str) -> int:

@@ -215,7 +215,7 @@ class SharedObjects:
 
         return self._transaction("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; "
                                  f"SELECT run, step, checksum FROM {n.manifest} WHERE listing ORDER BY run, step", None,
-                                 body, "scrub failed", n.label)
+                                 body, "scrub failed", n.where)
 
     # -- collection ---------------------------------------------------------------------
     def _exclusive(self, body, what: str):
@@ -223,7 +223,7 @@ class SharedObjects:
         (it waits for puts in flight to commit, and puts wait for it), started over on
         a deadlock or serialization failure; COMMIT after it returns."""
         return self._transaction("BEGIN; SET LOCAL synchronous_commit = on; " + XACT_LOCK, (self.names.store_lock,),
-                                 body, what, self.names.label, DurabilityError,
+                                 body, what, self.names.where, DurabilityError,
                                  retry=(psycopg2.errors.DeadlockDetected, psycopg2.errors.SerializationFailure),
                                  retries=GC_RETRIES, pause=0.01)
 

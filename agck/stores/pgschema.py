@@ -44,13 +44,16 @@ XACT_LOCK_SHARED = "SELECT pg_advisory_xact_lock_shared(hashtextextended(%s, 0))
 class Names:
     """Table names: SQL text for statements, plain text for refs and messages."""
 
-    def __init__(self, conn, prefix: str, schema: str | None):
+    def __init__(self, conn, prefix: str, schema: str | None, url: str | None = None):
         def ident(name):
             return (sql.Identifier(schema, name) if schema else sql.Identifier(name)).as_string(conn)
 
         self.prefix = prefix
         self.schema = schema
-        self.label = f"{schema}.{prefix}" if schema else prefix
+        self.label = f"{schema}.{prefix}" if schema else prefix     # in lock keys: never changes
+        dot = f"{schema}." if schema else ""
+        # where, in errors: the tables (and their database), never a bare prefix that reads as the CLI's "agck:"
+        self.where = f"{url} (tables {dot}{prefix}_*)" if url else f"tables {dot}{prefix}_*"
         self.version = ident(f"{prefix}_schema_version")
         self.manifest = ident(f"{prefix}_manifest")
         self.chunks = ident(f"{prefix}_chunks")
@@ -61,7 +64,6 @@ class Names:
         self.quarantine = ident(f"{prefix}_quarantine")   # made by the first damaged object found
         self.meta_index = sql.Identifier(f"{prefix}_manifest_meta").as_string(conn)
         self.schema_sql = sql.Identifier(schema).as_string(conn) if schema else None
-        dot = f"{schema}." if schema else ""
         self.version_ref = f"{dot}{prefix}_schema_version"
         self.manifest_ref = f"{dot}{prefix}_manifest"
         self.chunks_ref = f"{dot}{prefix}_chunks"
@@ -110,12 +112,12 @@ def state(version: int | None, missing: list[str], n: Names) -> str:
 
 def require_current(status: dict, n: Names, db_hint: Callable[..., str]) -> None:
     """Refuse a schema a store cannot use as it stands (``status``: the store's schema_status())."""
-    where = n.label
+    where = n.where
     if status["state"] == "current":
         return
     if status["state"] in ("uninitialized", "incomplete"):
         detail = "" if status["state"] == "uninitialized" else f" (missing {', '.join(status['missing_tables'])})"
-        raise SchemaUninitializedError(f"no agck schema with prefix {n.prefix!r} in this database{detail}",
+        raise SchemaUninitializedError(f"no agck schema in this database{detail}",
                                        ref=where,
                                        hint=db_hint("init", "or open with init=True"))
     if status["state"] == "outdated":
@@ -136,7 +138,7 @@ def create_tables(cur, n: Names, db_hint: Callable[..., str]) -> None:
         return
     if version is not None and version != SCHEMA_VERSION:
         raise SchemaMismatchError(
-            f"schema version {version} exists, this agck uses {SCHEMA_VERSION}", ref=n.label,
+            f"schema version {version} exists, this agck uses {SCHEMA_VERSION}", ref=n.where,
             hint=db_hint("migrate") if version < SCHEMA_VERSION
             else "upgrade agck to the version that created this schema")
     if n.schema_sql:
@@ -173,16 +175,16 @@ def migrate(cur, n: Names, db_hint: Callable[..., str]) -> list[int]:
     applied: list[int] = []
     version, missing = read_version(cur, n)
     if version is None:
-        raise SchemaUninitializedError(f"no agck schema with prefix {n.prefix!r} to migrate",
-                                       ref=n.label, hint=db_hint("init"))
+        raise SchemaUninitializedError("no agck schema to migrate",
+                                       ref=n.where, hint=db_hint("init"))
     if version > SCHEMA_VERSION:
         raise SchemaMismatchError(f"schema version {version} is newer than this agck's "
-                                  f"{SCHEMA_VERSION}", ref=n.label,
+                                  f"{SCHEMA_VERSION}", ref=n.where,
                                   hint="upgrade agck; schemas are never migrated backwards")
     for v in range(version, SCHEMA_VERSION):
         step_fn = MIGRATIONS.get(v)
         if step_fn is None:
-            raise SchemaMismatchError(f"no migration from schema version {v}", ref=n.label,
+            raise SchemaMismatchError(f"no migration from schema version {v}", ref=n.where,
                                       hint="migrate with the agck version that knows it")
         step_fn(cur, n)
         applied.append(v + 1)

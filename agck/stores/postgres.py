@@ -156,7 +156,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
         self._closed = False
         self._inherited = []      # a parent's connections, kept open: closing one would end the parent's session
         self._connect()
-        self.names = Names(self._conn, self.prefix, self.schema)
+        self.names = Names(self._conn, self.prefix, self.schema, self.url)
         if init:
             self.init_schema()
         elif check_schema:
@@ -276,7 +276,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
             try:
                 version, missing = pgschema.read_version(cur, self.names)
             except psycopg2.Error as e:
-                raise self._db_error(e, "cannot read the schema version", self.names.label) from None
+                raise self._db_error(e, "cannot read the schema version", self.names.where) from None
         return {"state": pgschema.state(version, missing, self.names), "version": version, "expected": SCHEMA_VERSION,
                 "prefix": self.prefix, "schema": self.schema, "missing_tables": missing, "url": self.url}
 
@@ -289,7 +289,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
         n = self.names
         self._transaction("BEGIN; " + XACT_LOCK, (n.schema_lock,),
                           lambda cur: pgschema.create_tables(cur, n, self._db_hint),
-                          "cannot create the schema", n.label)
+                          "cannot create the schema", n.where)
         return self.schema_status()
 
     def migrate(self) -> list[int]:
@@ -297,7 +297,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
         Runs in one transaction under the schema's advisory lock."""
         n = self.names
         return self._transaction("BEGIN; " + XACT_LOCK, (n.schema_lock,),
-                                 lambda cur: pgschema.migrate(cur, n, self._db_hint), "migration failed", n.label)
+                                 lambda cur: pgschema.migrate(cur, n, self._db_hint), "migration failed", n.where)
 
     # -- refs ------------------------------------------------------------------------------
     def ref(self, run: str, step: int) -> str:
@@ -477,7 +477,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
         except AgckError:
             taken = set()
         p = next((p for p in kept if (p.run, p.step) in taken), kept[0])
-        return CheckpointExistsError("a checkpoint already exists here", ref=p.ref)
+        return CheckpointExistsError.refused(p.ref, p.step)
 
     def _delete_sql(self, run: str, step: int) -> tuple[str, tuple]:
         """The statements that open a durable write transaction holding (run, step)'s
@@ -497,7 +497,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
             f"BEGIN; SET LOCAL synchronous_commit = on; {pgschema.epochs_ddl(n)}; "
             f"INSERT INTO {n.epochs} AS e (run, epoch) VALUES (%s, 1) "
             "ON CONFLICT (run) DO UPDATE SET epoch = e.epoch + 1 RETURNING epoch", (run,),
-            lambda cur: cur.fetchone()[0], f"cannot begin a new epoch of run {run!r}", n.label, DurabilityError,
+            lambda cur: cur.fetchone()[0], f"cannot begin a new epoch of run {run!r}", n.where, DurabilityError,
             retry=(psycopg2.errors.UniqueViolation,), retries=1)   # two first begin_epochs may race to create the table
 
     def _check_epoch(self, cur, run: str, epoch: int, ref: str) -> None:
@@ -540,7 +540,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
                 cur.execute(query, args)
                 return cur.fetchall()
             except psycopg2.Error as e:
-                raise self._db_error(e, "query failed", self.names.label) from None
+                raise self._db_error(e, "query failed", self.names.where) from None
 
     def runs(self) -> list[str]:
         return [r for (r,) in self._query(f"SELECT DISTINCT run FROM {self.names.manifest} ORDER BY run")]
@@ -650,6 +650,6 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
         where, args = self._orphan_where(run)
         n = self.names
         rows = self._transaction(f"BEGIN; DELETE FROM {n.chunks} c WHERE {where} RETURNING c.run, c.step", args,
-                                 lambda cur: sorted(set(cur.fetchall())), "cleaning orphans failed", n.label,
+                                 lambda cur: sorted(set(cur.fetchall())), "cleaning orphans failed", n.where,
                                  DurabilityError)
         return [sql_row(n.chunks_ref, r, s) for r, s in rows]

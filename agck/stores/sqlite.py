@@ -280,7 +280,7 @@ class SqliteStore(TransactionalPuts, Store):
                     exists = c.execute(f"SELECT 1 FROM {self._t_manifest} WHERE run = ? AND step = ?",
                                        key).fetchone()
                     if exists and not p.overwrite:
-                        raise CheckpointExistsError("a checkpoint already exists here", ref=p.ref)
+                        raise CheckpointExistsError.refused(p.ref, p.step)
                     c.execute(f"DELETE FROM {self._t_chunks} WHERE run = ? AND step = ?", key)
                     c.execute(f"DELETE FROM {self._t_manifest} WHERE run = ? AND step = ?", key)
                 failpoints.hit("sqlite.before_insert")
