@@ -22,7 +22,7 @@ import re
 import sys
 from datetime import datetime, timezone
 
-from . import checkpoint, format, sharded
+from . import checkpoint, sharded
 from .errors import (AgckError, CorruptCheckpointError, DependencyError, FormatError, InvalidRunNameError,
                      NoValidCheckpointError, StoreError, UsageError)
 from .names import check_run
@@ -90,7 +90,7 @@ def _progress(total: int | None, desc: str, quiet: bool, unit: str = "ckpt"):
 
 def _meta(meta):
     """``meta`` as every store lists it: the manifest's JSON form (same output on every backend)."""
-    from .stores.sqlrows import meta_to_json
+    from .stores.metajson import meta_to_json
     return meta_to_json(meta)
 
 
@@ -201,17 +201,8 @@ def _file_or_store(args, target: str, command: str) -> bool:
 def _listing_in_store(path: str):
     """(store root, run, step) when ``path`` is a chunked checkpoint of a file store,
     whose content is read through that store; else None."""
-    from .stores.file import parse_step_filename
-    try:
-        with open(path, "rb") as f:
-            h = format.parse_header(f.read(format.HEADER_SIZE), ref=path)
-    except (OSError, AgckError):
-        return None
-    run_dir = os.path.dirname(os.path.abspath(path))
-    root, step = os.path.dirname(run_dir), parse_step_filename(os.path.basename(path))
-    if not format.is_chunked(h) or step is None or not os.path.isdir(os.path.join(root, ".objects")):
-        return None
-    return root, os.path.basename(run_dir), step
+    from .stores.file import locate
+    return locate(path)
 
 
 def _load_file(path: str, *, verify: bool = True):

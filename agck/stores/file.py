@@ -390,6 +390,22 @@ class FileStore(Store):
         return removed
 
 
+def locate(path: str) -> tuple[str, str, int] | None:
+    """(store root, run, step) when the file at ``path`` is a chunked checkpoint of a
+    file store (its content is then read through that store: ``FileStore(root).read(run,
+    step)``); None for anything else (a standalone container, another file)."""
+    try:
+        with open(path, "rb") as f:
+            h = format.parse_header(f.read(format.HEADER_SIZE), ref=path)
+    except (OSError, AgckError):
+        return None
+    run_dir = os.path.dirname(os.path.abspath(path))
+    root, step = os.path.dirname(run_dir), parse_step_filename(os.path.basename(path))
+    if not format.is_chunked(h) or step is None or not os.path.isdir(os.path.join(root, ObjectDir.DIRNAME)):
+        return None
+    return root, os.path.basename(run_dir), step
+
+
 def _is_run_name(name: str) -> bool:
     """Directories whose names are not run names (``.git``, ``a b``) are not runs."""
     try:

@@ -51,6 +51,7 @@ _IN_FLIGHT = 64        # chunks queued to them at most (each a view of the calle
 
 
 class ObjectDir:
+    DIRNAME = DIRNAME
     def __init__(self, root: str, fs: durable.FileSystem):
         self.root = root
         self.dir = os.path.join(root, DIRNAME)
