@@ -274,13 +274,19 @@ def test_sql_standalone_checkpoints_keep_no_objects(db_spec):
         s.close()
 
 
-def _churn(url: str, opts: dict, worker: int, n: int, errors: list) -> None:
-    """Puts whose content was just left unreferenced by a delete: what a collector races."""
+def _churn(url: str, opts: dict, worker: int, n: int, errors: list, more=lambda: False, last: dict | None = None
+           ) -> None:
+    """Puts whose content was just left unreferenced by a delete: what a collector races.
+    ``n`` rounds, and on while ``more()`` says so (up to 5n); ``last[worker]``: the last step."""
     s = open_store(url, **opts)
     rng = np.random.default_rng(worker)
     pool = [{"x": rng.random(40_000), "tag": j} for j in range(3)]
     try:
-        for i in range(n):
+        i = -1
+        while i + 1 < n or (more() and i + 1 < 5 * n):
+            i += 1
+            if last is not None:
+                last[worker] = i
             s.put(f"w{worker}", i, pool[i % 3], meta={"i": i})
             if i:
                 s.delete(f"w{worker}", i - 1)
@@ -298,9 +304,13 @@ def test_sql_collector_beside_writers_never_leaves_a_missing_chunk(db_spec):
     first = open_store(url, **{**opts, "init": True} if kind == "postgres" else opts)
     errors: list = []
     n = 150
-    writers = [threading.Thread(target=_churn, args=(url, opts, w, n, errors)) for w in range(2)]
     stop = threading.Event()
     collected = []
+    last: dict = {}
+    # writers go on past n rounds (up to 5n) until the race was run: ten collections that
+    # deleted something between their puts (how often one gets in is up to the scheduler)
+    more = lambda: sum(1 for c in collected if c) <= 10   # noqa: E731
+    writers = [threading.Thread(target=_churn, args=(url, opts, w, n, errors, more, last)) for w in range(2)]
 
     def collect():
         g = open_store(url, **opts)            # its own connection
@@ -326,10 +336,11 @@ def test_sql_collector_beside_writers_never_leaves_a_missing_chunk(db_spec):
     t = Tamper(db_spec, first)
     try:
         for w in range(2):
-            assert first.steps(f"w{w}") == [n - 1]
-            for a in t.listed(f"w{w}", n - 1):
+            k = last[w]
+            assert first.steps(f"w{w}") == [k] and k >= n - 1
+            for a in t.listed(f"w{w}", k):
                 assert t.sql(f"SELECT count(*) FROM {t.objects} WHERE address = ?", (t.blob(a),))[0][0] == 1
-            assert first.read(f"w{w}", n - 1).state["tag"] == (n - 1) % 3
+            assert first.read(f"w{w}", k).state["tag"] == k % 3
     finally:
         t.close()
         first.close()
