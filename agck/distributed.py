@@ -33,7 +33,7 @@ from . import failpoints, sharded
 from .checkpoint import Checkpoint
 from .errors import (AgckError, CheckpointNotFoundError, ContentChangedError, SnapshotError, StaleEpochError,
                      UsageError)
-from .recovery import Candidate, Rejection, Unsuitable, walk_back
+from .recovery import Rejection, Unsuitable, store_candidates, walk_back
 
 log = logging.getLogger(__name__)
 
@@ -268,8 +268,8 @@ class ShardedRun:
         number of candidates). (None, None, rejected, n) when none can. The walk back
         is :func:`agck.recovery.walk_back`'s, with a judge that asks every rank."""
         steps = self._from_rank0(lambda: self.store.steps(self.run), "list the run's steps")
-        candidates = [Candidate(s, self.store.ref(self.run, s)) for s in reversed(steps)]
-        rec = walk_back(self.run, candidates, lambda c: self._judge_everywhere(c.step, map_location))
+        rec = walk_back(self.run, store_candidates(self.store, self.run, steps),
+                        lambda c: self._judge_everywhere(c.step, map_location), count=len(steps))
         commit, part = rec.checkpoint if rec.checkpoint is not None else (None, None)
         return commit, part, rec.rejected, len(steps)
 

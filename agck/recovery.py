@@ -102,17 +102,19 @@ class Candidate:
 
 
 def walk_back(run: str, candidates: Iterable[Candidate], judge: Callable[[Candidate], Any], *,
-              orphans: list[str] | None = None, on_reject: Callable[[Rejection], None] | None = None
-              ) -> Recovery:
+              orphans: list[str] | None = None, on_reject: Callable[[Rejection], None] | None = None,
+              count: int | None = None) -> Recovery:
     """The one walk back: ``candidates`` newest first; ``judge(candidate)`` returns
     what the candidate holds if it verifies, or raises. A verdict on the
     candidate's bytes (``e.verdict``) or a candidate gone while judged
     (CheckpointNotFoundError) is a :class:`Rejection`, reported to ``on_reject``,
     and the walk goes on; any other error is raised: it says nothing about the
-    candidate, and walking past it could resume from an older state for no reason."""
+    candidate, and walking past it could resume from an older state for no reason.
+    ``count``: how many candidates there are, when ``candidates`` is a generator made
+    lazily (a run of 10,000 steps usually stops at its newest)."""
     t0 = time.perf_counter()
-    cands = list(candidates)
-    rec = Recovery(run=run, candidates=len(cands), orphans=list(orphans or []))
+    cands = candidates if count is not None else list(candidates)
+    rec = Recovery(run=run, candidates=len(cands) if count is None else count, orphans=list(orphans or []))
     for c in cands:
         try:
             found = judge(c)
@@ -131,8 +133,9 @@ def walk_back(run: str, candidates: Iterable[Candidate], judge: Callable[[Candid
     return rec
 
 
-def _store_candidates(store, run: str, steps: list[int]) -> list[Candidate]:
-    return [Candidate(s, store.ref(run, s)) for s in reversed(steps)]
+def store_candidates(store, run: str, steps: list[int]) -> Iterable[Candidate]:
+    """The steps newest first, each made when the walk reaches it."""
+    return (Candidate(s, store.ref(run, s)) for s in reversed(steps))
 
 
 def read_verified(store, run: str, step: int, *, map_location=None, verify=True) -> Checkpoint:
@@ -159,7 +162,7 @@ def recover_run(store, run: str, *, map_location=None, strict: bool = False,
             on_candidate(c.step)
         return read_verified(store, run, c.step, map_location=map_location)
 
-    rec = walk_back(run, _store_candidates(store, run, steps), judge, orphans=store.orphans(run))
+    rec = walk_back(run, store_candidates(store, run, steps), judge, orphans=store.orphans(run), count=len(steps))
     if rec.checkpoint is not None:
         rec.ref = rec.checkpoint.ref or rec.ref
     if strict and rec.checkpoint is None and steps:

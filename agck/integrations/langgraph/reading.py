@@ -50,7 +50,7 @@ from langgraph.checkpoint.base import (BaseCheckpointSaver, CheckpointTuple, Del
                                        writes_sort_key)
 
 from ...errors import AgckError, CheckpointNotFoundError, CorruptCheckpointError, MalformedCheckpointError, UsageError
-from ...recovery import Candidate, Unsuitable, walk_back
+from ...recovery import Candidate, Unsuitable, store_candidates, walk_back
 from ...stores import Store
 from .layout import (_FORMAT, _Runs, _is_place, _is_records_run, _matches, _prefilter, _thread_prefix,
                      checkpoint_key)
@@ -251,8 +251,8 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
             return t
 
         steps = [s for s in self.store.steps(runs.records) if s < below]
-        return walk_back(runs.records, [Candidate(s, self.store.ref(runs.records, s)) for s in reversed(steps)],
-                         judge).checkpoint
+        return walk_back(runs.records, store_candidates(self.store, runs.records, steps), judge,
+                         count=len(steps)).checkpoint
 
     def _identify(self, runs: _Runs, key: int, thread_id, ns, cid) -> tuple:
         """Who a damaged checkpoint is, from whichever of its parts still says: its record,
