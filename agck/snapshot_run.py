@@ -18,6 +18,7 @@ in the same order. Neither closes the store.
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from typing import Any, Collection
 
 from .distributed import Group, ShardedRun, active as dist_active
@@ -29,36 +30,36 @@ from .stores import Store
 log = logging.getLogger("agck")
 
 
-class SnapshotRun:
+class SnapshotRun(ABC):
     """One run's checkpoints, as a Snapshotter of this process reads and writes them."""
 
     #: whether a signal may add a checkpoint out of the ``every`` cadence
     checkpoint_on_signal: bool
 
+    @abstractmethod
     def begin_epoch(self) -> int:
         """Begin a new incarnation of the run (:meth:`Store.begin_epoch`); its epoch."""
-        raise NotImplementedError
 
+    @abstractmethod
     def find(self) -> tuple[Recovery, Any]:
         """The recovery outcome, and the record whose ``meta`` and ``ref`` stand for the
         step it found (None when it found none)."""
-        raise NotImplementedError
 
     def check_restorable(self, ck) -> None:
         """Raise :class:`UsageError` when this process cannot restore ``ck``."""
 
+    @abstractmethod
     def delete_all(self, epoch: int) -> None:
         """Delete the run's checkpoints (``resume=False``)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def write(self, step: int, tree: Any, *, meta: Any, parent: int | None, epoch: int,
               expect_unchanged: Collection[int]) -> str:
         """Make ``step`` durable; its ref."""
-        raise NotImplementedError
 
+    @abstractmethod
     def can_confirm_unchanged(self, epoch: int) -> bool:
         """Whether a write may pass tensors uncopied for the store to confirm."""
-        raise NotImplementedError
 
     def close(self) -> None:
         """Let go of what the run object holds (not the store)."""
