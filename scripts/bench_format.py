@@ -39,7 +39,7 @@ from typing import Any, Callable
 import msgpack
 import numpy as np
 
-from benchio import Case, fsync_dir, raw_write_fsync, run_rounds  # noqa: E402
+from benchio import Case, aligned_copy, fsync_dir, raw_direct_fsync, raw_write_fsync, run_rounds  # noqa: E402
 import xxhash
 
 # Run from a checkout without installing: scripts/ is sys.path[0], the package is one up.
@@ -48,6 +48,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import agck  # noqa: E402
+from agck import durable  # noqa: E402
 
 try:
     import torch
@@ -147,6 +148,15 @@ def write_with(path: str, dump: Callable[[Any], None]) -> None:
     fsync_dir(os.path.dirname(path))
 
 
+def save_pinned(path: str, state, mode: str) -> None:
+    """agck.save with durable.DIRECT_IO pinned to ``mode`` ("always" / "never")."""
+    was, durable.DIRECT_IO = durable.DIRECT_IO, mode
+    try:
+        agck.save(path, state)
+    finally:
+        durable.DIRECT_IO = was
+
+
 def unlink(path: str) -> None:
     try:
         os.unlink(path)
@@ -223,6 +233,7 @@ def _bench(args, workdir: str, log) -> int:
     container = agck.dumps(state)
     clen = len(container)
     copy_src = np.frombuffer(container, dtype=np.uint8)
+    container_aligned = aligned_copy(container) if hasattr(os, "O_DIRECT") else container
     copy_dst = np.empty_like(copy_src)
     copy_dst.fill(0)   # fault the pages in now, not inside the first timed copy
     read_buf = bytearray(clen)
@@ -253,6 +264,8 @@ def _bench(args, workdir: str, log) -> int:
         # physical limits
         Case("raw write+fsync", lambda: raw_write_fsync(p("raw.bin"), container),
              lambda: unlink(p("raw.bin")), nbytes),
+        Case("raw O_DIRECT write+fsync", lambda: raw_direct_fsync(p("raw-direct.bin"), container_aligned),
+             lambda: unlink(p("raw-direct.bin")), nbytes),
         Case("raw read (readinto, warm)", lambda: raw_read(p("fixture.agck"), read_buf), None, nbytes),
         Case("memcpy (np.copyto)", lambda: np.copyto(copy_dst, copy_src), None, nbytes),
         # What any dumps must at least do: copy the bytes into a new bytes object (fresh memory).
@@ -265,6 +278,11 @@ def _bench(args, workdir: str, log) -> int:
         Case("first touch of fresh memory (np.ones)", lambda: np.ones(clen, np.uint8), None, nbytes),
         # agck
         Case("agck.save", lambda: agck.save(p("out.agck"), state), lambda: unlink(p("out.agck")), nbytes),
+        # the two ways agck.save can write, pinned: what its default chooses between
+        Case("agck.save (O_DIRECT)", lambda: save_pinned(p("out-d.agck"), state, "always"),
+             lambda: unlink(p("out-d.agck")), nbytes),
+        Case("agck.save (page cache)", lambda: save_pinned(p("out-b.agck"), state, "never"),
+             lambda: unlink(p("out-b.agck")), nbytes),
         Case("agck.load(verify=True)", lambda: agck.load(p("fixture.agck"), verify=True), None, nbytes),
         Case("agck.load(verify=False)", lambda: agck.load(p("fixture.agck"), verify=False), None, nbytes,
              inner=5),
@@ -326,6 +344,8 @@ def _bench(args, workdir: str, log) -> int:
     # Ratios are speed ratios (other's time / agck's time): > 1 means agck is faster.
     limit_of = {
         "agck.save": "raw write+fsync",
+        "agck.save (O_DIRECT)": "raw O_DIRECT write+fsync",
+        "agck.save (page cache)": "raw write+fsync",
         "agck.load(verify=True)": "raw read (readinto, warm)",
         "agck.dumps": "memcpy (np.copyto)",
         "torch.save+fsync": "raw write+fsync",
@@ -418,7 +438,20 @@ def _bench(args, workdir: str, log) -> int:
 
     out("Targets:")
     out("")
-    target(t_save >= 0.9, f"save >= 0.9x raw write+fsync: {t_save:.2f}x")
+    target(t_save >= 1.1, f"save >= 1.1x raw write+fsync: {t_save:.2f}x")
+    if "raw O_DIRECT write+fsync" in med:
+        fastest = min(med["raw write+fsync"], med["raw O_DIRECT write+fsync"])
+        out(f"- (info) save vs the faster plain write of this file system (buffered {fmt_s(med['raw write+fsync'])}, "
+            f"O_DIRECT {fmt_s(med['raw O_DIRECT write+fsync'])}): {fastest / med['agck.save']:.2f}x; pinned: "
+            f"O_DIRECT {fmt_s(med['agck.save (O_DIRECT)'])}, page cache {fmt_s(med['agck.save (page cache)'])}")
+    try:
+        choice = durable.DIRECT_CHOICE.state().get(os.stat(workdir).st_dev)
+    except OSError:
+        choice = None
+    if choice:
+        out(f"- (info) agck.save's own choice on this file system (durable.DirectChoice, from its timed writes): "
+            f"{choice['choice']} (recent medians: O_DIRECT {choice['direct_MBps'] or 0:,.0f} MB/s, "
+            f"page cache {choice['buffered_MBps'] or 0:,.0f} MB/s)")
     for q in ("torch.save+fsync", "safetensors save_file+fsync"):
         if q in med:
             target(med["agck.save"] < med[q],

@@ -13,7 +13,7 @@ import pytest
 import xxhash
 
 from agck import checkpoint, durable, failpoints, format
-from agck.errors import CheckpointExistsError, DurabilityError
+from agck.errors import CheckpointExistsError, DurabilityError, UsageError
 from crashtests.simfs import MODES, SimFS, crash_at_every_operation
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -25,6 +25,7 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(durable, "DIRECT_CHUNK", 64 << 10)
     monkeypatch.setattr(durable, "DIRECT_MIN", 1)
     monkeypatch.setattr(durable, "_no_direct_devices", set())
+    monkeypatch.setattr(durable, "DIRECT_IO", "always")     # these tests are about the direct path itself
 
 
 class Spy(durable.FileSystem):
@@ -293,3 +294,72 @@ def test_save_with_overwrite_false_names_what_refused(tmp_path):
         agck.save(tmp_path / "x.agck", {"a": 2}, overwrite=False)
     assert "overwrite=False refuses to replace it" in str(e.value) and "immutable" not in str(e.value)
     assert agck.load(tmp_path / "x.agck").state == {"a": 1}
+
+
+# --- whether to bypass the page cache: measured, per file system ---------------------
+
+def test_direct_choice_learns_both_modes_then_keeps_the_faster():
+    c = durable.DirectChoice()
+    dev = 7
+    modes = []
+    for _ in range(2 * c.WARMUP):
+        m = c.choose(dev)
+        modes.append(m)
+        c.record(dev, m, 100 << 20, 0.1 if m else 0.3)     # direct 3x faster here
+    assert modes == [True, False, True, False]             # alternates, direct first
+    later = [c.choose(dev) for _ in range(2 * c.PROBE_EVERY)]
+    assert later.count(False) == 2 and later.count(True) == 2 * c.PROBE_EVERY - 2   # one probe in PROBE_EVERY
+    assert c.state()[dev]["choice"] == "direct"
+
+
+def test_direct_choice_follows_a_device_whose_speed_changed():
+    c = durable.DirectChoice()
+    dev = 3
+    for _ in range(2 * c.WARMUP):
+        m = c.choose(dev)
+        c.record(dev, m, 1 << 20, 0.01 if m else 0.02)
+    assert c.choose(dev) is True
+    # buffered writes become 4x faster than direct (another tenant, a changed device): the
+    # probes and the writes taken directly carry the news; the choice flips within KEEP probes
+    flipped_after = None
+    for i in range(c.PROBE_EVERY * (c.KEEP + 1)):
+        m = c.choose(dev)
+        c.record(dev, m, 1 << 20, 0.04 if m else 0.01)
+        if flipped_after is None and c.state()[dev]["choice"] == "buffered":
+            flipped_after = i
+    assert flipped_after is not None and c.choose(dev) is False
+
+
+def test_direct_choice_is_per_file_system():
+    c = durable.DirectChoice()
+    for _ in range(2 * c.WARMUP):
+        for dev, fast_direct in ((1, True), (2, False)):
+            m = c.choose(dev)
+            c.record(dev, m, 1 << 20, 0.01 if m == fast_direct else 0.05)
+    assert c.choose(1) is True and c.choose(2) is False
+
+
+def test_auto_times_real_large_writes_and_pins_override_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(durable, "DIRECT_MIN", 1 << 16)
+    monkeypatch.setattr(durable, "_no_direct_devices", set())
+    monkeypatch.setattr(durable, "DIRECT_CHOICE", durable.DirectChoice())
+    monkeypatch.setattr(durable, "DIRECT_IO", "auto")
+    data = os.urandom(1 << 18)
+    for i in range(4):
+        durable.write_atomic(str(tmp_path / f"a{i}"), [data], size=len(data))
+        assert open(tmp_path / f"a{i}", "rb").read() == data
+    dev = os.stat(tmp_path).st_dev
+    st = durable.DIRECT_CHOICE.state()
+    if _supports_direct(tmp_path):
+        assert st[dev]["samples"] == (2, 2) and st[dev]["choice"] in ("direct", "buffered")
+    else:
+        assert dev not in st                      # nothing to choose between: always buffered
+    for mode, want in (("always", True), ("never", False)):
+        monkeypatch.setattr(durable, "DIRECT_IO", mode)
+        spy = Spy()
+        durable.write_atomic(str(tmp_path / mode), [data], size=len(data), fs=spy)
+        assert any(on for on, _ in spy.writes) == (want and _supports_direct(tmp_path))
+    monkeypatch.setattr(durable, "DIRECT_IO", "sometimes")
+    with pytest.raises(UsageError, match="AGCK_DIRECT_IO"):
+        durable.write_atomic(str(tmp_path / "bad"), [data], size=len(data))
+    assert not os.path.exists(tmp_path / "bad")
