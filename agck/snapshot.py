@@ -69,7 +69,7 @@ try:
 except ImportError:  # pragma: no cover (not on Windows)
     resource = None
 
-from . import failpoints
+from . import durable, failpoints
 # capture's names are agck.snapshot's too (crashtests, tests and user code import them from here)
 from .capture import TAG, capture, fingerprint, restore_into, rng_state, set_rng_state  # noqa: F401
 from .codec import encode_plain
@@ -535,6 +535,7 @@ class Snapshotter:
 
     def _work(self) -> None:
         _yield_to_pipeline()
+        durable.writes_in_background()
         while True:
             item = self._queue.get()
             if item is None:

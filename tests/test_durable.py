@@ -363,3 +363,30 @@ def test_auto_times_real_large_writes_and_pins_override_it(tmp_path, monkeypatch
     with pytest.raises(UsageError, match="AGCK_DIRECT_IO"):
         durable.write_atomic(str(tmp_path / "bad"), [data], size=len(data))
     assert not os.path.exists(tmp_path / "bad")
+
+
+def test_a_background_writer_thread_bypasses_the_page_cache_without_timing(tmp_path, monkeypatch):
+    import threading
+    monkeypatch.setattr(durable, "DIRECT_MIN", 1 << 16)
+    monkeypatch.setattr(durable, "_no_direct_devices", set())
+    monkeypatch.setattr(durable, "DIRECT_CHOICE", durable.DirectChoice())
+    monkeypatch.setattr(durable, "DIRECT_IO", "auto")
+    data = os.urandom(1 << 18)
+    spies = []
+
+    def writer():
+        durable.writes_in_background()
+        for i in range(3):
+            spy = Spy()
+            durable.write_atomic(str(tmp_path / f"bg{i}"), [data], size=len(data), fs=spy)
+            spies.append(spy)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    t.join()
+    direct = _supports_direct(tmp_path)
+    assert [any(on for on, _ in s.writes) for s in spies] == [direct] * 3
+    assert durable.DIRECT_CHOICE.state() == {}          # not timed: nothing learned from them
+    assert all(open(tmp_path / f"bg{i}", "rb").read() == data for i in range(3))
+    # the mark is the thread's own: this thread still has a choice to learn
+    assert not getattr(durable._THREAD, "background", False)
