@@ -17,7 +17,8 @@ disk and 1.6x slower on another), so it is not assumed: :class:`DirectChoice`
 times both on each file system a process writes to and keeps the faster
 (``DIRECT_IO``, or the ``AGCK_DIRECT_IO`` environment variable, can pin it);
 a thread whose writes nobody waits on (:func:`writes_in_background`) saves
-CPU instead and writes around the cache.
+CPU instead and writes around the cache. A store that writes files of its own
+(chunk files) asks the same question through :func:`direct_write_plan`.
 The durability points are the same either way: fsync of the file (O_DIRECT
 alone promises nothing about the device cache or the file's metadata), rename,
 fsync of the directory.
@@ -102,10 +103,12 @@ class DirectChoice:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._samples: dict[int, dict[bool, list[float]]] = {}
-        self._writes: dict[int, int] = {}
+        self._samples: dict[Any, dict[bool, list[float]]] = {}
+        self._writes: dict[Any, int] = {}
 
-    def choose(self, device: int) -> bool:
+    def choose(self, device) -> bool:
+        """``device``: what the samples are kept apart by (a file system's st_dev,
+        or (st_dev, kind) for writes of another size class)."""
         with self._lock:
             s = self._samples.setdefault(device, {True: [], False: []})
             if len(s[True]) < self.WARMUP or len(s[False]) < self.WARMUP:
@@ -114,7 +117,7 @@ class DirectChoice:
             best = statistics.median(s[True]) >= statistics.median(s[False])
             return (not best) if n % self.PROBE_EVERY == 0 else best
 
-    def record(self, device: int, direct: bool, nbytes: int, seconds: float) -> None:
+    def record(self, device, direct: bool, nbytes: int, seconds: float) -> None:
         if seconds <= 0:
             return
         with self._lock:
@@ -122,9 +125,10 @@ class DirectChoice:
             kept.append(nbytes / seconds)
             del kept[:-self.KEEP]
 
-    def state(self) -> dict[int, dict[str, Any]]:
-        """For each file system (st_dev) written to: the median MB/s of each mode's
-        recent writes and the mode the next non-probe write takes."""
+    def state(self) -> dict[Any, dict[str, Any]]:
+        """For each file system written to (its st_dev; (st_dev, "chunk") for chunk
+        files): the median MB/s of each mode's recent writes and the mode the next
+        non-probe write takes."""
         out = {}
         with self._lock:
             for dev, s in self._samples.items():
@@ -139,6 +143,11 @@ class DirectChoice:
 
 DIRECT_CHOICE = DirectChoice()
 _THREAD = threading.local()
+
+
+def in_background() -> bool:
+    """Whether the calling thread was marked by :func:`writes_in_background`."""
+    return getattr(_THREAD, "background", False)
 
 
 def writes_in_background(on: bool = True) -> None:
@@ -534,12 +543,18 @@ def _known_no_direct(fd: int) -> bool:
         return False
 
 
-def _use_direct(direct: bool | None, size: int | None, directory: str) -> tuple[bool, int | None]:
-    """(whether to write ``size`` bytes into ``directory`` with O_DIRECT, the file
-    system to report the write's time to when DirectChoice made the choice)."""
+def _use_direct(direct: bool | None, size: int | None, directory: str, *, minimum: int | None = None,
+                kind: str | None = None, background: bool | None = None) -> tuple[bool, Any]:
+    """(whether to write ``size`` bytes into ``directory`` with O_DIRECT, the key
+    to report the write's time under when DirectChoice made the choice, or None).
+
+    ``minimum``: the smallest size left to the choice (DIRECT_MIN); ``kind``
+    keeps the samples of another size class (chunk files) apart; ``background``:
+    the write is one nobody waits on (default: the calling thread's mark)."""
+    minimum = DIRECT_MIN if minimum is None else minimum
     if not _O_DIRECT or direct is False:
         return False, None
-    if direct is None and (size is None or size < DIRECT_MIN or DIRECT_IO == "never"):
+    if direct is None and (size is None or size < minimum or DIRECT_IO == "never"):
         return False, None
     try:
         device = os.stat(directory).st_dev
@@ -547,12 +562,36 @@ def _use_direct(direct: bool | None, size: int | None, directory: str) -> tuple[
         return direct is not None or DIRECT_IO == "always", None
     if device in _no_direct_devices:
         return False, None
-    if direct is not None or DIRECT_IO == "always" or (DIRECT_IO == "auto" and getattr(_THREAD, "background", False)):
+    if background is None:
+        background = in_background()
+    if direct is not None or DIRECT_IO == "always" or (DIRECT_IO == "auto" and background):
         return True, None
     if DIRECT_IO != "auto":
         raise UsageError(f"AGCK_DIRECT_IO (durable.DIRECT_IO) is {DIRECT_IO!r}",
                          hint=f"use one of {', '.join(DIRECT_IO_MODES)}")
-    return DIRECT_CHOICE.choose(device), device
+    key = device if kind is None else (device, kind)
+    return DIRECT_CHOICE.choose(key), key
+
+
+def direct_write_plan(directory: str, size: int, *, minimum: int, kind: str,
+                      background: bool) -> tuple[bool, Any]:
+    """For writers that manage their own temp file (a store's chunk files):
+    whether to write ``size`` bytes into ``directory`` with O_DIRECT, as
+    :func:`write_atomic` decides (DIRECT_IO, DirectChoice under ``kind``, a
+    background write always direct), and the key to pass to
+    :func:`report_direct_write` with the write's time (None: not timed)."""
+    return _use_direct(None, size, directory, minimum=minimum, kind=kind, background=background)
+
+
+def report_direct_write(key, direct: bool, nbytes: int, seconds: float) -> None:
+    """A timed write (first byte to the end of its fsync) planned by
+    :func:`direct_write_plan`; ignored when ``key`` is None or the file system
+    refused direct I/O meanwhile."""
+    if key is None:
+        return
+    device = key[0] if isinstance(key, tuple) else key
+    if device not in _no_direct_devices:
+        DIRECT_CHOICE.record(key, direct, nbytes, seconds)
 
 
 def write_atomic(path: str, parts: Iterable, *, overwrite: bool = True, size: int | None = None,

@@ -201,6 +201,18 @@ class Sampler:
 # --- one run -----------------------------------------------------------------------
 
 def run_case(case, state, args, reps, root) -> dict:
+    """One run of ``case``: "none", "sync", "async", or "async-cache" (async with
+    every write through the page cache: durable.DIRECT_IO pinned to "never")."""
+    if case == "async-cache":
+        was, durable.DIRECT_IO = durable.DIRECT_IO, "never"
+        try:
+            return _run_case(case, state, args, reps, root)
+        finally:
+            durable.DIRECT_IO = was
+    return _run_case(case, state, args, reps, root)
+
+
+def _run_case(case, state, args, reps, root) -> dict:
     store = os.path.join(root, case)
     shutil.rmtree(store, ignore_errors=True)
     state["results"].clear()
@@ -214,7 +226,8 @@ def run_case(case, state, args, reps, root) -> dict:
             it = iter(range(args.steps))
         else:
             target = open_file_store(store, args.store_kind)
-            snap = Snapshotter(target, "bench", every=args.every, mode=case, handle_signals=False, resume=False)
+            snap = Snapshotter(target, "bench", every=args.every, mode=case.split("-")[0], handle_signals=False,
+                               resume=False)
             if not hasattr(snap, "write_stats"):
                 _record_writes(snap)   # a version without per-write figures: measured from outside
             snap.restore(None)
@@ -462,6 +475,9 @@ def main():
                    help="how large files are written (durable.DIRECT_IO): auto (agck's default: timed per file "
                         "system), direct (always O_DIRECT) or buffered (never), for comparison")
     p.add_argument("--writer-nice", type=int, default=None, help="CPU niceness added to the writer thread")
+    p.add_argument("--ab-cache", action="store_true",
+                   help="add a case: async with every write through the page cache (DIRECT_IO=never), "
+                        "alternated with the others, to compare the two in the same rounds")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads the pipeline computes with (1: the second core is the writer's; "
                         "os.cpu_count(): the pipeline uses every core and the writer competes for them)")
@@ -508,7 +524,8 @@ def run_bench(args, root):
     copies, raws, rounds = [], [], []
     for r in range(args.rounds):
         copies.append(memcpy_seconds(state))
-        order = CASES[r % len(CASES):] + CASES[:r % len(CASES)]
+        cases = CASES + (("async-cache",) if args.ab_cache else ())
+        order = cases[r % len(cases):] + cases[:r % len(cases)]
         rnd = {}
         for case in order:
             rnd[case] = run_case(case, state, args, reps, root)
@@ -547,6 +564,20 @@ def run_bench(args, root):
               f"{_ms(sum(a['other_threads_cpu_s']))} | {a['dirtied_mib']:.0f} MiB | "
               f"{a['inflation_s'] * 1e3:+.0f} ms ({a['inflation_run_s'] * 1e3:+.0f}, "
               f"{a['inflation_wait_s'] * 1e3:+.0f}) |")
+
+    if args.ab_cache:
+        ab = [{c: summarize_run(rnd[c], rnd["none"], n_ckpt) for c in ("async", "async-cache")} for rnd in rounds]
+        for c, what in (("async", f"writes {args.write}"), ("async-cache", "every write through the page cache")):
+            m = {k: _med([x[c][k] for x in ab]) for k in ("overhead", "overhead_parts", "inflation_s", "close_s",
+                                                          "dirtied_mib")}
+            cpu = _med([sum(x[c]["other_threads_cpu_s"]) for x in ab])
+            per_round = ", ".join(f"{x[c]['overhead_parts']:+.1%}" for x in ab)
+            print(f"\nA/B, {c} ({what}): overhead {m['overhead']:+.1%} wall, {m['overhead_parts']:+.1%} inside the run "
+                  f"(per round: {per_round}); inflation in "
+                  f"flight {m['inflation_s'] * 1e3:+.0f} ms / ckpt; final flush {m['close_s'] * 1e3:.0f} ms; "
+                  f"CPU of all threads but the pipeline's {cpu * 1e3:.0f} ms / ckpt; {m['dirtied_mib']:.0f} MiB "
+                  f"dirtied / ckpt", end="")
+        print()
 
     med = {c: {k: _med([s[c][k] for s in summaries]) for k in summaries[0][c] if k != "other_threads_cpu_s"}
            for c in ("sync", "async")}

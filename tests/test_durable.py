@@ -390,3 +390,68 @@ def test_a_background_writer_thread_bypasses_the_page_cache_without_timing(tmp_p
     assert all(open(tmp_path / f"bg{i}", "rb").read() == data for i in range(3))
     # the mark is the thread's own: this thread still has a choice to learn
     assert not getattr(durable._THREAD, "background", False)
+
+
+def test_chunk_files_follow_the_same_choice_and_a_background_put_writes_them_direct(tmp_path, monkeypatch):
+    """A chunked put's chunk files of DIRECT_CHUNK_MIN bytes or more: direct from a
+    snapshot writer thread (written by the store's pool threads on its behalf),
+    timed as their own kind otherwise, pinned by DIRECT_IO; the bytes read back
+    the same every way."""
+    import threading
+
+    import torch
+
+    from agck import open_store
+    from agck.stores import objectdir
+    monkeypatch.setattr(durable, "_no_direct_devices", set())
+    monkeypatch.setattr(durable, "DIRECT_CHOICE", durable.DirectChoice())
+    monkeypatch.setattr(durable, "DIRECT_IO", "auto")
+    calls = []
+    real = durable.write_parts
+
+    def spy(fs, fd, parts, *, direct=False):
+        parts = list(parts)
+        calls.append((sum(memoryview(p).nbytes for p in parts), direct))
+        return real(fs, fd, parts, direct=direct)
+
+    monkeypatch.setattr(durable, "write_parts", spy)
+    store = open_store(str(tmp_path / "s"))
+    gen = torch.Generator().manual_seed(1)
+
+    def state():
+        return {"w": torch.randn(1 << 20, generator=gen)}       # 4 MiB of new content: chunks of ~1 MiB
+
+    def big(c):        # how the chunks of DIRECT_CHUNK_MIN bytes or more were written; smaller ones never direct
+        assert not any(d for n, d in c if n < objectdir.DIRECT_CHUNK_MIN)
+        return [d for n, d in c if n >= objectdir.DIRECT_CHUNK_MIN]
+
+    def put_in_background(step, s):
+        def run():
+            durable.writes_in_background()
+            store.put("r", step, s)
+        t = threading.Thread(target=run, name="snapshot-writer")
+        t.start()
+        t.join()
+
+    s1 = state()
+    put_in_background(1, s1)
+    assert big(calls) and all(big(calls)) == _supports_direct(tmp_path)
+    assert torch.equal(store.get("r", 1).state["w"], s1["w"])
+    assert durable.DIRECT_CHOICE.state() == {}                       # background: nothing timed
+
+    calls.clear()
+    s2 = state()
+    store.put("r", 2, s2)                                            # a plain put: timed, as chunks
+    assert torch.equal(store.get("r", 2).state["w"], s2["w"])
+    if _supports_direct(tmp_path) and durable._O_DIRECT:
+        st = durable.DIRECT_CHOICE.state()
+        key = (os.stat(store.objects.dir).st_dev, "chunk")
+        assert list(st) == [key] and sum(st[key]["samples"]) >= 2
+
+    calls.clear()
+    monkeypatch.setattr(durable, "DIRECT_IO", "never")
+    s3 = state()
+    put_in_background(3, s3)
+    assert big(calls) and not any(big(calls))
+    assert torch.equal(store.get("r", 3).state["w"], s3["w"])
+    assert objectdir.DIRECT_CHUNK_MIN <= 1 << 20
