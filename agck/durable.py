@@ -583,11 +583,12 @@ def direct_write_plan(directory: str, size: int, *, minimum: int, kind: str,
     return _use_direct(None, size, directory, minimum=minimum, kind=kind, background=background)
 
 
-def report_direct_write(key, direct: bool, nbytes: int, seconds: float) -> None:
+def report_direct_write(fs: FileSystem, key, direct: bool, nbytes: int, seconds: float) -> None:
     """A timed write (first byte to the end of its fsync) planned by
-    :func:`direct_write_plan`; ignored when ``key`` is None or the file system
-    refused direct I/O meanwhile."""
-    if key is None:
+    :func:`direct_write_plan` or :func:`write_atomic`; ignored when ``key`` is
+    None, ``fs`` is not the real kernel (a simulation's times say nothing about
+    the device), or the file system refused direct I/O meanwhile."""
+    if key is None or fs is not REAL:
         return
     device = key[0] if isinstance(key, tuple) else key
     if device not in _no_direct_devices:
@@ -645,18 +646,15 @@ def _write_atomic(path: str, parts: Iterable, *, overwrite: bool, size: int | No
     try:
         fd = fs.open_new(tmp)
         failpoints.hit("file.before_write")
-        want_direct, timed_device = _use_direct(direct, size, directory)
+        want_direct, timed = _use_direct(direct, size, directory)
         t0 = time.perf_counter()
         sink = _Sink(fs, fd, want_direct)
-        went_direct = sink.direct          # False if the file system refused it up front
         for part, hasher in parts:
             sink.add(part, hasher)
         sink.finish()
         failpoints.hit("file.before_fsync")
         fs.fsync(fd)
-        if timed_device is not None and fs is REAL and went_direct == want_direct \
-                and timed_device not in _no_direct_devices:     # not a write that fell back midway
-            DIRECT_CHOICE.record(timed_device, want_direct, sink.written, time.perf_counter() - t0)
+        report_direct_write(fs, timed, want_direct, sink.written, time.perf_counter() - t0)
         failpoints.hit("file.after_fsync")
         fs.close(fd)
         fd = None

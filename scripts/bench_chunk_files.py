@@ -61,22 +61,15 @@ def raw_files(d: str, chunks: list, direct: bool) -> None:
     benchio.fsync_dir(d)
 
 
-addresses: dict[int, bytes] = {}     # each chunk's BLAKE3 address, computed before the clock starts
-
-
-def store_chunks(d: str, chunks: list, mode: str) -> None:
-    was, durable.DIRECT_IO = durable.DIRECT_IO, mode
-    try:
+def store_chunks(d: str, chunks: list, addresses: list, mode: str) -> None:
+    with benchio.pinned_direct_io(mode):
         objects = ObjectDir(d, durable.REAL)
         os.makedirs(objects.dir, exist_ok=True)
-        objects._pool = None          # on this thread: its CPU is what is measured
-        objects.pool = lambda: None
+        objects.pool = lambda: None   # written on this thread: its CPU is what is measured
         batch = objects.batch()
-        for c in chunks:
-            batch.add(addresses[id(c)], memoryview(c))
+        for a, c in zip(addresses, chunks):
+            batch.add(a, memoryview(c))
         batch.sync()
-    finally:
-        durable.DIRECT_IO = was
 
 
 def main() -> int:
@@ -93,10 +86,10 @@ def main() -> int:
     size = args.chunk_kib << 10
     rng = np.random.default_rng(0)
     cases = {
-        "raw buffered write+fsync": lambda d, cs: raw_files(d, cs, False),
-        "raw O_DIRECT write+fsync": lambda d, cs: raw_files(d, cs, True),
-        "store chunks, page cache": lambda d, cs: store_chunks(d, cs, "never"),
-        "store chunks, O_DIRECT": lambda d, cs: store_chunks(d, cs, "always"),
+        "raw buffered write+fsync": lambda d, cs, _: raw_files(d, cs, False),
+        "raw O_DIRECT write+fsync": lambda d, cs, _: raw_files(d, cs, True),
+        "store chunks, page cache": lambda d, cs, addrs: store_chunks(d, cs, addrs, "never"),
+        "store chunks, O_DIRECT": lambda d, cs, addrs: store_chunks(d, cs, addrs, "always"),
     }
     names = list(cases)
     times = {n: [] for n in names}
@@ -107,12 +100,11 @@ def main() -> int:
             order = names[r % len(names):] + names[:r % len(names)]
             for n in order:
                 chunks = [benchio.aligned_copy(rng.integers(0, 256, size, dtype=np.uint8)) for _ in range(args.chunks)]
-                addresses.clear()
-                addresses.update((id(c), chunking.address(c)) for c in chunks)
+                addresses = [chunking.address(c) for c in chunks]     # before the clock starts
                 d = os.path.join(root, f"r{r}-{names.index(n)}")
                 os.mkdir(d)
                 c0, t0 = thread_cpu(), time.perf_counter()
-                cases[n](d, chunks)
+                cases[n](d, chunks, addresses)
                 t1, c1 = time.perf_counter(), thread_cpu()
                 if r:
                     times[n].append(t1 - t0)

@@ -39,7 +39,8 @@ from typing import Any, Callable
 import msgpack
 import numpy as np
 
-from benchio import Case, aligned_copy, fsync_dir, raw_direct_fsync, raw_write_fsync, run_rounds  # noqa: E402
+from benchio import (Case, aligned_copy, fsync_dir, pinned_direct_io, raw_direct_fsync,  # noqa: E402
+                     raw_write_fsync, run_rounds)
 import xxhash
 
 # Run from a checkout without installing: scripts/ is sys.path[0], the package is one up.
@@ -150,11 +151,8 @@ def write_with(path: str, dump: Callable[[Any], None]) -> None:
 
 def save_pinned(path: str, state, mode: str) -> None:
     """agck.save with durable.DIRECT_IO pinned to ``mode`` ("always" / "never")."""
-    was, durable.DIRECT_IO = durable.DIRECT_IO, mode
-    try:
+    with pinned_direct_io(mode):
         agck.save(path, state)
-    finally:
-        durable.DIRECT_IO = was
 
 
 def unlink(path: str) -> None:

@@ -204,11 +204,8 @@ def run_case(case, state, args, reps, root) -> dict:
     """One run of ``case``: "none", "sync", "async", or "async-cache" (async with
     every write through the page cache: durable.DIRECT_IO pinned to "never")."""
     if case == "async-cache":
-        was, durable.DIRECT_IO = durable.DIRECT_IO, "never"
-        try:
+        with benchio.pinned_direct_io("never"):
             return _run_case(case, state, args, reps, root)
-        finally:
-            durable.DIRECT_IO = was
     return _run_case(case, state, args, reps, root)
 
 

@@ -8,6 +8,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -69,6 +70,18 @@ def raw_direct_fsync(path: str, data, chunk: int = 8 << 20) -> None:
     finally:
         os.close(fd)
     fsync_dir(os.path.dirname(path))
+
+
+@contextmanager
+def pinned_direct_io(mode: str):
+    """agck's durable writes with ``durable.DIRECT_IO`` pinned to ``mode``
+    ("always", "never" or "auto") for the duration, then as they were."""
+    from agck import durable
+    was, durable.DIRECT_IO = durable.DIRECT_IO, mode
+    try:
+        yield
+    finally:
+        durable.DIRECT_IO = was
 
 
 def aligned_copy(data):

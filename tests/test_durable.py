@@ -7,6 +7,7 @@ import errno
 import mmap
 import os
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -339,11 +340,16 @@ def test_direct_choice_is_per_file_system():
     assert c.choose(1) is True and c.choose(2) is False
 
 
-def test_auto_times_real_large_writes_and_pins_override_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(durable, "DIRECT_MIN", 1 << 16)
+@pytest.fixture
+def fresh_choice(monkeypatch):
+    """DIRECT_IO "auto" with nothing learned yet, and no file system known to refuse O_DIRECT."""
     monkeypatch.setattr(durable, "_no_direct_devices", set())
     monkeypatch.setattr(durable, "DIRECT_CHOICE", durable.DirectChoice())
     monkeypatch.setattr(durable, "DIRECT_IO", "auto")
+
+
+def test_auto_times_real_large_writes_and_pins_override_it(tmp_path, monkeypatch, fresh_choice):
+    monkeypatch.setattr(durable, "DIRECT_MIN", 1 << 16)
     data = os.urandom(1 << 18)
     for i in range(4):
         durable.write_atomic(str(tmp_path / f"a{i}"), [data], size=len(data))
@@ -365,12 +371,8 @@ def test_auto_times_real_large_writes_and_pins_override_it(tmp_path, monkeypatch
     assert not os.path.exists(tmp_path / "bad")
 
 
-def test_a_background_writer_thread_bypasses_the_page_cache_without_timing(tmp_path, monkeypatch):
-    import threading
+def test_a_background_writer_thread_bypasses_the_page_cache_without_timing(tmp_path, monkeypatch, fresh_choice):
     monkeypatch.setattr(durable, "DIRECT_MIN", 1 << 16)
-    monkeypatch.setattr(durable, "_no_direct_devices", set())
-    monkeypatch.setattr(durable, "DIRECT_CHOICE", durable.DirectChoice())
-    monkeypatch.setattr(durable, "DIRECT_IO", "auto")
     data = os.urandom(1 << 18)
     spies = []
 
@@ -392,20 +394,16 @@ def test_a_background_writer_thread_bypasses_the_page_cache_without_timing(tmp_p
     assert not getattr(durable._THREAD, "background", False)
 
 
-def test_chunk_files_follow_the_same_choice_and_a_background_put_writes_them_direct(tmp_path, monkeypatch):
+def test_chunk_files_follow_the_same_choice_and_a_background_put_writes_them_direct(tmp_path, monkeypatch,
+                                                                                     fresh_choice):
     """A chunked put's chunk files of DIRECT_CHUNK_MIN bytes or more: direct from a
     snapshot writer thread (written by the store's pool threads on its behalf),
     timed as their own kind otherwise, pinned by DIRECT_IO; the bytes read back
     the same every way."""
-    import threading
-
     import torch
 
     from agck import open_store
     from agck.stores import objectdir
-    monkeypatch.setattr(durable, "_no_direct_devices", set())
-    monkeypatch.setattr(durable, "DIRECT_CHOICE", durable.DirectChoice())
-    monkeypatch.setattr(durable, "DIRECT_IO", "auto")
     calls = []
     real = durable.write_parts
 

@@ -163,8 +163,7 @@ class ObjectDir:
             durable.write_parts(self.fs, fd, [chunk], direct=direct)
             failpoints.hit("file.chunk_before_fsync")
             self.fs.fsync(fd)
-            if self.fs is durable.REAL:
-                durable.report_direct_write(timed, direct, n, time.perf_counter() - t0)
+            durable.report_direct_write(self.fs, timed, direct, n, time.perf_counter() - t0)
             self.fs.close(fd)
             fd = None
             self.fs.rename(tmp, path)
