@@ -321,23 +321,34 @@ open_store({root!r}).put("r", 2, {{"x": np.arange(2_000_000)}})
 
 
 
-def test_power_loss_at_every_operation_of_a_put_then_a_prune(tmp_path):
+@pytest.mark.parametrize("direct_chunks", [False, True], ids=["buffered", "background-direct-chunks"])
+def test_power_loss_at_every_operation_of_a_put_then_a_prune(tmp_path, monkeypatch, direct_chunks):
     """Step 1 is durable; then put(2), prune to the newest and collect. A power cut at
     every file-system operation, with every way unsynced operations can reach the
     disk: the store never holds a checkpoint that fails to read, and once put(2)
-    has returned, step 2 survives."""
+    has returned, step 2 survives. Also with the put made as a snapshot writer's,
+    whose chunk files (here those of 16 KiB or more) are written with O_DIRECT."""
     import random
 
+    from agck import durable
+    from agck.stores import objectdir
     from crashtests.simfs import MODES, Crash, SimFS
-
+    if direct_chunks:
+        monkeypatch.setattr(objectdir, "DIRECT_CHUNK_MIN", 16 << 10)
+        monkeypatch.setattr(durable, "DIRECT_CHUNK", 64 << 10)
+        monkeypatch.setattr(durable, "DIRECT_IO", "auto")
     one = {"x": np.arange(100_000), "shared": np.ones(60_000)}
     two = {"x": np.arange(100_000) * 3, "shared": np.ones(60_000)}
 
     def scenario(root, fs, acked):
-        store = open_store(root, fs=fs)
-        store.put("r", 2, two)
-        acked.append(2)
-        store.prune("r", keep_last=1)
+        durable.writes_in_background(direct_chunks)
+        try:
+            store = open_store(root, fs=fs)
+            store.put("r", 2, two)
+            acked.append(2)
+            store.prune("r", keep_last=1)
+        finally:
+            durable.writes_in_background(False)
 
     def fresh(name):
         root = str(tmp_path / name)
