@@ -11,7 +11,12 @@ are named by BLAKE3-256 of their bytes.
 A container is split as *pieces*, each starting and ending a chunk: the head
 (header and metadata), each run of small blobs, each large blob, the footer.
 So a large tensor's chunks do not depend on what precedes it, and the metadata
-growing does not move the blobs' chunks.
+growing does not move the blobs' chunks. A large blob is cut on a fixed grid
+(every ``LARGE_GRID`` bytes from its start), not by content: a tensor changes
+in place or grows at its end, so the grid shares what content-defined cuts
+would, without the rolling hash (the largest CPU cost of a checkpoint of new
+tensors, 2.5 GB/s against BLAKE3's 6.7), and its chunks stay page-aligned
+wherever the blob is, so they can be written with O_DIRECT straight from it.
 
 Splitting is the CPU cost of a checkpoint that changed little, so a
 :class:`Chunker` remembers the chunks of the last container it split, piece by
@@ -45,7 +50,8 @@ DIGEST_SIZE = 32
 # chunks keep the chunk count (and the listing) small at the same dedup rate.
 HEAD = (4 << 10, 16 << 10, 64 << 10)
 SMALL = (16 << 10, 64 << 10, 256 << 10)
-LARGE = (256 << 10, 1 << 20, 4 << 20)
+LARGE_GRID = 1 << 20
+LARGE = (LARGE_GRID, LARGE_GRID, LARGE_GRID)   # min == max: a fixed grid, not content-defined
 LARGE_PART = 4 << 20          # a part this big is a piece of its own, cut with LARGE sizes
 _WINDOW_CHUNKS = 4            # bytes spread over several buffers are gathered this many max chunks at a time
 
@@ -224,7 +230,11 @@ class Chunker:
         pos = 0
         prefix = None     # (end, hash state) of bytes known to equal the last piece's
         failed = False
-        if mem is not None and mem.prefix_count and mem.prefix_end <= p.length and not mem.failed:
+        # A piece cut on a fixed grid has few, large chunks: they are confirmed one by one
+        # (which stops at the first changed one), not by one pass over the whole prefix
+        # that, when the piece changed, finds out only at the end and hashes it all again.
+        grid = sizes[0] == sizes[2]
+        if mem is not None and not grid and mem.prefix_count and mem.prefix_end <= p.length and not mem.failed:
             # (after a miss the check is skipped once, so a piece that always changes pays it half the time)
             h = xxhash.xxh3_128(seed=self._seed)
             for v in p.views(0, mem.prefix_end):
@@ -268,7 +278,9 @@ class Chunker:
                 pos = e
         out.starts, out.addresses = starts, addresses
         out.sizes = [e - s for s, e in zip(starts, ends)]
-        if self.remember:
+        if self.remember and grid:
+            self._next[(key, sizes)] = _Memory(p.length, starts, ends, addresses, checks, None, failed)
+        elif self.remember:
             n = len(ends) - (1 if ends and ends[-1] == p.length else 0)
             end = ends[n - 1] if n else 0
             start, h = prefix if prefix is not None and prefix[0] <= end else (0, xxhash.xxh3_128(seed=self._seed))
@@ -300,6 +312,14 @@ def _cut(p: _Piece, pos: int, sizes, stop: _Memory | None) -> Iterator[tuple[int
     chunk of a window that is not the piece's end was cut by the window, so it
     is cut again from its start with the next window."""
     lo, avg, hi = sizes
+    if lo == hi:     # a fixed grid: a chunk ends at the next multiple of ``hi`` (the piece starts on one)
+        while pos < p.length:
+            e = min(p.length, pos + hi - pos % hi)
+            yield pos, e, p.contiguous(pos, e)
+            if stop is not None and stop.at(e) is not None:
+                return
+            pos = e
+        return
     while pos < p.length:
         i = bisect_right(p.starts, pos) - 1
         end = p.length if p.starts[i + 1] == p.length else min(p.length, pos + _WINDOW_CHUNKS * hi)

@@ -71,6 +71,7 @@ _sync_file_range = _load_sync_file_range()
 # cheap and the file may well be read back soon.
 DIRECT_MIN = 32 << 20
 DIRECT_CHUNK = 8 << 20
+ALIGNED_RUN_MIN = 256 << 10    # an aligned run this long is written from where it is (a grid chunk of a staged tensor)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _DEFAULT_ALIGN = 4096       # when the kernel cannot say (statx STATX_DIOALIGN, Linux 6.1+): safe for 512e and 4Kn
 _HASH_SLICE = 256 << 10     # copy-then-hash granularity: the slice is still in cache when it is hashed
@@ -458,7 +459,7 @@ class _Sink:
             cap = self.buf.size
             top = -self.fill % self.off_align      # bytes that bring the bounce buffer to a block boundary
             run = (n - i - top) // self.off_align * self.off_align
-            if run >= DIRECT_CHUNK and (base + i + top) % self.mem_align == 0 and self.fill + top <= cap:
+            if run >= ALIGNED_RUN_MIN and (base + i + top) % self.mem_align == 0 and self.fill + top <= cap:
                 # A long run already aligned in memory: written from where it is, no copy.
                 self._copy(src, i, top, hasher)
                 i += top

@@ -189,20 +189,31 @@ class Stager:
 TOUCH_MIN = 1 << 20
 
 
+# A large one starts on a page: the chunker cuts a large blob every 1 MiB from its
+# start, so each chunk is then page-aligned and goes to an O_DIRECT chunk file
+# straight from the staging buffer, without a copy into a bounce buffer.
+PAGE = 4096
+
+
 def _host_array(shape, dtype, touch: bool = False) -> np.ndarray:
-    buf = np.empty(shape, dtype)
-    if touch and buf.nbytes >= TOUCH_MIN and not dtype.hasobject:
-        buf.reshape(-1).view(np.uint8).fill(0)
-    return buf
+    n = math.prod(shape) * dtype.itemsize
+    if n < TOUCH_MIN or dtype.hasobject:
+        return np.empty(shape, dtype)
+    raw = np.empty(n + PAGE, np.uint8)
+    skip = -raw.ctypes.data % PAGE
+    buf = raw[skip:skip + n]
+    if touch:
+        buf.fill(0)
+    return buf.view(dtype).reshape(shape)
 
 
 def _host_tensor(shape, dtype, pin: bool, touch: bool = False):
-    if not touch or pin:   # pinned memory is resident once allocated
-        return torch.empty(shape, dtype=dtype, pin_memory=pin)
     n = math.prod(shape) * dtype.itemsize
-    if n < TOUCH_MIN:
-        return torch.empty(shape, dtype=dtype)
-    return torch.zeros(n, dtype=torch.uint8).view(dtype).view(shape)
+    if pin or n < TOUCH_MIN:   # pinned memory is resident once allocated (and CUDA aligns it to pages)
+        return torch.empty(shape, dtype=dtype, pin_memory=pin)
+    raw = torch.zeros(n + PAGE, dtype=torch.uint8) if touch else torch.empty(n + PAGE, dtype=torch.uint8)
+    skip = -raw.data_ptr() % PAGE
+    return raw[skip:skip + n].view(dtype).view(shape)
 
 
 def _stageable(x) -> bool:

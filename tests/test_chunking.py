@@ -36,6 +36,23 @@ def test_large_parts_are_cut_in_place_and_bounded():
     assert alone == [bytes(c) for c in chunks[1:-1]]
 
 
+def test_a_large_part_is_cut_on_a_fixed_grid_from_its_start():
+    """Every ``LARGE_GRID`` bytes from the blob's start, so a chunk of a page-aligned
+    blob is page-aligned too (O_DIRECT can write it from where it is), and a change
+    in place costs the chunks it touches."""
+    big = np.random.default_rng(2).integers(0, 256, 5 * chunking.LARGE_GRID + 777, dtype=np.uint8)
+    c = chunking.Chunker()
+    first, _ = c.split_piece("t", [big], chunking.LARGE)
+    c.done()
+    assert first.sizes == [chunking.LARGE_GRID] * 5 + [777]
+    assert first.starts == [i * chunking.LARGE_GRID for i in range(6)]
+    big[3 * chunking.LARGE_GRID + 5] ^= 1
+    again, same = c.split_piece("t", [big], chunking.LARGE)
+    assert c.cut_bytes == chunking.LARGE_GRID and not same[0]
+    assert [a == b for a, b in zip(again.addresses, first.addresses)] == [True, True, True, False, True, True]
+    assert list(again.fresh) == [3]
+
+
 def test_chunks_stay_valid_while_later_ones_are_produced():
     parts = [os.urandom(50_000) for _ in range(40)]
     kept = [c for c in chunking.split(parts)]          # views held past their turn
@@ -82,7 +99,7 @@ def _split_all(chunker, pieces):
     return out
 
 
-_SIZES = [chunking.HEAD, chunking.SMALL]
+_SIZES = [chunking.HEAD, chunking.SMALL, (8192, 8192, 8192)]   # the last: a fixed grid, as LARGE is
 
 
 def _edit(rng, buffers):
@@ -107,7 +124,7 @@ def _edit(rng, buffers):
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.integers(0, 2**32 - 1), st.integers(0, 1))
+@given(st.integers(0, 2**32 - 1), st.integers(0, 2))
 def test_remembered_chunks_are_exactly_a_fresh_split(seed, which):
     rng = np.random.default_rng(seed)
     sizes = _SIZES[which]
