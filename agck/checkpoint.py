@@ -273,11 +273,23 @@ def read_head(path: str) -> tuple[format.Header, dict]:
             meta_bytes = f.read(h.meta_len)
     except OSError as e:
         raise FormatError(f"cannot read: {e.strerror}", ref=path) from None
+    return h, _head_meta(h, meta_bytes, path)
+
+
+def parse_head(data, ref: str | None = None) -> tuple[format.Header, dict]:
+    """Header and metadata from the first bytes of a container (at least
+    ``HEADER_SIZE + meta_len`` of them; more are ignored)."""
+    view = memoryview(data)
+    h = format.parse_header(view[:format.HEADER_SIZE], ref=ref)
+    return h, _head_meta(h, view[format.HEADER_SIZE:format.HEADER_SIZE + h.meta_len], ref)
+
+
+def _head_meta(h: format.Header, meta_bytes, ref: str | None) -> dict:
     if len(meta_bytes) != h.meta_len:
-        raise CorruptCheckpointError("truncated inside the metadata", ref=path, section="metadata")
+        raise CorruptCheckpointError("truncated inside the metadata", ref=ref, section="metadata")
     if format.digest(meta_bytes) != h.meta_digest:
-        raise CorruptCheckpointError("metadata checksum mismatch", ref=path, section="metadata")
-    return h, format.decode_metadata(meta_bytes, ref=path)
+        raise CorruptCheckpointError("metadata checksum mismatch", ref=ref, section="metadata")
+    return format.decode_metadata(meta_bytes, ref=ref)
 
 
 def decode(c: format.Container, *, copy: bool = False, map_location=None) -> Checkpoint:

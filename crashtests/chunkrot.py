@@ -80,6 +80,10 @@ def _stored(store, address: bytes):
         finally:
             c.close()
         return None if row is None else bytes(row[0])
+    if kind == "S3Store":
+        from agck.stores.s3 import chunk_key
+        data = store.c.get(chunk_key(address))
+        return None if data is None else bytes(data)
     rows = store._query(f"SELECT data FROM {store.names.objects} WHERE address = %s", (address,))
     return bytes(rows[0][0]) if rows else None
 
@@ -95,6 +99,13 @@ def _store_raw(store, address: bytes, data: bytes | None) -> None:
         with open(path, "r+b") as f:     # in place, as bit rot would: same inode, same name
             f.write(data)
             f.truncate(len(data))
+        return
+    if kind == "S3Store":
+        from agck.stores.s3 import chunk_key
+        if data is None:
+            store.c.delete(chunk_key(address))
+        else:
+            store.c.put(chunk_key(address), data)
         return
     if kind == "SqliteStore":
         c = sqlite3.connect(store.path, timeout=30)

@@ -19,7 +19,12 @@ except ImportError:
     pass
 
 PG_DSN_DEFAULT = "postgresql://postgres@127.0.0.1:5432/test"
-BACKENDS = ("file", "sqlite", "postgres")   # a new backend: here and in make_spec (see test_store_contract.py)
+# a new backend: here and in make_spec (see test_store_contract.py). "s3": SeaweedFS, a real
+# object store started for the session; "s3-moto": moto's server, a second S3 implementation
+BACKENDS = ("file", "sqlite", "postgres", "s3")
+# the contract suite (test_store_contract.py) also runs on a second S3 implementation, so no
+# SeaweedFS quirk becomes an assumption
+CONTRACT_BACKENDS = BACKENDS + ("s3-moto",)
 _prefixes = itertools.count()
 
 
@@ -50,6 +55,47 @@ def pg_schema(pg_dsn):
         conn.close()
 
 
+def _s3_server(kind: str):
+    from crashtests import s3server
+
+    if kind == "s3":
+        why = s3server.seaweed_available()
+        if why is not None:
+            pytest.skip(f"no SeaweedFS: {why}")
+        server = s3server.Seaweed()
+    else:
+        pytest.importorskip("moto", reason="moto not installed")
+        server = s3server.Moto()
+    os.environ.update({k: v for k, v in s3server.CREDENTIALS.items() if k not in os.environ})
+    server.start()
+    server.bucket("agck-test")
+    return server
+
+
+def _serve(kind: str):
+    pytest.importorskip("obstore", reason="s3:// stores need obstore")
+    server = _s3_server(kind)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def seaweed():
+    """A SeaweedFS server private to this test session (``weed mini``), bucket ``agck-test``."""
+    yield from _serve("s3")
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    """moto's S3 server, private to this test session, bucket ``agck-test``."""
+    yield from _serve("s3-moto")
+
+
+def s3_url(server) -> str:
+    """A fresh prefix in the session's bucket: a store of its own."""
+    return server.url("agck-test", f"t{next(_prefixes)}-{secrets.token_hex(3)}")
+
+
 def pg_prefix() -> str:
     return f"t{next(_prefixes)}_{secrets.token_hex(2)}"
 
@@ -61,6 +107,9 @@ def make_spec(kind: str, request, tmp_path) -> tuple[str, str, dict]:
         return kind, str(tmp_path / "store"), {}
     if kind == "sqlite":
         return kind, f"sqlite:///{tmp_path}/store.db", {}
+    if kind in ("s3", "s3-moto"):
+        server = request.getfixturevalue("seaweed" if kind == "s3" else "moto_server")
+        return kind, s3_url(server), {}
     dsn = request.getfixturevalue("pg_dsn")
     schema = request.getfixturevalue("pg_schema")
     return kind, dsn, {"prefix": pg_prefix(), "schema": schema, "init": True}

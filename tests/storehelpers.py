@@ -53,8 +53,22 @@ def corrupt_payload(spec, store, run, step):
             f.write(bytes([b[0] ^ 0xFF]))
     elif kind in ("sqlite", "postgres"):
         Tamper(spec, store).flip(run, step, -200)
+    elif kind in ("s3", "s3-moto"):
+        flip_s3(store, run, step, -200)
     else:
         pytest.fail(f"corrupt_payload cannot damage a checkpoint of a {kind} store: add how here")
+
+
+def flip_s3(store, run, step, offset: int) -> str:
+    """Flip one byte of the stored container of (run, step) in an S3 store: in its data
+    object, or in the bytes that follow the record that holds it inline (the end of
+    that object). Returns the key damaged."""
+    e = store._state(run).steps[step]
+    key = e.key or store._log_key(run, e.seq)
+    data = bytearray(store.c.get(key))
+    data[offset] ^= 0xFF
+    store.c.put(key, bytes(data))
+    return key
 
 
 class Tamper:

@@ -252,6 +252,9 @@ def test_damage_detected_beside_writers_and_a_collector(store_spec):
     events: list = []        # (injected at, detected by when)
     stop = threading.Event()
     rounds = 60 if kind != "sqlite" else 40
+    # between a detection and the next damage: long enough to hold whole puts and reads
+    # (a put to an object store takes several round trips)
+    gap = 0.5 if kind.startswith("s3") else 0.1
     writers = [threading.Thread(target=_writer, args=(store_spec, w, rounds, log, failures, stop)) for w in range(2)]
 
     def rot_and_scrub():
@@ -267,7 +270,7 @@ def test_damage_detected_beside_writers_and_a_collector(store_spec):
                     pass      # quarantined and not yet written again: nothing to damage
                 s.scrub()
                 events.append((injected, time.monotonic()))
-                stop.wait(0.1)
+                stop.wait(gap)
         except BaseException as e:  # noqa: BLE001
             failures.append(e)
         finally:

@@ -519,6 +519,12 @@ def _damage_chunk(store, kind, address: bytes) -> None:
             f.seek(0)
             f.write(bytes([b[0] ^ 1]))
         return
+    if kind in ("s3", "s3-moto"):
+        from agck.stores.s3 import chunk_key
+        data = bytearray(store.c.get(chunk_key(address)))
+        data[0] ^= 1
+        store.c.put(chunk_key(address), bytes(data))
+        return
     if kind == "sqlite":
         import sqlite3
         c = sqlite3.connect(store.path, isolation_level=None)

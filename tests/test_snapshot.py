@@ -837,6 +837,11 @@ def test_a_change_the_version_counter_misses_drops_that_snapshot_only(store):
     written, and the next one copies it again."""
     def touch(i, base):
         if i == 12:
+            # after step 10's write is done (on a slow store it may still be in flight, and
+            # then it is step 10 that is caught differing, rightly, as in the test below)
+            deadline = time.monotonic() + 60
+            while 10 not in store.steps("f") and time.monotonic() < deadline:
+                time.sleep(0.01)
             base.numpy()[7] += 1.0
     snap, at = _frozen_run(store, 30, 5, touch)
     assert snap.dropped_steps == [15]

@@ -30,9 +30,15 @@ import agck
 from agck.errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                          InvalidRunNameError, UsageError)
 
+from conftest import CONTRACT_BACKENDS, make_spec
 from storehelpers import assert_state, corrupt_payload, process_writer, state_for
 
 torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(params=CONTRACT_BACKENDS)
+def store_spec(request, tmp_path):
+    return make_spec(request.param, request, tmp_path)
 
 
 BAD_RUNS = ["../../etc", "/abs", "a\x00b", "", ".hidden", "-x", "a/b", "r'; DROP TABLE x; --", "a" * 201, None, 7]

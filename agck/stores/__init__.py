@@ -7,6 +7,8 @@
                                       ?agck_prefix=P&agck_schema=S pick the tables
     'host=h dbname=db ...'            Postgres, as a libpq key=value string (agck_prefix=P
                                       and agck_schema=S are taken here too)
+    s3://bucket/prefix                an S3-compatible bucket (?endpoint=URL&region=R&profile=P;
+                                      credentials from the environment, never the URL)
 
 ``create=False`` opens only an existing store (the file and SQLite stores
 otherwise create a missing one; Postgres creates tables only with ``init=True``).
@@ -23,7 +25,8 @@ from .dsn import dsn_secrets, dsn_without_password, is_kv_dsn, redact_dsn, split
 __all__ = ["open_store", "Store", "PutEntry", "CheckpointInfo", "check_run", "check_step", "redact_dsn",
            "dsn_secrets", "dsn_without_password", "is_kv_dsn", "split_agck_params"]
 
-_URL_HINT = "use a directory path, sqlite:///relative.db, sqlite:////abs/path.db or postgresql://..."
+_URL_HINT = ("use a directory path, sqlite:///relative.db, sqlite:////abs/path.db, postgresql://... or "
+             "s3://bucket/prefix")
 
 
 def open_store(url, *, create: bool = True, **options) -> Store:
@@ -39,6 +42,9 @@ def open_store(url, *, create: bool = True, **options) -> Store:
         PostgresStore = postgres_store_class()
         url, own = split_agck_params(url)
         return PostgresStore(url, **{**own, **options})
+    if url.startswith("s3://"):
+        from .s3 import S3Store
+        return S3Store(url, create=create, **options)
     if url.startswith("sqlite:"):
         from .sqlite import SqliteStore
         return SqliteStore(url, create=create, **options)

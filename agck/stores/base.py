@@ -168,6 +168,19 @@ class Store(ABC):
             cache = None
         return w, cache
 
+    def _prepare_put(self, run: str, step: int, state: Any, *, meta: Any, parent: int | None,
+                     expect_unchanged: Collection[int]) -> tuple[int, int | None, str, format.ContainerWriter,
+                                                                   WriteCache | None]:
+        """A put's arguments checked and its container encoded: (step, parent, ref, the
+        writer, the write cache to split it with or None: standalone)."""
+        step = check_step(step)
+        if parent is not None:
+            parent = check_step(parent, "parent")
+        ref = self.ref(run, step)
+        w, cache = self._encode(run, step, state, meta=meta, parent=parent, expect_unchanged=expect_unchanged,
+                                ref=ref)
+        return step, parent, ref, w, cache
+
     # -- writing ---------------------------------------------------------------
     @abstractmethod
     def put(self, run: str, step: int, state: Any, *, meta: Any = None, parent: int | None = None,

@@ -350,7 +350,8 @@ def listing(w: format.ContainerWriter, chunks: Chunks, *, run, step, parent, met
 
 
 def assemble(listed: format.ChunkedContainer, fetch: Callable[[bytes, int], object], *,
-             ref: str | None, fetch_into: Callable[[bytes, memoryview], int | None] | None = None) -> memoryview:
+             ref: str | None, fetch_into: Callable[[bytes, memoryview], int | None] | None = None,
+             threads: int | None = None) -> memoryview:
     """The listed container's bytes, rebuilt from its chunks. ``fetch(address,
     size)`` returns a chunk's bytes (or None if the store lacks it); a store that
     can read a chunk straight into its place passes ``fetch_into(address, view)``
@@ -359,7 +360,7 @@ def assemble(listed: format.ChunkedContainer, fetch: Callable[[bytes, int], obje
     buf = memory.new_buffer(listed.length)   # a uint8 array, not zero-filled
     view = memoryview(buf)
     if fetch_into is not None:
-        _read_into(listed, fetch_into, view, ref)
+        _read_into(listed, fetch_into, view, ref, threads)
         return buf
     pos = 0
     for i, (a, n) in enumerate(zip(listed.addresses, listed.sizes)):
@@ -381,7 +382,7 @@ _PARALLEL_READ_MIN = 16 << 20
 
 
 def _in_shares(listed: format.ChunkedContainer, work: Callable[[int, int, list[int]], object], *,
-               ref: str | None, name: str) -> list:
+               ref: str | None, name: str, threads: int | None = None) -> list:
     """``work(lo, hi, starts)`` over the listed chunks: for a large container on a few
     threads, each over a contiguous share of them (reads and BLAKE3 release the
     GIL); ``starts[i]`` is where chunk i begins. Returns each share's result, in order."""
@@ -392,7 +393,10 @@ def _in_shares(listed: format.ChunkedContainer, work: Callable[[int, int, list[i
         raise CorruptCheckpointError(f"chunks add up to {starts[-1]} bytes, the listing says {listed.length}",
                                      ref=ref, section="chunk")
     count = len(listed.sizes)
-    k = memory.threads() if listed.length >= _PARALLEL_READ_MIN and count > 1 else 1
+    if threads is not None:     # a store whose reads wait on the network more than on the CPU
+        k = max(1, min(threads, count))
+    else:
+        k = memory.threads() if listed.length >= _PARALLEL_READ_MIN and count > 1 else 1
     if k == 1:
         return [work(0, count, starts)]
     bounds = [0] + [bisect_left(starts, listed.length * j // k) for j in range(1, k)] + [count]
@@ -401,7 +405,8 @@ def _in_shares(listed: format.ChunkedContainer, work: Callable[[int, int, list[i
                                      if hi > lo]]
 
 
-def _read_into(listed: format.ChunkedContainer, fetch_into, view: memoryview, ref: str | None) -> None:
+def _read_into(listed: format.ChunkedContainer, fetch_into, view: memoryview, ref: str | None,
+               threads: int | None = None) -> None:
     """Each chunk read into its place (:func:`_in_shares`)."""
 
     def read(lo: int, hi: int, starts: list[int]) -> None:
@@ -413,7 +418,7 @@ def _read_into(listed: format.ChunkedContainer, fetch_into, view: memoryview, re
             if got != n:
                 raise _chunk_error(i, a, f"holds {got} bytes, its listing says {n}", ref)
 
-    _in_shares(listed, read, ref=ref, name="agck-read")
+    _in_shares(listed, read, ref=ref, name="agck-read", threads=threads)
 
 
 def fetcher(found: dict, addresses: list[bytes]) -> Callable[[bytes, int], object]:
@@ -467,7 +472,8 @@ def listed_addresses(buf, *, verify: bool, ref: str | None) -> list[bytes] | Non
 
 
 def decode(buf, fetch: Callable[[bytes, int], object], *, verify: bool, map_location, ref: str | None,
-           fetch_into: Callable[[bytes, memoryview], int | None] | None = None) -> Checkpoint:
+           fetch_into: Callable[[bytes, memoryview], int | None] | None = None,
+           fetch_threads: int | None = None) -> Checkpoint:
     """Decode a stored container: a 1.0 container as it is, a chunked one by
     rebuilding its content from the store (``fetch``) first (FORMAT.md rules
     12.1-12.5). Verifying, every chunk is checked against its address (12.3:
@@ -478,7 +484,8 @@ def decode(buf, fetch: Callable[[bytes, int], object], *, verify: bool, map_loca
     if not format.is_chunked(c.header):
         return checkpoint.decode(c, copy=False, map_location=map_location)
     listed = format.open_chunked(c)                                  # 12.1, 12.2
-    inner = assemble(listed, fetch, ref=ref, fetch_into=fetch_into)   # 12.3: every chunk there, of its size
+    inner = assemble(listed, fetch, ref=ref, fetch_into=fetch_into,   # 12.3: every chunk there, of its size
+                     threads=fetch_threads)
     shared = isinstance(verify, chunking.CheckedChunks)
     if verify:   # 12.3: and of the bytes its address names
         _raise_mismatch(verify if shared else chunking.CheckedChunks(), listed, inner, ref)

@@ -105,12 +105,8 @@ class FileStore(Store):
     # -- writing ---------------------------------------------------------------
     def put(self, run: str, step: int, state: Any, *, meta: Any = None, parent: int | None = None,
             overwrite: bool = True, expect_unchanged: Collection[int] = (), epoch: int | None = None) -> str:
-        step = check_step(step)
-        if parent is not None:
-            parent = check_step(parent, "parent")
-        path = self.path(run, step)
-        w, cache = self._encode(run, step, state, meta=meta, parent=parent, expect_unchanged=expect_unchanged,
-                                ref=path)
+        step, parent, path, w, cache = self._prepare_put(run, step, state, meta=meta, parent=parent,
+                                                         expect_unchanged=expect_unchanged)
         if cache is None:
             self._write_step(run, step, epoch, path, lambda: checkpoint.stream(w), overwrite, w.total_len)
             self.last_put = None

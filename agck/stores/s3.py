@@ -1,0 +1,668 @@
+"""A store in an S3-compatible bucket: checkpoints that outlive the machine.
+
+    <prefix>/agck-store                          what this prefix is (written once)
+    <prefix>/runs/<run>/log/<seq:020d>           the run's commit records, create-only (s3log.py)
+    <prefix>/runs/<run>/snap/<seq:020d>          the fold of the records up to seq, now and then
+    <prefix>/runs/<run>/data/<step:020d>-<token>.agck   a container too large for its record
+    <prefix>/chunks/<2 hex>/<62 hex>             chunks shared by the checkpoints, by BLAKE3 address
+    <prefix>/locks/<w|gc>-<ns>-<token>           writers' and the collector's locks
+    <prefix>/generation                          changed by whatever deletes or replaces chunks
+    <prefix>/quarantine/<64 hex>.<ns>            chunks found damaged
+    <prefix>/parts/                              the same layout again: multi-rank parts
+
+The commit: a checkpoint's bytes (its chunks, then its container or listing)
+are uploaded first, to keys nothing lists yet; then one record naming them is
+created at the run's next sequence number with ``If-None-Match: *``. S3
+acknowledges a PUT once the object is durable, so a step is visible exactly
+when every byte it needs is. Fencing, overwrite refusals and concurrent
+writers all reduce to that one create: it succeeds only for the writer that
+saw every record before it (STORAGE.md, "Object stores").
+
+Chunks: a writer holds a *shared lock* (an object of its own under
+``locks/``) from the moment it relies on a stored chunk until its record is
+created; the collector holds an *exclusive* one while it deletes. Each puts
+its lock and then lists the locks, so of two that start together at least
+one sees the other (S3's listings are strongly consistent). A lock not
+refreshed for ``STALE_AFTER`` seconds (by the server's clock) belongs to a
+writer that died, and is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, Callable, Collection, Iterable
+
+import xxhash
+
+from .. import checkpoint, chunking, format
+from ..checkpoint import Checkpoint
+from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
+                      DamagedChunkError, DurabilityError, StoreConnectionError, StoreError)
+from . import content, s3log
+from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
+from .objclient import ObjectClient, ObjectExists, ObjectInfo
+
+log = logging.getLogger("agck")
+
+MARKER = "agck-store"
+STALE_AFTER = 600.0        # seconds a lock stands without a refresh (server clock)
+REFRESH_EVERY = STALE_AFTER / 4
+LOCK_WAIT = 900.0          # how long a writer or collector waits for the other before giving up
+REQUESTS = 16              # requests in flight for one put or read (chunks, records)
+_APPEND_TRIES = 1000       # a commit racing other writers of the same run
+
+
+def _token() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def chunk_key(address: bytes) -> str:
+    h = address.hex()
+    return f"chunks/{h[:2]}/{h[2:]}"
+
+
+def _address_of(key: str) -> bytes | None:
+    parts = key.split("/")
+    if len(parts) != 3 or len(parts[1]) != 2 or len(parts[2]) != 62:
+        return None
+    try:
+        return bytes.fromhex(parts[1] + parts[2])
+    except ValueError:
+        return None
+
+
+class S3Store(Store):
+    """``open_store("s3://bucket/prefix")``: see the module docstring for the layout."""
+
+    def __init__(self, url: str, *, create: bool = True, incremental: bool = True, full_every: int | None = None,
+                 min_chunked: int = MIN_CHUNKED, verify_reused: str = content.DEFAULT_VERIFY_REUSED,
+                 client: ObjectClient | None = None, stale_after: float | None = None, grace: float = 3600.0):
+        super().__init__()
+        self._set_policy(incremental, full_every, min_chunked, verify_reused)
+        self.c = client or ObjectClient(url)
+        self.url = self.c.url
+        self.stale_after = float(stale_after or STALE_AFTER)
+        self.grace = float(grace)      # an unlisted data object younger than this may be a put in flight
+        self._states: dict[str, s3log.RunState] = {}
+        self._states_lock = threading.Lock()
+        self._known: set[bytes] = set()           # chunks known stored, while the generation holds
+        self._generation: bytes | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._writer = _token()                   # names this store object's records
+        self._open(create)
+
+    def _open(self, create: bool) -> None:
+        marker = self.c.get(MARKER)
+        if marker is not None:
+            return
+        if not create:
+            raise StoreConnectionError("no agck store at this prefix", ref=self.url,
+                                       hint="check the URL; agck.open_store(url) creates a store there")
+        try:
+            self.c.put(MARKER, json.dumps({"agck_store": 1}).encode(), create=True)
+        except ObjectExists:
+            pass
+
+    def pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(REQUESTS, thread_name_prefix="agck-s3")
+            return self._pool
+
+    def _map(self, fn: Callable, items: Iterable) -> list:
+        items = list(items)
+        if len(items) <= 1:
+            return [fn(i) for i in items]
+        return list(self.pool().map(fn, items))
+
+    def _open_parts(self, create: bool) -> "S3Store | None":
+        sub = self.c.child("parts")
+        if not create and sub.get(MARKER) is None:
+            return None
+        return S3Store(sub.url, client=sub, stale_after=self.stale_after, grace=self.grace, **self._policy())
+
+    # -- keys ------------------------------------------------------------------
+    @staticmethod
+    def _log_key(run: str, seq: int) -> str:
+        return f"runs/{run}/log/{s3log.seq_name(seq)}"
+
+    def ref(self, run: str, step: int) -> str:
+        """For people: the run's place in the bucket and the step (not one object's key:
+        a checkpoint is a record in the run's log and the objects it names)."""
+        return self.c.ref(f"runs/{check_run(run)}") + f"@{check_step(step)}"
+
+    # -- a run's state: its records folded ---------------------------------------
+    def _state(self, run: str, *, catch_up: bool = True) -> s3log.RunState:
+        with self._states_lock:
+            st = self._states.get(run)
+        if st is None:
+            st = self._load_state(run)
+        elif catch_up:
+            st = self._catch_up(run, st)
+        with self._states_lock:
+            old = self._states.get(run)
+            if old is None or old.seq <= st.seq:
+                self._states[run] = st
+        return st
+
+    def _load_state(self, run: str) -> s3log.RunState:
+        snaps = sorted((s3log.parse_seq(o.key.rsplit("/", 1)[1]), o.key)
+                       for o in self.c.list(f"runs/{run}/snap/"))
+        base = s3log.RunState()
+        for seq, key in reversed([s for s in snaps if s[0] is not None]):
+            data = self.c.get(key)
+            if data is None:
+                continue
+            try:
+                base = s3log.RunState.decode(data, self.c.ref(key))
+                break
+            except CorruptCheckpointError as e:
+                log.warning("agck: a damaged snapshot of run %s is skipped: %s", run, e)
+        return self._catch_up(run, base)
+
+    def _catch_up(self, run: str, st: s3log.RunState) -> s3log.RunState:
+        after = self._log_key(run, st.seq) if st.seq >= 0 else None
+        seqs = [s for s in (s3log.parse_seq(o.key.rsplit("/", 1)[1])
+                            for o in self.c.list(f"runs/{run}/log/", after=after)) if s is not None and s > st.seq]
+        if not seqs:
+            return st
+        return s3log.fold(st, zip(seqs, self._map(lambda s: self._record(run, s), seqs)))
+
+    def _record(self, run: str, seq: int) -> dict | None:
+        key = self._log_key(run, seq)
+        data = self.c.get(key)
+        if data is None:
+            return None
+        try:
+            return s3log.decode_record(data, self.c.ref(key))
+        except CorruptCheckpointError as e:
+            log.warning("agck: %s", e)
+            return None
+
+    def _append(self, run: str, make: Callable[[s3log.RunState], dict], inline: bytes = b"") -> s3log.RunState:
+        """Create ``make(state)`` as the run's next record; ``make`` raises to refuse
+        (a stale epoch, an existing step). Returns the state with it folded in."""
+        st = self._state(run, catch_up=False)
+        for _ in range(_APPEND_TRIES):
+            record = dict(make(st), w=self._writer, n=_token())
+            seq = st.seq + 1
+            key = self._log_key(run, seq)
+            try:
+                self.c.put(key, s3log.encode_record(record, inline), create=True)
+            except ObjectExists:
+                if self._is_mine(run, seq, record):    # a retried request whose first try went through
+                    break
+                st = self._state(run)
+                continue
+            except DurabilityError:
+                if self._is_mine(run, seq, record):
+                    break
+                raise
+            break
+        else:
+            raise StoreError(f"could not commit to run {run!r}: {_APPEND_TRIES} other commits came first",
+                             ref=self.url, hint="too many writers on one run; retry")
+        new = st.copy()
+        new.apply(seq, record)
+        with self._states_lock:
+            old = self._states.get(run)
+            if old is None or old.seq < new.seq:
+                self._states[run] = new
+        self._maybe_snapshot(run, new)
+        return new
+
+    def _is_mine(self, run: str, seq: int, record: dict) -> bool:
+        try:
+            found = self._record(run, seq)
+        except AgckError:
+            return False
+        return found is not None and found.get("w") == record["w"] and found.get("n") == record["n"]
+
+    def _maybe_snapshot(self, run: str, st: s3log.RunState) -> None:
+        every = s3log.snapshot_every(len(st.steps))
+        if st.seq == 0 or st.seq % every:
+            return
+        try:
+            self.c.put(f"runs/{run}/snap/{s3log.seq_name(st.seq)}", st.encode(), create=True)
+        except ObjectExists:
+            pass
+        except AgckError as e:   # a later one will do; opens read a few more records meanwhile
+            log.warning("agck: could not write a snapshot of run %s: %s", run, e)
+
+    # -- locks ------------------------------------------------------------------
+    @contextmanager
+    def _locked(self, exclusive: bool = False):
+        """Shared (a writer) or exclusive (the collector). A writer that finds a
+        collection running steps back and leaves a ``want-`` marker; a collector
+        yields to those, so a collector run in a loop cannot starve the writers. A
+        collector keeps its lock while the writers already in flight finish, so
+        new ones wait for it."""
+        kind = "gc" if exclusive else "w"
+        body = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
+        deadline = time.monotonic() + LOCK_WAIT
+        delay = 0.02
+        want = None
+        try:
+            while True:
+                key = f"locks/{kind}-{time.time_ns():020d}-{_token()}"
+                self.c.put(key, body)
+                blockers = self._blockers(key, exclusive)
+                while exclusive and blockers and all(b.key.startswith("locks/w-") for b in blockers) \
+                        and time.monotonic() < deadline:
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1.0)
+                    blockers = self._blockers(key, exclusive)
+                if not blockers:
+                    break
+                self.c.delete(key)
+                if not exclusive and want is None:
+                    want = f"locks/want-{time.time_ns():020d}-{_token()}"
+                    self.c.put(want, body)
+                if time.monotonic() > deadline:
+                    raise StoreError(f"the store stayed locked for {LOCK_WAIT:.0f} s by {blockers[0].key}",
+                                     ref=self.url, hint="a collection or writer is running; if its process is "
+                                     f"gone, its lock stops counting {self.stale_after:.0f} s after it was last "
+                                     "refreshed")
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        finally:
+            if want is not None:
+                self._forget(want)
+        held = _Held(self, key, body)
+        try:
+            yield held
+        finally:
+            held.release()
+
+    def _forget(self, key: str) -> None:
+        try:
+            self.c.delete(key)
+        except AgckError as e:   # it goes stale on its own
+            log.warning("agck: could not remove a lock: %s", e)
+
+    def _blockers(self, mine: str, exclusive: bool) -> list[ObjectInfo]:
+        locks = list(self.c.list("locks/"))
+        now = max((o.modified for o in locks if o.key == mine), default=time.time())
+        live = [o for o in locks if o.key != mine and now - o.modified < self.stale_after]
+        if exclusive:
+            return [o for o in live if o.key.startswith(("locks/w-", "locks/want-"))
+                    or (o.key.startswith("locks/gc-") and o.key < mine)]
+        return [o for o in live if o.key.startswith("locks/gc-")]
+
+    def _check_generation(self) -> None:
+        gen = self.c.get("generation")
+        gen = bytes(gen) if gen is not None else b"0"
+        if gen != self._generation:
+            self._known.clear()
+            self._generation = gen
+
+    def _new_generation(self) -> None:
+        """Before a chunk is deleted or replaced: every writer's knowledge of stored chunks is void."""
+        self._known.clear()
+        self._generation = None
+        self.c.put("generation", os.urandom(16).hex().encode())
+
+    # -- writing ------------------------------------------------------------------
+    def put(self, run: str, step: int, state: Any, *, meta: Any = None, parent: int | None = None,
+            overwrite: bool = True, expect_unchanged: Collection[int] = (), epoch: int | None = None) -> str:
+        run = check_run(run)
+        step, parent, ref, w, cache = self._prepare_put(run, step, state, meta=meta, parent=parent,
+                                                        expect_unchanged=expect_unchanged)
+        if cache is None:
+            self._commit(run, step, list(checkpoint.stream(w)), w.total_len, parent, overwrite, epoch, ref)
+            self.last_put = None
+            return ref
+        self._refuse_existing(run, step, overwrite, ref)
+        with self._locked() as held:
+            self._check_generation()
+            plan = content.plan_chunks(w, cache, expect_unchanged=expect_unchanged, ref=ref)
+            present = self._present(plan)
+            missing = plan.missing(present)
+            self._map(lambda item: self.c.put(chunk_key(item[0]), item[1]), missing)
+            self._known.update(plan.distinct)
+            listing = content.listing(w, plan.chunks, run=run, step=step, parent=parent, meta=meta)
+            held.check()
+            self._commit(run, step, [listing], w.total_len, parent, overwrite, epoch, ref)
+        self._caches.give(run, cache)
+        self.last_put = plan.chunks
+        return ref
+
+    def _refuse_existing(self, run: str, step: int, overwrite: bool, ref: str) -> None:
+        if not overwrite and step in self._state(run).steps:
+            raise CheckpointExistsError.refused(ref, step)
+
+    def _present(self, plan: content.Plan) -> set[bytes]:
+        """The plan's chunks the bucket holds, as ``verify_reused`` checks them; a
+        damaged one is quarantined and counted absent, so this put uploads it afresh."""
+        mode, turn = self.verify_reused, self._reread_turn()
+        ask = [a for a in plan.distinct if a not in self._known or content.checks_size(mode)]
+        heads = dict(zip(ask, self._map(lambda a: self.c.head(chunk_key(a)), ask)))
+        stored: dict[bytes, int | None] = {a: None for a in plan.distinct if a not in heads}
+        stored.update({a: h.size for a, h in heads.items() if h is not None})
+        bad = content.reused_damage(stored, plan.size, mode, turn, read=self._read_chunks)
+        for a, why in bad.items():
+            self._set_aside(a, why)
+        return set(stored) - set(bad)
+
+    def _read_chunks(self, addresses: list[bytes]) -> dict[bytes, Any]:
+        got = self._map(lambda a: self.c.get(chunk_key(a)), addresses)
+        return {a: d for a, d in zip(addresses, got) if d is not None}
+
+    def _commit(self, run: str, step: int, parts: list, length: int, parent: int | None, overwrite: bool,
+                epoch: int | None, ref: str) -> None:
+        """Upload the container's bytes (``parts``) where no record names them yet, unless
+        small enough to go in the record, then create the record."""
+        h = xxhash.xxh3_64()
+        size = 0
+        for p in parts:
+            h.update(p)
+            size += memoryview(p).nbytes
+        record: dict = {"op": "put", "step": step, "size": size, "xxh3": h.intdigest(),
+                        "created_at": time.time(), "parent": parent, "length": length, "epoch": epoch}
+        inline = b""
+        if size <= s3log.INLINE_MAX:
+            inline = b"".join(bytes(p) for p in parts)
+        else:
+            key = f"runs/{run}/data/{step:020d}-{_token()}.agck"
+            self.c.put(key, parts)
+            record["key"] = key
+
+        def make(st: s3log.RunState) -> dict:
+            if epoch is not None and st.epoch != epoch:
+                raise self._stale(run, epoch, st.epoch, ref)
+            if not overwrite and step in st.steps:
+                raise CheckpointExistsError.refused(ref, step)
+            return record
+        self._append(run, make, inline)
+
+    # -- fencing -----------------------------------------------------------------
+    def begin_epoch(self, run: str) -> int:
+        run = check_run(run)
+        st = self._append(run, lambda st: {"op": "epoch", "epoch": (st.epoch or 0) + 1})
+        return st.epoch
+
+    def epoch(self, run: str) -> int | None:
+        return self._state(check_run(run)).epoch
+
+    def delete(self, run: str, step: int, *, epoch: int | None = None) -> None:
+        run, step = check_run(run), check_step(step)
+        ref = self.ref(run, step)
+
+        def make(st: s3log.RunState) -> dict:
+            if epoch is not None and st.epoch != epoch:
+                raise self._stale(run, epoch, st.epoch, ref)
+            if step not in st.steps:
+                raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref)
+            return {"op": "delete", "steps": [step]}
+        self._append(run, make)
+
+    # -- reading -----------------------------------------------------------------
+    def _run_names(self) -> list[str]:
+        return sorted(n for n in (p.rstrip("/").rsplit("/", 1)[-1] for p in self.c.prefixes("runs/"))
+                      if _is_run_name(n))
+
+    def runs(self) -> list[str]:
+        names = self._run_names()
+        states = self._map(self._state, names)
+        return [n for n, st in zip(names, states) if st.steps or st.epoch is not None]
+
+    def steps(self, run: str, *, last: int | None = None) -> list[int]:
+        last = check_last(last)
+        steps = sorted(self._state(check_run(run)).steps)
+        return steps if last is None else steps[-last:]
+
+    def list(self, run: str | None = None) -> list[CheckpointInfo]:
+        out = []
+        for r in ([check_run(run)] if run is not None else self.runs()):
+            st = self._state(r)
+            for s in sorted(st.steps):
+                e = st.steps[s]
+                info = CheckpointInfo(run=r, step=s, ref=self.ref(r, s), size=e.length or e.size,
+                                      created_at=e.created_at, parent=e.parent)
+                try:
+                    _, m = checkpoint.parse_head(self._head_bytes(r, e), ref=info.ref)
+                    info.meta = m.get("meta")
+                except (AgckError, OSError):
+                    pass     # listed without its meta; verify/recover say what is wrong
+                out.append(info)
+        return out
+
+    def _head_bytes(self, run: str, e: s3log.Entry):
+        """The container's first bytes (all of them: they are one object or in the record)."""
+        if e.key is None:
+            return self._inline(run, e, self.ref(run, e.step))
+        data = self.c.get(e.key)
+        if data is None:
+            raise CheckpointNotFoundError("its data object is gone", ref=self.c.ref(e.key))
+        return data
+
+    def _inline(self, run: str, e: s3log.Entry, ref: str) -> memoryview:
+        """The container bytes that follow the record which committed ``e`` (read again
+        from the bucket each time: what is verified is what is stored)."""
+        key = self._log_key(run, e.seq)
+        data = self.c.get(key)
+        if data is None:
+            raise CorruptCheckpointError("the record that committed it is gone", ref=self.c.ref(key), section="log")
+        return s3log.record_inline(data, self.c.ref(key))
+
+    def _container(self, run: str, e: s3log.Entry, ref: str):
+        where = ref
+        if e.key is None:
+            data = self._inline(run, e, ref)
+            where = self.c.ref(self._log_key(run, e.seq))
+        else:
+            where = self.c.ref(e.key)
+            data = self.c.get(e.key)
+            if data is None:
+                raise CorruptCheckpointError("its data object is missing from the bucket", ref=where,
+                                             section="container")
+        if len(data) != e.size:
+            raise CorruptCheckpointError(f"holds {len(data)} bytes, its record says {e.size}", ref=where,
+                                         section="container")
+        if xxhash.xxh3_64_intdigest(data) != e.xxh3:
+            raise CorruptCheckpointError("its bytes do not match their record's XXH3-64", ref=where,
+                                         section="container")
+        return data
+
+    def read(self, run: str, step: int, *, verify: bool = True, map_location=None) -> Checkpoint:
+        run, step = check_run(run), check_step(step)
+        ref = self.ref(run, step)
+        e = self._state(run).steps.get(step)
+        if e is None:
+            raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref,
+                                          hint=f"`agck ls {self.url} --run {run}` lists the steps")
+        buf = self._container(run, e, ref)
+        try:
+            ck = content.decode(buf, self._get_chunk, verify=verify, map_location=map_location, ref=ref,
+                                fetch_into=self._get_chunk_into, fetch_threads=REQUESTS)
+        except DamagedChunkError as err:
+            self._damage_found(err)
+            raise
+        check_identity(ck, run, step, ref)
+        return ck
+
+    def _get_chunk(self, address: bytes, size: int):
+        return self.c.get(chunk_key(address))
+
+    def _get_chunk_into(self, address: bytes, view: memoryview) -> int | None:
+        return self.c.get_into(chunk_key(address), view)
+
+    # -- shared content ---------------------------------------------------------
+    def _listings(self) -> list[tuple[str, Callable[[], object]]]:
+        out = []
+        for r in self.runs():
+            st = self._state(r)
+            for s, e in sorted(st.steps.items()):
+                ref = self.ref(r, s)
+                out.append((ref, lambda r=r, e=e, ref=ref: self._container(r, e, ref)))
+        return out
+
+    def collect_garbage(self) -> content.Collected:
+        """Delete chunks no committed listing lists, and data objects no record names
+        (those younger than ``grace`` are spared: a put in flight uploads its data
+        object before its record). Holds the exclusive lock while it deletes chunks."""
+        with self._locked(exclusive=True) as held:
+            listings = self._listings()
+            live, count, damaged = content.live_chunks(listings)
+            named = {e.key for r in self.runs() for e in self._state(r).steps.values() if e.key}
+            stored = [(a, o) for o in self.c.list("chunks/") if (a := _address_of(o.key)) is not None]
+            dead = [(a, o) for a, o in stored if a not in live]
+            if dead:
+                held.check()
+                self._new_generation()
+                self._map(lambda item: self.c.delete(item[1].key), dead)
+            now = time.time()
+            orphans = [o for r in self._run_names() for o in self.c.list(f"runs/{r}/data/")
+                       if o.key not in named and now - o.modified > self.grace]
+            # a quarantined copy is evidence while a checkpoint that lists its address is broken;
+            # once a put wrote the content again (healed), or nothing lists it, it goes
+            kept = {a for a, _ in stored} - {a for a, _ in dead}
+            for o in self.c.list("quarantine/"):
+                a = _quarantined_address(o.key)
+                if a is not None and (a not in live or a in kept):
+                    orphans.append(o)
+            self._map(lambda o: self.c.delete(o.key), orphans)
+        return content.Collected(listings=count, live_chunks=len(live), deleted_chunks=len(dead),
+                                 deleted_bytes=sum(o.size for _, o in dead), damaged=damaged)
+
+    # -- damaged chunks ---------------------------------------------------------
+    def _set_aside(self, address: bytes, why: str) -> str | None:
+        """Copy a damaged chunk's bytes to quarantine/ (the next put of its content
+        writes good ones under its name); the generation moves on first."""
+        data = self.c.get(chunk_key(address))
+        if data is None:
+            return None
+        self._new_generation()
+        key = f"quarantine/{address.hex()}.{time.time_ns()}"
+        self.c.put(key, data)
+        self.c.put(key + ".why", why.encode())
+        self.c.delete(chunk_key(address))
+        return key
+
+    def quarantine(self, addresses) -> dict[bytes, str]:
+        addresses = [bytes(a) for a in addresses]
+        with self._locked(exclusive=True):
+            found = self._read_chunks(addresses)
+            out, bad = content.judge(addresses, found)
+            for a, why in bad.items():
+                self._set_aside(a, why)
+        return out
+
+    def quarantined(self) -> list[content.QuarantinedChunk]:
+        out = []
+        objs = {o.key: o for o in self.c.list("quarantine/")}
+        for key, o in sorted(objs.items()):
+            if key.endswith(".why"):
+                continue
+            name = key.split("/", 1)[1]
+            address, _, ns = name.partition(".")
+            why = self.c.get(key + ".why")
+            out.append(content.QuarantinedChunk(address=address, size=o.size,
+                                                detected_at=int(ns) / 1e9 if ns.isdigit() else o.modified,
+                                                reason=bytes(why).decode(errors="replace") if why is not None else "",
+                                                ref=self.c.ref(key)))
+        return sorted(out, key=lambda q: q.detected_at)
+
+    def _scrub(self, progress) -> content.ScrubReport:
+        with self._locked():
+            def listed(load, ref):
+                found = content.listed_addresses(load(), verify=True, ref=ref)
+                return found
+
+            listings = [(ref, lambda load=load, ref=ref: listed(load, ref)) for ref, load in self._listings()]
+            chunks = [(a, o) for o in self.c.list("chunks/") if (a := _address_of(o.key)) is not None]
+            return content.scrub(self.url, listings, self._prefetched(chunks), progress)
+
+    def _prefetched(self, chunks: list[tuple[bytes, ObjectInfo]]):
+        """(address, size, ref, read) of each chunk, their bytes fetched REQUESTS at a time
+        ahead of the caller (a scrub reads every chunk: one request each)."""
+        for i in range(0, len(chunks), REQUESTS * 4):
+            batch = chunks[i:i + REQUESTS * 4]
+            datas = self._map(lambda item: self.c.get(item[1].key), batch)
+            for (a, o), d in zip(batch, datas):
+                yield a, o.size, self.c.ref(o.key), (lambda d=d: d)
+
+    # -- housekeeping -------------------------------------------------------------
+    def orphans(self, run: str | None = None) -> list[str]:
+        """Data objects no record names, older than ``grace`` (a put that died between
+        its upload and its record)."""
+        named = set()
+        runs = [check_run(run)] if run is not None else self.runs()
+        for r in runs:
+            named.update(e.key for e in self._state(r).steps.values() if e.key)
+        now = time.time()
+        names = [check_run(run)] if run is not None else self._run_names()
+        return [self.c.ref(o.key) for r in names for o in self.c.list(f"runs/{r}/data/")
+                if o.key not in named and now - o.modified > self.grace]
+
+    def clean_orphans(self, run: str | None = None) -> list[str]:
+        found = self.orphans(run)
+        base = self.c.ref("")
+        for ref in found:
+            self.c.delete(ref[len(base):])
+        return found
+
+    def close(self) -> None:
+        super().close()
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+class _Held:
+    """A lock this store object holds: refreshed on a timer while held, so a long put
+    does not look dead; :meth:`check` refuses to commit when the refreshes failed
+    for so long that the collector may have counted it stale."""
+
+    def __init__(self, store: S3Store, key: str, body: bytes):
+        self.store, self.key, self.body = store, key, body
+        self.refreshed = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._refresh, name="agck-s3-lock", daemon=True)
+        self._thread.start()
+
+    def _refresh(self) -> None:
+        every = min(REFRESH_EVERY, self.store.stale_after / 4)
+        while not self._stop.wait(every):
+            try:
+                self.store.c.put(self.key, self.body)
+                self.refreshed = time.monotonic()
+            except AgckError as e:
+                log.warning("agck: could not refresh a lock: %s", e)
+
+    def check(self) -> None:
+        if time.monotonic() - self.refreshed > self.store.stale_after / 2:
+            raise DurabilityError("this writer's lock was not refreshed in time, so a collector may have deleted "
+                                  "chunks it relies on; nothing was committed", ref=self.store.c.ref(self.key),
+                                  hint="retry the put")
+
+    def release(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.store._forget(self.key)
+
+
+def _quarantined_address(key: str) -> bytes | None:
+    name = key.rsplit("/", 1)[-1]
+    try:
+        return bytes.fromhex(name.split(".", 1)[0])
+    except ValueError:
+        return None
+
+
+def _is_run_name(name: str) -> bool:
+    try:
+        check_run(name)
+        return True
+    except AgckError:
+        return False
