@@ -58,6 +58,10 @@ def test_readme_example_runs_alone(block, tmp_path, request):
         pytest.importorskip("torch")
     if "AGCK_TEST_DSN" in block:           # an example on Postgres: the tests' server, or skipped saying why
         env["AGCK_TEST_DSN"] = request.getfixturevalue("pg_dsn")
+    if "AGCK_TEST_S3" in block:            # an example on object storage: the tests' SeaweedFS
+        from conftest import s3_url
+        from crashtests.s3server import CREDENTIALS
+        env.update(CREDENTIALS, AGCK_TEST_S3=s3_url(request.getfixturevalue("seaweed")))
     (tmp_path / "example.py").write_text(block)
     r = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=300)
