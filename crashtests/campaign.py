@@ -9,6 +9,8 @@ disturb each other):
                  named fail point of the store's write path, on its N-th hit;
 * ``pgkill``     (:mod:`crashtests.pgkill`) the private Postgres server killed while a
                  workload commits, restarted;
+* ``s3kill``     (:mod:`crashtests.s3kill`) the private SeaweedFS server killed while a
+                 workload writes to it, restarted;
 * ``powerloss``  (:mod:`crashtests.powerloss`) file store on SimFS, power cut at operation N;
 * ``corrupt``    (:mod:`crashtests.corrupt`) a stored checkpoint damaged; recovery must
                  reject it and walk back to the newest intact one;
@@ -51,13 +53,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from . import checker, pgcluster
+from . import checker, pgcluster, s3server
 from .checker import FAULTS, STORES, Trial
 from .report import exit_code, markdown, report, write_report
 
 __all__ = ["STORES", "FAULTS", "PREFIX", "Config", "Campaign", "report", "markdown", "write_report", "exit_code"]
 
-PREFIX = {"file": "file.", "sqlite": "sqlite.", "postgres": "pg."}
+PREFIX = {"file": "file.", "sqlite": "sqlite.", "postgres": "pg.", "s3": "s3."}
+S3_BUCKET = "agck-crash"
 REPO = checker.REPO
 
 
@@ -109,6 +112,8 @@ class Campaign:
         self._ids = 0
         self.t0 = time.monotonic()
         self.pg_skipped: str | None = None
+        self.s3: s3server.Seaweed | None = None
+        self.s3_kills = 0
 
     # -- trials and the time limit ---------------------------------------------------------
     def _new_trial(self, store: str, fault: str, run_prefix: str, url: str) -> Trial:
@@ -183,10 +188,32 @@ class Campaign:
                 for db in ("crash", "corrupt"):
                     PostgresStore(self.cluster.dsn(db), init=True).close()
                 self.urls["postgres"] = self.cluster.dsn("crash")
+        if "s3" in cfg.stores:
+            reason = s3server.seaweed_available()
+            try:
+                import obstore  # noqa: F401
+            except ImportError:
+                reason = reason or "obstore not installed"
+            if reason:
+                self.notes.append(f"s3 skipped: {reason}")
+                cfg.stores = tuple(s for s in cfg.stores if s != "s3")
+            else:
+                _log(cfg, "starting a private SeaweedFS server")
+                for k, v in s3server.CREDENTIALS.items():     # the workloads inherit them
+                    os.environ.setdefault(k, v)
+                self.s3 = s3server.Seaweed(self.work).start()
+                self.s3.bucket(S3_BUCKET)
+                self.urls["s3"] = self.s3_url("kill")
         self.urls["file"] = os.path.join(self.work, "kill-file")
         self.urls["sqlite"] = f"sqlite:///{self.work}/kill.db"
 
+    def s3_url(self, prefix: str) -> str:
+        return self.s3.url(S3_BUCKET, prefix)
+
     def cleanup(self) -> None:
+        if self.s3 is not None:
+            self.s3.close()
+            self.s3 = None
         if self.cluster is not None:
             self.pg_kills = self.cluster.kills
             self.cluster.destroy()
@@ -316,6 +343,41 @@ class Campaign:
         finally:
             conn.close()
 
+    # -- server kills: trials one after another on one shared server -----------------------------
+    def server_kill_trials(self, store: str, fault: str, prefix: str, what: str, trial, revive) -> None:
+        """``cfg.n(store, fault)`` trials of ``trial(c, t, i)``, one at a time (they share the
+        server); ``revive()`` brings the server back after a harness failure."""
+        n = self.cfg.n(store, fault)
+        _log(self.cfg, f"{what} kills: {n}")
+        for i in range(n):
+            t = self._new_trial(store, fault, prefix, self.urls[store])
+            if not self._time_left():
+                self._skip(t)
+                continue
+            try:
+                trial(self, t, i)
+            except Exception as e:
+                t.reasons.append(f"harness error: {type(e).__name__}: {e}")
+                t.recovered = "raised"
+                revive()
+
+    def recheck_older(self, t: Trial, faults: tuple) -> None:
+        """After a server kill in trial ``t``: every earlier trial of ``faults`` on the same
+        store must still recover to the step it recovered to before (else it is corrupt)."""
+        store = self._open(self.urls[t.store])
+        try:
+            for old in self.trials:
+                if old is t or old.store != t.store or old.fault not in faults or not isinstance(old.recovered, int):
+                    continue
+                probe = Trial(id=0, store=t.store, fault=old.fault, run=old.run, url=old.url)
+                checker.check_library(store, probe, self.ref["full"])
+                if probe.recovered != old.recovered:
+                    old.hash_ok = False
+                    old.reasons.append(f"after server kill in trial {t.id} recovery says {probe.recovered}, "
+                                       f"before it said {old.recovered}")
+        finally:
+            store.close()
+
     # -- in-process trials: shared pipeline trees -----------------------------------------------
     def trees(self) -> dict:
         """The snapshot trees the workload writes at each checkpoint step, made in-process (CPU)."""
@@ -432,17 +494,18 @@ class Campaign:
     # -- the whole campaign --------------------------------------------------------------------
     def run(self) -> dict:
         # the fault kinds' modules import this one: imported once it is whole
-        from . import chunkrot, corrupt, dist, kill, pgkill, powerloss, stale
+        from . import chunkrot, corrupt, dist, kill, pgkill, powerloss, s3kill, stale
         cfg = self.cfg
         t0 = time.monotonic()
         try:
             self.setup()
-            if set(cfg.faults) & {"kill", "failpoint", "pgkill", "stale"} and self._time_left():
+            if set(cfg.faults) & {"kill", "failpoint", "pgkill", "s3kill", "stale"} and self._time_left():
                 self.reference()
             kill.trials(self)
             stale.trials(self)
             dist.trials(self)
             pgkill.trials(self)
+            s3kill.trials(self)
             powerloss.trials(self)
             corrupt.trials(self)
             chunkrot.trials(self)

@@ -32,15 +32,15 @@ from typing import Any
 
 OUTCOMES = ("ok", "indeterminate", "lost", "corrupt", "error")
 SKIPPED = "skipped"     # the outcome of a trial that never started: no outcome of the code under test
-STORES = ("file", "sqlite", "postgres")
-FAULTS = ("kill", "failpoint", "pgkill", "powerloss", "corrupt", "stale", "dist", "distpower", "chunkrot")
+STORES = ("file", "sqlite", "postgres", "s3")
+FAULTS = ("kill", "failpoint", "pgkill", "s3kill", "powerloss", "corrupt", "stale", "dist", "distpower", "chunkrot")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass
 class Trial:
     id: int
-    store: str                      # file | sqlite | postgres
+    store: str                      # file | sqlite | postgres | s3
     fault: str                      # one of FAULTS
     run: str
     url: str

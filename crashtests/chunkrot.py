@@ -163,6 +163,10 @@ def trials(c) -> None:
             elif s == "sqlite":
                 url = f"sqlite:///{c.work}/chunkrot-{i}.db"
                 def opener(mode, url=url): return SqliteStore(url, verify_reused=mode)
+            elif s == "s3":
+                from agck.stores.s3 import S3Store
+                url = c.s3_url(f"chunkrot-{i}")
+                def opener(mode, url=url): return S3Store(url, verify_reused=mode)
             else:
                 from agck.stores.postgres import PostgresStore
                 url = c.cluster.dsn("corrupt") + f"&agck_prefix=rot{i}"

@@ -240,7 +240,48 @@ def _manifest_checksum(data: bytes) -> str:
     return manifest_checksum(data[max(0, len(data) - footer_len):])
 
 
+# --- object store ----------------------------------------------------------------------
+
+def corrupt_s3(store, run: str, step: int, kind: str, rng: random.Random, *, donor_run: str | None = None,
+               donor_step: int | None = None, fix: bool | None = None) -> str:
+    """Damage the stored container of (run, step): its data object, or the bytes that
+    follow the record holding it inline. ``fix``: also rewrite the record's size and
+    XXH3-64 (and its own checksum) to match the damage, as a tamperer who knows the
+    format would, so that only the container's own checksums can tell."""
+    from agck.stores import s3log
+    fix = rng.random() < 0.5 if fix is None else fix
+
+    def stored(r, k):
+        e = store._state(r).steps[k]
+        if e.key is not None:
+            return e, bytes(store.c.get(e.key))
+        return e, bytes(s3log.record_inline(store.c.get(store._log_key(r, e.seq)), ""))
+
+    e, buf = stored(run, step)
+    if kind in ("swap_step", "swap_run"):
+        _, new = stored(donor_run if kind == "swap_run" else run, donor_step if donor_step is not None else step)
+        label, fix = kind, True      # a consistent record: only the identity check can tell
+    else:
+        new, label = mutate(buf, kind, rng)
+    if new == buf:
+        raise Unchanged(f"{kind} would leave ({run}, {step}) unchanged")
+    log_key = store._log_key(run, e.seq)
+    record = s3log.decode_record(store.c.get(log_key), log_key)
+    record.pop("inline", None)
+    if fix:
+        record.update(size=len(new), xxh3=xxhash.xxh3_64_intdigest(new))
+    if e.key is not None:
+        store.c.put(e.key, new)
+        if fix:
+            store.c.put(log_key, s3log.encode_record(record))
+    else:
+        store.c.put(log_key, s3log.encode_record(record, new) if new else s3log.encode_record(record))
+    return label + ("+fix" if fix and kind not in ("swap_step", "swap_run") else "")
+
+
 def corrupt(store, run: str, step: int, kind: str, rng: random.Random, **kw) -> str:
+    if type(store).__name__ == "S3Store":
+        return corrupt_s3(store, run, step, kind, rng, **kw)
     if type(store).__name__ == "FileStore":
         kw.pop("fix", None)
         return corrupt_file(store, run, step, kind, rng, **kw)
@@ -248,7 +289,7 @@ def corrupt(store, run: str, step: int, kind: str, rng: random.Random, **kw) -> 
 
 
 def kinds_for(store) -> tuple[str, ...]:
-    return FILE_KINDS if type(store).__name__ == "FileStore" else SQL_KINDS
+    return FILE_KINDS if type(store).__name__ in ("FileStore", "S3Store") else SQL_KINDS
 
 
 # --- the campaign's trials -----------------------------------------------------------------
@@ -270,6 +311,10 @@ def trials(c: Campaign) -> None:
         elif s == "sqlite":
             url = f"sqlite:///{c.work}/corrupt.db"
             stores = [SqliteStore(url), SqliteStore(url, chunk_size=65536)]
+        elif s == "s3":
+            from agck.stores.s3 import S3Store
+            url = c.s3_url("corrupt")
+            stores = [S3Store(url)]
         else:
             from agck.stores.postgres import PostgresStore
             url = c.cluster.dsn("corrupt")

@@ -21,29 +21,18 @@ import os
 import subprocess
 import time
 
-from . import checker
-from .campaign import Campaign, _log
+from .campaign import Campaign
 from .checker import Trial
 
 
 def trials(c: Campaign) -> None:
-    cfg = c.cfg
-    if "pgkill" not in cfg.faults or c.cluster is None:
+    if "pgkill" not in c.cfg.faults or c.cluster is None:
         return
-    n = cfg.n("postgres", "pgkill")
-    _log(cfg, f"Postgres server kills: {n}")
-    for i in range(n):
-        t = c._new_trial("postgres", "pgkill", "p", c.urls["postgres"])
-        if not c._time_left():
-            c._skip(t)
-            continue
-        try:
-            trial(c, t, i)
-        except Exception as e:
-            t.reasons.append(f"harness error: {type(e).__name__}: {e}")
-            t.recovered = "raised"
-            if c.cluster.proc is None or c.cluster.proc.poll() is not None:
-                c.cluster.restart()
+
+    def revive():
+        if c.cluster.proc is None or c.cluster.proc.poll() is not None:
+            c.cluster.restart()
+    c.server_kill_trials("postgres", "pgkill", "p", "Postgres server", trial, revive)
 
 
 def trial(c: Campaign, t: Trial, i: int) -> None:
@@ -108,17 +97,4 @@ def trial(c: Campaign, t: Trial, i: int) -> None:
             t.detail = (t.detail + f" restart {restart:.1f}s").strip()
     c._check(t, d)
     # an older run's recovery must not change because the server crashed later
-    store = c._open(c.urls["postgres"])
-    try:
-        for old in c.trials:
-            if old is t or old.store != "postgres" or old.fault not in ("kill", "failpoint", "pgkill") \
-                    or not isinstance(old.recovered, int):
-                continue
-            probe = Trial(id=0, store="postgres", fault=old.fault, run=old.run, url=old.url)
-            checker.check_library(store, probe, c.ref["full"])
-            if probe.recovered != old.recovered:
-                old.hash_ok = False
-                old.reasons.append(f"after server kill in trial {t.id} recovery says {probe.recovered}, "
-                                   f"before it said {old.recovered}")
-    finally:
-        store.close()
+    c.recheck_older(t, ("kill", "failpoint", "pgkill"))

@@ -47,6 +47,7 @@ def report(c, wall: float) -> dict:
                "counts": {str(k): v for k, v in cfg.counts.items()}},
            "rows": rows, "totals": totals, "skipped": skipped, "wall_seconds": round(wall, 1), "notes": c.notes,
            "postgres_kills": getattr(c, "pg_kills", None),
+           "s3_kills": getattr(c, "s3_kills", None) or None,
            "failures": [t.as_dict() for t in c.trials if t.outcome in ("lost", "corrupt", "error")],
            "trials": [t.as_dict() for t in c.trials]}
     return out
@@ -93,6 +94,8 @@ def markdown(rep: dict) -> str:
     text += f"\n\nwall time {rep['wall_seconds']} s"
     if rep.get("postgres_kills") is not None:
         text += f"; Postgres server kills: {rep['postgres_kills']}"
+    if rep.get("s3_kills"):
+        text += f"; object store server kills: {rep['s3_kills']}"
     for n in rep["notes"]:
         text += f"\n\nnote: {n}"
     for f in rep["failures"][:50]:

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from agck import durable
-from crashtests import campaign, pgcluster
+from crashtests import campaign, pgcluster, s3server
 from crashtests.simfs import MODES, Crash, SimFS, crash_at_every_operation
 
 
@@ -181,3 +181,13 @@ def test_quick_campaign_postgres(tmp_path):
     rep = _run(tmp_path, ("postgres",), ("kill", "failpoint", "pgkill", "corrupt"), counts, seed=8)
     assert rep["postgres_kills"] == 1
     assert not any(n.startswith("postgres skipped") for n in rep["notes"])
+
+
+@pytest.mark.campaign
+@pytest.mark.skipif(s3server.seaweed_available() is not None, reason=f"no SeaweedFS: {s3server.seaweed_available()}")
+def test_quick_campaign_object_store(tmp_path):
+    pytest.importorskip("obstore")
+    counts = {"kill": 2, "failpoint": 3, "s3kill": 1, "stale": 1, "corrupt": 10, "chunkrot": 2}
+    rep = _run(tmp_path, ("s3",), ("kill", "failpoint", "s3kill", "stale", "corrupt", "chunkrot"), counts, seed=9)
+    assert rep["s3_kills"] == 1
+    assert not any(n.startswith("s3 skipped") for n in rep["notes"])

@@ -19,6 +19,8 @@ of ``url`` or of any message.
 from __future__ import annotations
 
 import os
+import threading
+from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator
 from urllib.parse import parse_qsl, unquote
@@ -77,6 +79,8 @@ class ObjectClient:
                                   hint="pip install obstore") from None
         self._ob = obstore
         self._given = url
+        self.requests: Counter = Counter()     # what this client asked the server, by kind (benchmarks)
+        self._count_lock = threading.Lock()
         ex = obstore.exceptions
         # obstore raises its own classes for some answers and Python's for others
         self._missing = (FileNotFoundError, ex.NotFoundError)
@@ -118,6 +122,7 @@ class ObjectClient:
 
     def prefixes(self, prefix: str) -> list[str]:
         """The "directories" right under ``prefix`` (which ends with '/'), as keys ending with '/'."""
+        self._count("list")
         try:
             found = self._ob.list_with_delimiter(self._store, prefix)
         except self._missing:
@@ -125,6 +130,12 @@ class ObjectClient:
         except Exception as e:
             raise self._error(e, prefix, "list objects") from None
         return [p.rstrip("/") + "/" for p in found["common_prefixes"]]
+
+    def _count(self, kind: str, nbytes: int = 0) -> None:
+        with self._count_lock:
+            self.requests[kind] += 1
+            if nbytes:
+                self.requests[kind + "_bytes"] += nbytes
 
     def ref(self, key: str) -> str:
         return f"s3://{self.bucket}/{self.prefix}/{key}" if self.prefix else f"s3://{self.bucket}/{key}"
@@ -154,6 +165,8 @@ class ObjectClient:
         precondition holds on every S3-compatible server."""
         parts = data if isinstance(data, list) else [data]
         n = sum(memoryview(p).nbytes for p in parts)
+        # a multipart upload is 2 + one request per part
+        self._count("put", n) if create or n < MULTIPART_MIN else self._count("multipart", n)
         try:
             if create:
                 body = parts[0] if len(parts) == 1 else b"".join(parts)
@@ -171,6 +184,7 @@ class ObjectClient:
 
     def delete(self, key: str) -> None:
         """Remove ``key``; absent is fine (S3 answers 204 either way)."""
+        self._count("delete")
         try:
             self._ob.delete(self._store, key)
         except self._missing:
@@ -181,6 +195,7 @@ class ObjectClient:
     # -- reading ----------------------------------------------------------------
     def get(self, key: str) -> memoryview | None:
         """The bytes at ``key``, None if there is no such object."""
+        self._count("get")
         try:
             return memoryview(self._ob.get(self._store, key).bytes())
         except self._missing:
@@ -191,6 +206,7 @@ class ObjectClient:
     def get_into(self, key: str, view: memoryview) -> int | None:
         """Read ``key`` into ``view``; its size (which may differ from ``view``'s: the
         caller judges), None if absent. Bytes beyond ``view`` are not kept."""
+        self._count("get")
         try:
             r = self._ob.get(self._store, key)
             pos = 0
@@ -207,6 +223,7 @@ class ObjectClient:
             raise self._error(e, key, "read an object") from None
 
     def head(self, key: str) -> ObjectInfo | None:
+        self._count("head")
         try:
             m = self._ob.head(self._store, key)
         except self._missing:
@@ -217,6 +234,7 @@ class ObjectClient:
 
     def list(self, prefix: str, *, after: str | None = None) -> Iterator[ObjectInfo]:
         """The objects whose keys start with ``prefix``, in key order (after ``after``)."""
+        self._count("list")
         try:
             stream = self._ob.list(self._store, prefix, offset=after, chunk_size=1000)
             for batch in stream:

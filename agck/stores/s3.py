@@ -42,7 +42,7 @@ from typing import Any, Callable, Collection, Iterable
 
 import xxhash
 
-from .. import checkpoint, chunking, format
+from .. import checkpoint, failpoints
 from ..checkpoint import Checkpoint
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                       DamagedChunkError, DurabilityError, StoreConnectionError, StoreError)
@@ -327,7 +327,11 @@ class S3Store(Store):
             plan = content.plan_chunks(w, cache, expect_unchanged=expect_unchanged, ref=ref)
             present = self._present(plan)
             missing = plan.missing(present)
-            self._map(lambda item: self.c.put(chunk_key(item[0]), item[1]), missing)
+            failpoints.hit("s3.before_chunks")
+            half = len(missing) // 2
+            self._map(lambda item: self.c.put(chunk_key(item[0]), item[1]), missing[:half])
+            failpoints.hit("s3.mid_chunks")
+            self._map(lambda item: self.c.put(chunk_key(item[0]), item[1]), missing[half:])
             self._known.update(plan.distinct)
             listing = content.listing(w, plan.chunks, run=run, step=step, parent=parent, meta=meta)
             held.check()
@@ -373,6 +377,7 @@ class S3Store(Store):
             inline = b"".join(bytes(p) for p in parts)
         else:
             key = f"runs/{run}/data/{step:020d}-{_token()}.agck"
+            failpoints.hit("s3.before_data")
             self.c.put(key, parts)
             record["key"] = key
 
@@ -382,7 +387,9 @@ class S3Store(Store):
             if not overwrite and step in st.steps:
                 raise CheckpointExistsError.refused(ref, step)
             return record
+        failpoints.hit("s3.before_record")
         self._append(run, make, inline)
+        failpoints.hit("s3.after_record")
 
     # -- fencing -----------------------------------------------------------------
     def begin_epoch(self, run: str) -> int:
