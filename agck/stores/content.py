@@ -320,6 +320,15 @@ class Plan:
         piece, i = self.distinct[address]
         return piece.sizes[i]
 
+    def upload(self, address: bytes) -> memoryview:
+        """The bytes to write for one chunk the store lacks (see :meth:`count_new`)."""
+        return _private(address, self.chunk(address), self.expect_unchanged, self.ref)
+
+    def count_new(self, addresses: Collection[bytes]) -> None:
+        """Record ``addresses`` as the chunks this put wrote (``chunks.new_*``)."""
+        self.chunks.new_chunks = len(addresses)
+        self.chunks.new_bytes = sum(self.size(a) for a in addresses)
+
     def missing(self, present) -> list[tuple[bytes, memoryview]]:
         """The chunks not in ``present`` (a set of addresses), in order, with their
         bytes; also counted in ``chunks.new_chunks`` and ``chunks.new_bytes``."""

@@ -5,7 +5,7 @@
     <prefix>/runs/<run>/snap/<seq:020d>          the fold of the records up to seq, now and then
     <prefix>/runs/<run>/data/<step:020d>-<token>.agck   a container too large for its record
     <prefix>/chunks/<2 hex>/<62 hex>             chunks shared by the checkpoints, by BLAKE3 address
-    <prefix>/locks/<w|gc>-<ns>-<token>           writers' and the collector's locks
+    <prefix>/locks/<w|want|gc>-<ns>-<token>.<host>.<pid>   writers' and the collector's locks
     <prefix>/generation                          changed by whatever deletes or replaces chunks
     <prefix>/quarantine/<64 hex>.<ns>            chunks found damaged
     <prefix>/parts/                              the same layout again: multi-rank parts
@@ -97,6 +97,7 @@ class S3Store(Store):
         self._generation: bytes | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+        self._in_pool = threading.local()
         self._writer = _token()                   # names this store object's records
         self._open(create)
 
@@ -119,10 +120,21 @@ class S3Store(Store):
             return self._pool
 
     def _map(self, fn: Callable, items: Iterable) -> list:
+        """``fn`` over ``items``, REQUESTS at a time. Called from one of this pool's own
+        threads (folding the runs in parallel, each run's records in parallel) it runs
+        them there, one after another: a task waiting on tasks queued behind it in the
+        same pool would wait for ever."""
         items = list(items)
-        if len(items) <= 1:
+        if len(items) <= 1 or getattr(self._in_pool, "on", False):
             return [fn(i) for i in items]
-        return list(self.pool().map(fn, items))
+        return list(self.pool().map(lambda i: self._pooled(fn, i), items))
+
+    def _pooled(self, fn: Callable, item):
+        self._in_pool.on = True
+        try:
+            return fn(item)
+        finally:
+            self._in_pool.on = False
 
     def _open_parts(self, create: bool) -> "S3Store | None":
         sub = self.c.child("parts")
@@ -253,7 +265,7 @@ class S3Store(Store):
         want = None
         try:
             while True:
-                key = f"locks/{kind}-{time.time_ns():020d}-{_token()}"
+                key = f"locks/{kind}-{time.time_ns():020d}-{_token()}.{_holder()}"
                 self.c.put(key, body)
                 blockers = self._blockers(key, exclusive)
                 while exclusive and blockers and all(b.key.startswith("locks/w-") for b in blockers) \
@@ -265,7 +277,7 @@ class S3Store(Store):
                     break
                 self.c.delete(key)
                 if not exclusive and want is None:
-                    want = f"locks/want-{time.time_ns():020d}-{_token()}"
+                    want = f"locks/want-{time.time_ns():020d}-{_token()}.{_holder()}"
                     self.c.put(want, body)
                 if time.monotonic() > deadline:
                     raise StoreError(f"the store stayed locked for {LOCK_WAIT:.0f} s by {blockers[0].key}",
@@ -290,9 +302,12 @@ class S3Store(Store):
             log.warning("agck: could not remove a lock: %s", e)
 
     def _blockers(self, mine: str, exclusive: bool) -> list[ObjectInfo]:
+        """The locks that keep ``mine`` from being held. A lock counts until it is
+        ``stale_after`` old by the server's clock, or at once when it names a process of
+        this host that is gone (a writer killed here: restic's rule)."""
         locks = list(self.c.list("locks/"))
         now = max((o.modified for o in locks if o.key == mine), default=time.time())
-        live = [o for o in locks if o.key != mine and now - o.modified < self.stale_after]
+        live = [o for o in locks if o.key != mine and now - o.modified < self.stale_after and _holder_alive(o.key)]
         if exclusive:
             return [o for o in live if o.key.startswith(("locks/w-", "locks/want-"))
                     or (o.key.startswith("locks/gc-") and o.key < mine)]
@@ -325,13 +340,7 @@ class S3Store(Store):
         with self._locked() as held:
             self._check_generation()
             plan = content.plan_chunks(w, cache, expect_unchanged=expect_unchanged, ref=ref)
-            present = self._present(plan)
-            missing = plan.missing(present)
-            failpoints.hit("s3.before_chunks")
-            half = len(missing) // 2
-            self._map(lambda item: self.c.put(chunk_key(item[0]), item[1]), missing[:half])
-            failpoints.hit("s3.mid_chunks")
-            self._map(lambda item: self.c.put(chunk_key(item[0]), item[1]), missing[half:])
+            self._send_missing(plan)
             self._known.update(plan.distinct)
             listing = content.listing(w, plan.chunks, run=run, step=step, parent=parent, meta=meta)
             held.check()
@@ -344,18 +353,38 @@ class S3Store(Store):
         if not overwrite and step in self._state(run).steps:
             raise CheckpointExistsError.refused(ref, step)
 
-    def _present(self, plan: content.Plan) -> set[bytes]:
-        """The plan's chunks the bucket holds, as ``verify_reused`` checks them; a
-        damaged one is quarantined and counted absent, so this put uploads it afresh."""
+    def _send_missing(self, plan: content.Plan) -> None:
+        """Upload the plan's chunks the bucket lacks. A chunk this store object does not
+        know to be stored is looked up (HEAD) and, if absent, uploaded by the same task,
+        so the uploads overlap the lookups; then ``verify_reused`` checks the chunks found
+        stored, and a damaged one is quarantined and uploaded afresh."""
         mode, turn = self.verify_reused, self._reread_turn()
         ask = [a for a in plan.distinct if a not in self._known or content.checks_size(mode)]
-        heads = dict(zip(ask, self._map(lambda a: self.c.head(chunk_key(a)), ask)))
-        stored: dict[bytes, int | None] = {a: None for a in plan.distinct if a not in heads}
-        stored.update({a: h.size for a, h in heads.items() if h is not None})
+        failpoints.hit("s3.before_chunks")
+        sent: list[bytes] = []
+        half = max(1, len(ask) // 2)
+        count = threading.Lock()
+
+        def settle(a: bytes) -> int | None:
+            h = self.c.head(chunk_key(a))
+            if h is not None:
+                return h.size
+            self.c.put(chunk_key(a), plan.upload(a))
+            with count:
+                sent.append(a)
+                midway = len(sent) == half
+            if midway:
+                failpoints.hit("s3.mid_chunks")
+            return None
+
+        sizes = dict(zip(ask, self._map(settle, ask)))
+        stored: dict[bytes, int | None] = {a: None for a in plan.distinct if a not in sizes}
+        stored.update({a: n for a, n in sizes.items() if n is not None})
         bad = content.reused_damage(stored, plan.size, mode, turn, read=self._read_chunks)
         for a, why in bad.items():
             self._set_aside(a, why)
-        return set(stored) - set(bad)
+        self._map(lambda a: self.c.put(chunk_key(a), plan.upload(a)), list(bad))
+        plan.count_new(sent + list(bad))
 
     def _read_chunks(self, addresses: list[bytes]) -> dict[bytes, Any]:
         got = self._map(lambda a: self.c.get(chunk_key(a)), addresses)
@@ -560,6 +589,10 @@ class S3Store(Store):
         with self._locked(exclusive=True):
             found = self._read_chunks(addresses)
             out, bad = content.judge(addresses, found)
+            if any(v != "intact" for v in out.values()):
+                # damaged or missing: every writer looks again before relying on these
+                # addresses, so the next put holding their content uploads it afresh
+                self._new_generation()
             for a, why in bad.items():
                 self._set_aside(a, why)
         return out
@@ -657,6 +690,30 @@ class _Held:
         self._stop.set()
         self._thread.join()
         self.store._forget(self.key)
+
+
+def _host() -> str:
+    return "".join(ch if ch.isalnum() or ch == "-" else "-" for ch in socket.gethostname())[:64]
+
+
+def _holder() -> str:
+    """Who holds a lock, as its name says it: this host (kept to [A-Za-z0-9-]) and pid
+    (asked each time: a forked child is another holder)."""
+    return f"{_host()}.{os.getpid()}"
+
+
+def _holder_alive(key: str) -> bool:
+    """False only for a lock named by a process of this host that no longer runs."""
+    host, _, pid = key.rsplit("/", 1)[-1].split(".", 1)[-1].rpartition(".")
+    if host != _host() or not pid.isdigit():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _quarantined_address(key: str) -> bytes | None:
