@@ -63,6 +63,20 @@ def parse_url(url: str) -> tuple[str, str, dict[str, str]]:
     return bucket, unquote(prefix).strip("/"), params
 
 
+def _check_endpoint(endpoint: str) -> None:
+    """An endpoint is http(s)://host[:port]: checked here, as the client would panic on it."""
+    from urllib.parse import urlsplit
+    try:
+        u = urlsplit(endpoint)
+        ok = u.scheme in ("http", "https") and bool(u.hostname)
+        u.port           # raises on a port that is not a number in range
+    except ValueError:
+        ok = False
+    if not ok:
+        raise UsageError(f"not an endpoint URL: {endpoint!r}", hint="give http(s)://host[:port], e.g. "
+                                                                   "?endpoint=http://127.0.0.1:8333")
+
+
 def _truthy(v: str) -> bool:
     return v.lower() in ("1", "true", "yes", "on")
 
@@ -92,6 +106,7 @@ class ObjectClient:
         region = params.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         config: dict = {"conditional_put": "etag"}
         if endpoint:
+            _check_endpoint(endpoint)
             config["endpoint"] = endpoint
         config["region"] = region or "us-east-1"
         allow_http = _truthy(params["allow_http"]) if "allow_http" in params else bool(

@@ -1,0 +1,126 @@
+"""What only the object store has: its URL, its commit log, its locks (the shared
+behaviour is in test_store_contract.py and the other store suites, run on SeaweedFS
+and, for the contract, on moto too)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import agck
+from agck.errors import CheckpointExistsError, StaleEpochError, StoreConnectionError, UsageError
+
+pytest.importorskip("obstore")
+
+from conftest import s3_url  # noqa: E402
+
+
+@pytest.fixture
+def url(seaweed):
+    return s3_url(seaweed)
+
+
+def test_url_parameters_are_checked_and_credentials_never_shown(url, monkeypatch):
+    from agck.stores.objclient import parse_url
+    assert parse_url("s3://b/a/b/?region=eu-west-1") == ("b", "a/b", {"region": "eu-west-1"})
+    with pytest.raises(UsageError, match="unknown parameter.*secret"):
+        parse_url("s3://b/p?secret=x")
+    with pytest.raises(UsageError, match="no bucket"):
+        parse_url("s3:///p")
+    secret = os.environ["AWS_SECRET_ACCESS_KEY"]
+    with agck.open_store(url) as s:
+        assert secret not in s.url and secret not in repr(s)
+    base, _, query = url.partition("?")
+    with pytest.raises(StoreConnectionError, match="no agck store"):
+        agck.open_store(f"{base}-absent?{query}", create=False)
+    with pytest.raises(UsageError, match="not an endpoint URL"):
+        agck.open_store(url + "-x")                       # the port runs into other text
+
+
+def test_a_reader_with_nothing_remembered_folds_many_runs(url):
+    """A fresh store object folds every run in parallel, each run's records in parallel:
+    more runs than the request pool has threads (this once waited on itself)."""
+    with agck.open_store(url) as s:
+        for r in range(40):
+            s.put(f"r{r}", 1, {"x": np.arange(3) + r})
+            s.put(f"r{r}", 2, {"x": np.arange(3) + r})
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("runs", agck.open_store(url).runs()))
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "runs() did not return"
+    assert result["runs"] == sorted(f"r{r}" for r in range(40))
+
+
+def test_the_fence_holds_across_store_objects(url):
+    old, new = agck.open_store(url), agck.open_store(url)
+    try:
+        e1 = old.begin_epoch("run")
+        old.put("run", 1, {"x": 1}, epoch=e1)
+        e2 = new.begin_epoch("run")        # another process took the run over
+        assert e2 == e1 + 1
+        # the old writer's fold still says e1: its record's number is taken, it reads on, refuses
+        with pytest.raises(StaleEpochError):
+            old.put("run", 2, {"x": 2}, epoch=e1)
+        with pytest.raises(StaleEpochError):
+            old.delete("run", 1, epoch=e1)
+        new.put("run", 2, {"x": 2}, epoch=e2)
+        assert new.steps("run") == [1, 2] and agck.open_store(url).epoch("run") == e2
+    finally:
+        old.close()
+        new.close()
+
+
+def test_racing_creators_of_one_step_one_wins(url):
+    """Many store objects put the same step with overwrite=False at once: exactly one commits."""
+    stores = [agck.open_store(url) for _ in range(6)]
+    won, refused, errors = [], [], []
+    barrier = threading.Barrier(len(stores))
+
+    def go(i, s):
+        barrier.wait()
+        try:
+            s.put("race", 7, {"who": i}, overwrite=False)
+            won.append(i)
+        except CheckpointExistsError:
+            refused.append(i)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=go, args=(i, s)) for i, s in enumerate(stores)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert len(won) == 1 and len(refused) == len(stores) - 1
+    assert agck.open_store(url).get("race", 7).state["who"] == won[0]
+    for s in stores:
+        s.close()
+
+
+def test_a_killed_writers_lock_does_not_hold_up_a_collection(url):
+    """A writer SIGKILLed while it holds its lock: on the same host its lock stops counting
+    at once (its pid is gone), so a collection goes ahead instead of waiting minutes."""
+    code = f"""
+import numpy as np
+import agck
+s = agck.open_store({url!r})
+s.put("k", 1, {{"x": np.random.default_rng(0).standard_normal(1 << 20)}})
+"""
+    env = {**os.environ, "AGCK_FAILPOINTS": "s3.before_record=kill"}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == -9, p.stderr
+    s = agck.open_store(url)
+    try:
+        assert [o.key for o in s.c.list("locks/") if o.key.startswith("locks/w-")], "the lock should be left"
+        got = s.collect_garbage()       # would wait for the lock to go stale (600 s) if it counted
+        assert got.deleted_chunks > 0   # the killed put's chunks: no record lists them
+        assert s.steps("k") == []
+    finally:
+        s.close()
