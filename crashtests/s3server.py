@@ -90,6 +90,24 @@ class _Server:
         except (OSError, AttributeError):
             return ""
 
+    def wait_serving(self, timeout: float = 60.0) -> None:
+        """Until every bucket made here takes a write and a read: the S3 port answers
+        before the storage behind it does (a restarted SeaweedFS answers 500 meanwhile)."""
+        from agck.stores.objclient import ObjectClient
+        deadline = time.monotonic() + timeout
+        for b in getattr(self, "buckets", ()):
+            c = ObjectClient(self.url(b, ".agck-ready"))
+            while True:
+                try:
+                    c.put("probe", b"ok")
+                    if c.get("probe") is not None:
+                        break
+                except Exception:    # any failure: not serving yet
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{type(self).__name__} on {self.endpoint} does not serve bucket {b}: "
+                                           f"{self.log_tail()}") from None
+                time.sleep(0.2)
+
     def bucket(self, name: str) -> str:
         """Make bucket ``name`` (if absent) and return its ``s3://`` URL prefix with the endpoint."""
         import boto3
@@ -103,6 +121,8 @@ class _Server:
             pass
         except s3.exceptions.BucketAlreadyExists:
             pass
+        self.buckets = getattr(self, "buckets", set()) | {name}
+        self.wait_serving()
         return f"s3://{name}"
 
     def url(self, bucket: str, prefix: str) -> str:
@@ -156,6 +176,7 @@ class Seaweed(_Server):
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, cwd=self.dir, start_new_session=True)
         self.wait_ready()
+        self.wait_serving()      # a restart: the buckets made before serve again
         return self
 
     def close(self) -> None:
