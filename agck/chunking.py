@@ -351,11 +351,20 @@ def _covered(starts: list[int], kept: list[tuple[int, int]]) -> list[bool]:
     return out
 
 
-def pieces(sizes: Sequence[int]) -> list[tuple[Hashable, list[int], tuple[int, int, int]]]:
+def grid(nbytes: int) -> tuple[int, int, int]:
+    """The chunk sizes of a fixed grid of ``nbytes`` (a power of two from 256 KiB to
+    64 MiB): what a store that pays per request cuts large blobs with (LARGE is 1 MiB)."""
+    if not isinstance(nbytes, int) or nbytes < (256 << 10) or nbytes > (64 << 20) or nbytes & (nbytes - 1):
+        raise ValueError(f"a chunk grid is a power of two from 256 KiB to 64 MiB, not {nbytes!r}")
+    return (nbytes, nbytes, nbytes)
+
+
+def pieces(sizes: Sequence[int], large: tuple[int, int, int] = LARGE
+           ) -> list[tuple[Hashable, list[int], tuple[int, int, int]]]:
     """How consecutive parts of ``sizes`` bytes group into pieces: (key, the parts'
     indices, chunk sizes). A part of ``LARGE_PART`` bytes or more is a piece of its
-    own cut with ``LARGE`` sizes; each run of smaller parts one piece cut with
-    ``SMALL`` sizes. Keys number the pieces in order."""
+    own cut with ``large`` sizes (``LARGE``: every 1 MiB); each run of smaller parts
+    one piece cut with ``SMALL`` sizes. Keys number the pieces in order."""
     out: list = []
     run: list[int] = []
     for i, n in enumerate(sizes):
@@ -363,7 +372,7 @@ def pieces(sizes: Sequence[int]) -> list[tuple[Hashable, list[int], tuple[int, i
             if run:
                 out.append((("run", len(out)), run, SMALL))
                 run = []
-            out.append((("large", len(out)), [i], LARGE))
+            out.append((("large", len(out)), [i], large))
         else:
             run.append(i)
     if run:

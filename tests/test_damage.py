@@ -220,12 +220,16 @@ def test_verify_reused_is_checked(tmp_path):
 
 # --- concurrent writers, a collector, and damage detected while they run -----------------------
 
-def _writer(spec, worker: int, rounds: int, log: list, failures: list, stop: threading.Event) -> None:
+def _writer(spec, worker: int, rounds: int, log: list, failures: list, stop: threading.Event,
+            events: list) -> None:
+    """``rounds`` puts, and more (up to ten times as many) until the damage has been
+    injected and detected a few times while they ran: on a loaded machine a scrub of
+    an object store can take longer than the puts."""
     store = _open(spec, **({"init": False} if spec[0] == "postgres" else {}), verify_reused="none")
     run = f"w{worker}"
     try:
-        for i in range(1, rounds + 1):
-            if stop.is_set():
+        for i in range(1, 10 * rounds + 1):
+            if stop.is_set() or (i > rounds and len(events) >= 4):
                 break
             began = time.monotonic()
             store.put(run, i, state(i))
@@ -255,7 +259,8 @@ def test_damage_detected_beside_writers_and_a_collector(store_spec):
     # between a detection and the next damage: long enough to hold whole puts and reads
     # (a put to an object store takes several round trips)
     gap = 0.5 if kind.startswith("s3") else 0.1
-    writers = [threading.Thread(target=_writer, args=(store_spec, w, rounds, log, failures, stop)) for w in range(2)]
+    writers = [threading.Thread(target=_writer, args=(store_spec, w, rounds, log, failures, stop, events))
+               for w in range(2)]
 
     def rot_and_scrub():
         s = _open(store_spec, **({"init": False} if kind == "postgres" else {}))

@@ -195,7 +195,7 @@ def test_readme_fencing_example_runs(tmp_path, monkeypatch, capsys):
     import re
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     readme = open(os.path.join(root, "README.md")).read()
-    [example] = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "begin_epoch" in b]
+    [example] = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "StaleEpochError" in b]
     monkeypatch.chdir(tmp_path)
     exec(example, {"agck": agck})
     assert capsys.readouterr().out.startswith("refused: ")

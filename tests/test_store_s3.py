@@ -124,3 +124,22 @@ s.put("k", 1, {{"x": np.random.default_rng(0).standard_normal(1 << 20)}})
         assert s.steps("k") == []
     finally:
         s.close()
+
+
+def test_large_tensors_are_cut_on_the_stores_grid(url):
+    """Every 8 MiB by default (each chunk is a request), or the grid asked for; a tensor
+    changed in one place uploads one grid chunk again."""
+    t = np.random.default_rng(1).standard_normal((32 << 20) // 8)      # 32 MiB
+    with agck.open_store(url) as s:
+        s.put("g", 1, {"t": t})
+        assert sorted(set(s.last_put.sizes))[-1] == 8 << 20 and s.last_put.sizes.count(8 << 20) == 4
+        t[10] += 1
+        s.put("g", 2, {"t": t})
+        assert (8 << 20) <= s.last_put.new_bytes < (9 << 20)
+        np.testing.assert_array_equal(s.get("g").state["t"], t)
+    with agck.open_store(url, chunk_grid=1 << 20) as s:
+        s.put("g1", 1, {"t": t})
+        assert s.last_put.sizes.count(1 << 20) == 32
+    for bad in (3 << 20, 1 << 10, 128 << 20, "8M"):
+        with pytest.raises(UsageError, match="power of two"):
+            agck.open_store(url, chunk_grid=bad)

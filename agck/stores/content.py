@@ -161,7 +161,8 @@ def _private(a: bytes, c: chunking.PieceChunk, expect: Collection[int], ref: str
 
 
 def split_container(w: format.ContainerWriter, cache: WriteCache | None = None, *,
-                    expect_unchanged: Collection[int] = (), ref: str | None = None) -> list[chunking.PieceChunks]:
+                    expect_unchanged: Collection[int] = (), ref: str | None = None,
+                    large: tuple[int, int, int] = chunking.LARGE) -> list[chunking.PieceChunks]:
     """The container ``w`` as chunks, in order, computing the blobs' digests and
     its footer on the way. Pieces, each cut on its own (:mod:`agck.chunking`):
     the header, metadata and padding (:func:`_head_pieces`); each run of blobs
@@ -193,7 +194,7 @@ def split_container(w: format.ContainerWriter, cache: WriteCache | None = None, 
     blob_at = {w.header.payload_offset + off: i for i, off in enumerate(w.offsets)}
     groups = [(_large_key(w, blob_at, rest[members[0]]) if key[0] == "large" else key, [rest[i] for i in members],
                sizes)
-              for key, members, sizes in chunking.pieces([buf.nbytes for _, buf, _ in rest])]
+              for key, members, sizes in chunking.pieces([buf.nbytes for _, buf, _ in rest], large)]
     digests: list[int] = []
     for key, entries, sizes in groups:
         bufs = [buf for _, buf, _ in entries]
@@ -340,10 +341,12 @@ class Plan:
 
 
 def plan_chunks(w: format.ContainerWriter, cache: WriteCache | None = None, *,
-                expect_unchanged: Collection[int] = (), ref: str | None = None) -> Plan:
-    """Split the container ``w`` into chunks; the store then sends only :meth:`Plan.missing`."""
+                expect_unchanged: Collection[int] = (), ref: str | None = None,
+                large: tuple[int, int, int] = chunking.LARGE) -> Plan:
+    """Split the container ``w`` into chunks (large blobs on the grid ``large``); the
+    store then sends only :meth:`Plan.missing`."""
     out = Plan(Chunks([], []), {}, expect_unchanged, ref)
-    for piece in split_container(w, cache, expect_unchanged=expect_unchanged, ref=ref):
+    for piece in split_container(w, cache, expect_unchanged=expect_unchanged, ref=ref, large=large):
         out.chunks.addresses += piece.addresses
         out.chunks.sizes += piece.sizes
         # a repeated address keeps its first place; any occurrence has the same bytes

@@ -42,10 +42,10 @@ from typing import Any, Callable, Collection, Iterable
 
 import xxhash
 
-from .. import checkpoint, failpoints
+from .. import checkpoint, chunking, failpoints
 from ..checkpoint import Checkpoint
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
-                      DamagedChunkError, DurabilityError, StoreConnectionError, StoreError)
+                      DamagedChunkError, DurabilityError, StoreConnectionError, StoreError, UsageError)
 from . import content, s3log
 from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
 from .objclient import ObjectClient, ObjectExists, ObjectInfo
@@ -57,6 +57,10 @@ STALE_AFTER = 600.0        # seconds a lock stands without a refresh (server clo
 REFRESH_EVERY = STALE_AFTER / 4
 LOCK_WAIT = 900.0          # how long a writer or collector waits for the other before giving up
 REQUESTS = 16              # requests in flight for one put or read (chunks, records)
+# Large tensors are cut every CHUNK_GRID bytes here, not every 1 MiB as on local stores: a
+# request costs money and tens of milliseconds on a cloud, a byte of coarser sharing little
+# (STORAGE.md, "at scale": 1 MiB chunks make a 10 TB checkpoint 9.5 million PUTs)
+CHUNK_GRID = 8 << 20
 _APPEND_TRIES = 1000       # a commit racing other writers of the same run
 
 
@@ -84,9 +88,15 @@ class S3Store(Store):
 
     def __init__(self, url: str, *, create: bool = True, incremental: bool = True, full_every: int | None = None,
                  min_chunked: int = MIN_CHUNKED, verify_reused: str = content.DEFAULT_VERIFY_REUSED,
-                 client: ObjectClient | None = None, stale_after: float | None = None, grace: float = 3600.0):
+                 client: ObjectClient | None = None, stale_after: float | None = None, grace: float = 3600.0,
+                 chunk_grid: int = CHUNK_GRID):
         super().__init__()
         self._set_policy(incremental, full_every, min_chunked, verify_reused)
+        try:
+            self.large = chunking.grid(chunk_grid)
+        except ValueError as e:
+            raise UsageError(str(e), hint="chunk_grid=8 << 20 (the default here) or another power of two") from None
+        self.chunk_grid = chunk_grid
         self.c = client or ObjectClient(url)
         self.url = self.c.url
         self.stale_after = float(stale_after or STALE_AFTER)
@@ -140,7 +150,8 @@ class S3Store(Store):
         sub = self.c.child("parts")
         if not create and sub.get(MARKER) is None:
             return None
-        return S3Store(sub.url, client=sub, stale_after=self.stale_after, grace=self.grace, **self._policy())
+        return S3Store(sub.url, client=sub, stale_after=self.stale_after, grace=self.grace,
+                       chunk_grid=self.chunk_grid, **self._policy())
 
     # -- keys ------------------------------------------------------------------
     @staticmethod
@@ -339,7 +350,7 @@ class S3Store(Store):
         self._refuse_existing(run, step, overwrite, ref)
         with self._locked() as held:
             self._check_generation()
-            plan = content.plan_chunks(w, cache, expect_unchanged=expect_unchanged, ref=ref)
+            plan = content.plan_chunks(w, cache, expect_unchanged=expect_unchanged, ref=ref, large=self.large)
             self._send_missing(plan)
             self._known.update(plan.distinct)
             listing = content.listing(w, plan.chunks, run=run, step=step, parent=parent, meta=meta)
