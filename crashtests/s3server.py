@@ -65,6 +65,19 @@ def seaweed_available() -> str | None:
     return None
 
 
+def private_or_given(endpoint: str | None, base: str | None, bucket: str):
+    """For a benchmark: (a private SeaweedFS with ``bucket``, its endpoint), started with
+    the test credentials, or (None, ``endpoint``) when one is given (credentials then
+    come from the environment)."""
+    if endpoint is not None:
+        return None, endpoint
+    for k, v in CREDENTIALS.items():
+        os.environ.setdefault(k, v)
+    server = Seaweed(base).start()
+    server.bucket(bucket)
+    return server, server.endpoint
+
+
 class _Server:
     endpoint: str
     proc: subprocess.Popen | None = None

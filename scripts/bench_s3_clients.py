@@ -61,15 +61,7 @@ def main(argv=None) -> int:
     import obstore
     from obstore.store import S3Store
 
-    server = None
-    if a.endpoint is None:
-        for k, v in s3server.CREDENTIALS.items():
-            os.environ.setdefault(k, v)
-        server = s3server.Seaweed(a.dir).start()
-        server.bucket(a.bucket)
-        endpoint = server.endpoint
-    else:
-        endpoint = a.endpoint
+    server, endpoint = s3server.private_or_given(a.endpoint, a.dir, a.bucket)
     ob = S3Store(a.bucket, config={"endpoint": endpoint, "region": "us-east-1"}, client_options={"allow_http": True})
     bc = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
                       config=Config(max_pool_connections=32, retries={"max_attempts": 5, "mode": "standard"}))
