@@ -23,6 +23,12 @@ def check_run(run: Any) -> str:
     return run
 
 
+def is_run_name(name: Any) -> bool:
+    """Whether ``name`` is a run name (a directory or key prefix that is not one, such
+    as ``.git``, is not a run)."""
+    return isinstance(name, str) and _RUN_RE.fullmatch(name) is not None
+
+
 def check_step(step: Any, what: str = "step") -> int:
     """Steps are integers in [0, 2^63): any ``numbers.Integral`` but bool (numpy
     integers included), returned as a plain int."""

@@ -33,8 +33,8 @@ from .. import checkpoint, durable, format
 from ..checkpoint import Checkpoint
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                       DamagedChunkError,
-                      DurabilityError, FormatError, InvalidRunNameError, StoreConnectionError, StoreError, UnsupportedVersionError)
-from ..names import MAX_STEP
+                      DurabilityError, FormatError, StoreConnectionError, StoreError, UnsupportedVersionError)
+from ..names import MAX_STEP, is_run_name
 from . import content
 from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
 from .objectdir import ObjectDir
@@ -244,7 +244,7 @@ class FileStore(Store):
             names = os.listdir(self.root)
         except OSError as e:
             raise StoreConnectionError(f"cannot list the store: {e.strerror}", ref=self.root) from None
-        return sorted(n for n in names if _is_run_name(n) and os.path.isdir(os.path.join(self.root, n)))
+        return sorted(n for n in names if is_run_name(n) and os.path.isdir(os.path.join(self.root, n)))
 
     def steps(self, run: str, *, last: int | None = None) -> list[int]:
         last = check_last(last)
@@ -402,13 +402,6 @@ def locate(path: str) -> tuple[str, str, int] | None:
     return root, os.path.basename(run_dir), step
 
 
-def _is_run_name(name: str) -> bool:
-    """Directories whose names are not run names (``.git``, ``a b``) are not runs."""
-    try:
-        check_run(name)
-        return True
-    except InvalidRunNameError:
-        return False
 
 
 def _read_listing(path: str):

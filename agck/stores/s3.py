@@ -47,6 +47,7 @@ from ..checkpoint import Checkpoint
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                       DamagedChunkError, DurabilityError, StoreConnectionError, StoreError, UsageError)
 from . import content, s3log
+from ..names import is_run_name
 from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
 from .objclient import ObjectClient, ObjectExists, ObjectInfo
 
@@ -455,12 +456,16 @@ class S3Store(Store):
     # -- reading -----------------------------------------------------------------
     def _run_names(self) -> list[str]:
         return sorted(n for n in (p.rstrip("/").rsplit("/", 1)[-1] for p in self.c.prefixes("runs/"))
-                      if _is_run_name(n))
+                      if is_run_name(n))
+
+    def _folds(self, run: str | None = None) -> dict[str, s3log.RunState]:
+        """Each run's state (or ``run``'s alone), caught up once, folded in parallel; runs
+        with no step and no epoch too (a data object of theirs can only be an orphan)."""
+        names = [check_run(run)] if run is not None else self._run_names()
+        return dict(zip(names, self._map(self._state, names)))
 
     def runs(self) -> list[str]:
-        names = self._run_names()
-        states = self._map(self._state, names)
-        return [n for n, st in zip(names, states) if st.steps or st.epoch is not None]
+        return [n for n, st in self._folds().items() if st.steps or st.epoch is not None]
 
     def steps(self, run: str, *, last: int | None = None) -> list[int]:
         last = check_last(last)
@@ -544,13 +549,19 @@ class S3Store(Store):
         return self.c.get_into(chunk_key(address), view)
 
     # -- shared content ---------------------------------------------------------
-    def _listings(self) -> list[tuple[str, Callable[[], object]]]:
+    def _listings(self, folds: dict[str, s3log.RunState]) -> list[tuple[str, Callable[[], object]]]:
+        """(ref, read its stored container) of every committed checkpoint of ``folds``."""
+        return [(self.ref(r, s), lambda r=r, e=e, ref=self.ref(r, s): self._container(r, e, ref))
+                for r, st in sorted(folds.items()) for s, e in sorted(st.steps.items())]
+
+    def _orphan_data(self, folds: dict[str, s3log.RunState]) -> list[ObjectInfo]:
+        """Data objects of ``folds``' runs that no record names, older than ``grace`` (a put
+        that died between its upload and its record; a younger one may be in flight)."""
+        now = time.time()
         out = []
-        for r in self.runs():
-            st = self._state(r)
-            for s, e in sorted(st.steps.items()):
-                ref = self.ref(r, s)
-                out.append((ref, lambda r=r, e=e, ref=ref: self._container(r, e, ref)))
+        for r, st in sorted(folds.items()):
+            named = {e.key for e in st.steps.values() if e.key}
+            out += [o for o in self.c.list(f"runs/{r}/data/") if o.key not in named and now - o.modified > self.grace]
         return out
 
     def collect_garbage(self) -> content.Collected:
@@ -558,18 +569,15 @@ class S3Store(Store):
         (those younger than ``grace`` are spared: a put in flight uploads its data
         object before its record). Holds the exclusive lock while it deletes chunks."""
         with self._locked(exclusive=True) as held:
-            listings = self._listings()
-            live, count, damaged = content.live_chunks(listings)
-            named = {e.key for r in self.runs() for e in self._state(r).steps.values() if e.key}
+            folds = self._folds()
+            live, count, damaged = content.live_chunks(self._listings(folds))
             stored = [(a, o) for o in self.c.list("chunks/") if (a := _address_of(o.key)) is not None]
             dead = [(a, o) for a, o in stored if a not in live]
             if dead:
                 held.check()
                 self._new_generation()
                 self._map(lambda item: self.c.delete(item[1].key), dead)
-            now = time.time()
-            orphans = [o for r in self._run_names() for o in self.c.list(f"runs/{r}/data/")
-                       if o.key not in named and now - o.modified > self.grace]
+            orphans = self._orphan_data(folds)
             # a quarantined copy is evidence while a checkpoint that lists its address is broken;
             # once a put wrote the content again (healed), or nothing lists it, it goes
             kept = {a for a, _ in stored} - {a for a, _ in dead}
@@ -625,11 +633,8 @@ class S3Store(Store):
 
     def _scrub(self, progress) -> content.ScrubReport:
         with self._locked():
-            def listed(load, ref):
-                found = content.listed_addresses(load(), verify=True, ref=ref)
-                return found
-
-            listings = [(ref, lambda load=load, ref=ref: listed(load, ref)) for ref, load in self._listings()]
+            listings = [(ref, lambda load=load, ref=ref: content.listed_addresses(load(), verify=True, ref=ref))
+                        for ref, load in self._listings(self._folds())]
             chunks = [(a, o) for o in self.c.list("chunks/") if (a := _address_of(o.key)) is not None]
             return content.scrub(self.url, listings, self._prefetched(chunks), progress)
 
@@ -646,14 +651,7 @@ class S3Store(Store):
     def orphans(self, run: str | None = None) -> list[str]:
         """Data objects no record names, older than ``grace`` (a put that died between
         its upload and its record)."""
-        named = set()
-        runs = [check_run(run)] if run is not None else self.runs()
-        for r in runs:
-            named.update(e.key for e in self._state(r).steps.values() if e.key)
-        now = time.time()
-        names = [check_run(run)] if run is not None else self._run_names()
-        return [self.c.ref(o.key) for r in names for o in self.c.list(f"runs/{r}/data/")
-                if o.key not in named and now - o.modified > self.grace]
+        return [self.c.ref(o.key) for o in self._orphan_data(self._folds(run))]
 
     def clean_orphans(self, run: str | None = None) -> list[str]:
         found = self.orphans(run)
@@ -735,9 +733,3 @@ def _quarantined_address(key: str) -> bytes | None:
         return None
 
 
-def _is_run_name(name: str) -> bool:
-    try:
-        check_run(name)
-        return True
-    except AgckError:
-        return False
