@@ -442,19 +442,23 @@ class Campaign:
             return
         _log(self.cfg, f"CLI cross-check: `agck recover STORE --json` on {len(by_url)} stores")
 
-        def one(item):
-            url, ts = item
+        def one(urls):
             try:
-                steps = checker.cli_recover(url)
+                found = checker.cli_recover_many(urls)
             except Exception as e:
-                for t in ts:
-                    t.cli_step = "error"
-                    t.reasons.append(f"agck recover failed: {e}")
-                return
-            for t in ts:
-                t.cli_step = steps.get(t.run)
-        with ThreadPoolExecutor(max_workers=self.cfg.jobs) as ex:
-            list(ex.map(one, by_url.items()))
+                found = {url: e for url in urls}
+            for url in urls:
+                steps = found[url]
+                for t in by_url[url]:
+                    if isinstance(steps, Exception):
+                        t.cli_step = "error"
+                        t.reasons.append(f"agck recover failed: {steps}")
+                    else:
+                        t.cli_step = steps.get(t.run)
+        urls = list(by_url)
+        n = max(1, self.cfg.jobs)
+        with ThreadPoolExecutor(max_workers=n) as ex:   # one interpreter per worker, each a share of the stores
+            list(ex.map(one, [urls[i::n] for i in range(n)]))
 
     def resumes(self) -> None:
         from . import dist, kill
