@@ -23,9 +23,11 @@ POINTS = (
     "file.chunk_before_fsync", "file.chunks_before_dir_fsync",
     "sqlite.before_insert", "sqlite.after_objects", "sqlite.before_commit", "sqlite.after_commit",
     "pg.before_copy", "pg.mid_copy", "pg.after_objects", "pg.before_manifest", "pg.before_commit", "pg.after_commit",
+    "pgobj.after_upload",      # a Postgres catalog whose chunks are in an object store (agck_objects)
     "s3.before_chunks", "s3.mid_chunks", "s3.before_data", "s3.before_record", "s3.after_record",
     "snapshot.after_stage", "snapshot.before_ack",
     "dist.after_part", "dist.before_commit", "dist.after_commit",
+    "gc.pg_doomed",            # a Postgres collector between its two transactions (agck_objects)
 )
 
 

@@ -31,6 +31,8 @@ import random
 import sqlite3
 import time
 
+from agck.stores.objchunks import chunk_key
+
 KINDS = ("flip", "truncate", "zero", "delete")
 DETECTORS = ("read", "scrub", "verify", "put-full", "put-sample")
 
@@ -81,10 +83,12 @@ def _stored(store, address: bytes):
             c.close()
         return None if row is None else bytes(row[0])
     if kind == "S3Store":
-        from agck.stores.s3 import chunk_key
         data = store.c.get(chunk_key(address))
         return None if data is None else bytes(data)
     rows = store._query(f"SELECT data FROM {store.names.objects} WHERE address = %s", (address,))
+    if rows and rows[0][0] is None:     # a catalog whose chunks are in an object store
+        data = store._objects.c.get(chunk_key(address))
+        return None if data is None else bytes(data)
     return bytes(rows[0][0]) if rows else None
 
 
@@ -101,7 +105,6 @@ def _store_raw(store, address: bytes, data: bytes | None) -> None:
             f.truncate(len(data))
         return
     if kind == "S3Store":
-        from agck.stores.s3 import chunk_key
         if data is None:
             store.c.delete(chunk_key(address))
         else:
@@ -117,6 +120,13 @@ def _store_raw(store, address: bytes, data: bytes | None) -> None:
             c.commit()
         finally:
             c.close()
+        return
+    rows = store._query(f"SELECT data IS NULL FROM {store.names.objects} WHERE address = %s", (address,))
+    if rows and rows[0][0]:       # a catalog whose chunks are in an object store: its bytes are there
+        if data is None:
+            store._objects.c.delete(chunk_key(address))
+        else:
+            store._objects.c.put(chunk_key(address), data)
         return
     import psycopg2
     conn = psycopg2.connect(store._dsn)

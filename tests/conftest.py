@@ -20,8 +20,9 @@ except ImportError:
 
 PG_DSN_DEFAULT = "postgresql://postgres@127.0.0.1:5432/test"
 # a new backend: here and in make_spec (see test_store_contract.py). "s3": SeaweedFS, a real
-# object store started for the session; "s3-moto": moto's server, a second S3 implementation
-BACKENDS = ("file", "sqlite", "postgres", "s3")
+# object store started for the session; "s3-moto": moto's server, a second S3 implementation;
+# "postgres-s3": a Postgres catalog whose chunks are in the SeaweedFS server (agck_objects)
+BACKENDS = ("file", "sqlite", "postgres", "s3", "postgres-s3")
 # the contract suite (test_store_contract.py) also runs on a second S3 implementation, so no
 # SeaweedFS quirk becomes an assumption
 CONTRACT_BACKENDS = BACKENDS + ("s3-moto",)
@@ -112,7 +113,10 @@ def make_spec(kind: str, request, tmp_path) -> tuple[str, str, dict]:
         return kind, s3_url(server), {}
     dsn = request.getfixturevalue("pg_dsn")
     schema = request.getfixturevalue("pg_schema")
-    return kind, dsn, {"prefix": pg_prefix(), "schema": schema, "init": True}
+    opts = {"prefix": pg_prefix(), "schema": schema, "init": True}
+    if kind == "postgres-s3":      # the catalog in Postgres, the chunks in an object store
+        opts["objects"] = s3_url(request.getfixturevalue("seaweed"))
+    return kind, dsn, opts
 
 
 @pytest.fixture(params=BACKENDS)

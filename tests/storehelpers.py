@@ -51,7 +51,7 @@ def corrupt_payload(spec, store, run, step):
             b = f.read(1)
             f.seek(size - 200)
             f.write(bytes([b[0] ^ 0xFF]))
-    elif kind in ("sqlite", "postgres"):
+    elif kind in ("sqlite", "postgres", "postgres-s3"):    # the container (or listing) is in the database
         Tamper(spec, store).flip(run, step, -200)
     elif kind in ("s3", "s3-moto"):
         flip_s3(store, run, step, -200)
@@ -75,7 +75,7 @@ class Tamper:
     """Direct changes to a database store's rows, as a buggy tool or a bad disk would make."""
 
     def __init__(self, spec, store):
-        self.kind = spec[0]
+        self.kind = "postgres" if spec[0] == "postgres-s3" else spec[0]    # its rows are a Postgres store's
         self.store = store
         if self.kind == "sqlite":
             self.conn = sqlite3.connect(store.path, isolation_level=None)     # foreign keys off, as by default

@@ -513,30 +513,11 @@ def test_full_every_bounds_what_one_damaged_shared_chunk_can_reach(store_spec):
 
 
 def _damage_chunk(store, kind, address: bytes) -> None:
-    if kind == "file":
-        with open(store.objects.path(address), "r+b") as f:
-            b = f.read(1)
-            f.seek(0)
-            f.write(bytes([b[0] ^ 1]))
-        return
-    if kind in ("s3", "s3-moto"):
-        from agck.stores.s3 import chunk_key
-        data = bytearray(store.c.get(chunk_key(address)))
-        data[0] ^= 1
-        store.c.put(chunk_key(address), bytes(data))
-        return
-    if kind == "sqlite":
-        import sqlite3
-        c = sqlite3.connect(store.path, isolation_level=None)
-        c.execute(f"UPDATE {store.prefix}_objects SET data = zeroblob(length(data)) WHERE address = ?", (address,))
-        c.close()
-        return
-    import psycopg2
-    c = psycopg2.connect(store._dsn)
-    c.autocommit = True
-    c.cursor().execute(f"UPDATE {store.names.objects} SET data = set_byte(data, 0, get_byte(data, 0) # 1) "
-                       f"WHERE address = %s", (psycopg2.Binary(address),))
-    c.close()
+    """Flip a bit of a stored chunk's first byte, where the store keeps it."""
+    from crashtests import chunkrot
+    data = bytearray(chunkrot._stored(store, address))
+    data[0] ^= 1
+    chunkrot._store_raw(store, address, bytes(data))
 
 
 def test_verify_checks_each_shared_chunk_once_and_names_every_checkpoint_it_reaches(store_spec, monkeypatch):

@@ -19,6 +19,19 @@ about objects it has not itself committed while the generation it read is
 current. Schema 2 kept a ``refs`` row per listed object instead; ``migrate``
 drops it.
 
+Objects in an object store (``agck_objects``, :mod:`.objchunks`): an object's
+row has ``data`` NULL and its bytes are a chunk object there. A put uploads
+the chunks it lacks while it holds the lock shared, and commits their rows
+with its listing; a put killed before COMMIT leaves chunks no row names. The
+collector decides under the lock exclusively, in two transactions: the first
+deletes the rows of dead objects, and names in ``{prefix}_doomed`` every one
+of them and every chunk in the store that no row names (under the exclusive
+lock no put is between its upload and its COMMIT); the second deletes from
+the object store those doomed addresses that still have no row (a put that
+needed one again since has uploaded it anew and committed its row), then
+forgets them. A collector killed between or during the two leaves chunks to be
+deleted by the next one, and never a row without its chunk.
+
 :class:`SharedObjects` is a mixin of the store: it uses the store's ``names``
 (:class:`~agck.stores.pgschema.Names`), ``_transaction``, ``_query``, ``ref``,
 ``url``, ``verify_reused`` and ``_reread_turn``, and the store calls
@@ -33,6 +46,7 @@ from functools import partial
 import psycopg2
 import psycopg2.errors
 
+from .. import failpoints
 from ..errors import DurabilityError
 from . import content, pgschema
 from .pgcopy import COPY_IO_SIZE, ObjectsIn, ObjectsOut
@@ -86,13 +100,34 @@ class SharedObjects:
         cur.execute(f"SELECT address FROM {self.names.objects} WHERE address = ANY(%s::bytea[])", (addresses,))
         return {bytes(a) for (a,) in cur.fetchall()}
 
-    def _read_objects(self, cur, addresses: list[bytes]) -> dict:
-        """The listed objects the store holds (address -> bytes), in one COPY."""
+    def _read_objects(self, cur, addresses: list[bytes], *, external: bool = True) -> dict:
+        """The listed objects the store holds (address -> bytes): those in the database
+        in one COPY, then (``external``) the rest from the object store, if it has one."""
         sink = ObjectsOut()
-        query = cur.mogrify(f"COPY (SELECT address, data FROM {self.names.objects} WHERE address = ANY(%s::bytea[])) "
-                            f"TO STDOUT (FORMAT binary)", (list(dict.fromkeys(addresses)),)).decode("utf-8")
+        wanted = list(dict.fromkeys(addresses))
+        query = cur.mogrify(f"COPY (SELECT address, data FROM {self.names.objects} WHERE address = ANY(%s::bytea[]) "
+                            f"AND data IS NOT NULL) TO STDOUT (FORMAT binary)", (wanted,)).decode("utf-8")
         cur.copy_expert(query, sink, size=COPY_IO_SIZE)
-        return sink.finish()
+        found = sink.finish()
+        if external and self._objects is not None:
+            found.update(self._objects.fetch([a for a in wanted if a not in found]))
+        return found
+
+    def _fetch_into(self, found: dict):
+        """A ``fetch_into`` for :func:`content.decode`: an object read from the database
+        (``found``) copied into place, any other read from the object store straight into it."""
+        ext = self._objects
+
+        def into(address: bytes, view: memoryview) -> int | None:
+            data = found.get(address)
+            if data is None:
+                return ext.fetch_into(address, view)
+            d = memoryview(data).cast("B")
+            n = min(d.nbytes, view.nbytes)
+            view[:n] = d[:n]
+            return d.nbytes
+
+        return into
 
     # -- a put's objects ----------------------------------------------------------------
     def _put_objects(self, cur, plans: list["content.Plan"], present: set[bytes]) -> None:
@@ -101,6 +136,9 @@ class SharedObjects:
         ends. Another writer may send one of them first: the COPY then fails on its
         key, and is done again, in a savepoint, without the ones that have arrived."""
         n = self.names
+        if self._objects is not None:
+            self._put_external(cur, plans, present)
+            return
         for _ in range(_OBJECT_ROUNDS):
             missing, seen = [], set(present)
             for plan in plans:      # an object two of them hold is sent once
@@ -129,6 +167,25 @@ class SharedObjects:
             return
         raise Refused("other writers kept sending the same objects")
 
+    def _put_external(self, cur, plans: list["content.Plan"], present: set[bytes]) -> None:
+        """The objects the store lacks uploaded to the object store (each durable when
+        its PUT returns), then their rows (``data`` NULL) inserted in this transaction.
+        Another writer's row for one of them, committed or not, is left as it is: its
+        bytes are the same."""
+        missing, seen = [], set(present)
+        for plan in plans:
+            m = plan.missing(seen)
+            seen.update(a for a, _ in m)
+            missing += m
+        if not missing:
+            return
+        self._objects.upload(missing)
+        failpoints.hit("pgobj.after_upload")
+        missing.sort()      # writers inserting the same new rows meet them in one order: no deadlock
+        cur.execute(f"INSERT INTO {self.names.objects} (address, size, data) SELECT * FROM "
+                    f"unnest(%s::bytea[], %s::bigint[], %s::bytea[]) ON CONFLICT (address) DO NOTHING",
+                    ([a for a, _ in missing], [v.nbytes for _, v in missing], [None] * len(missing)))
+
     def _heal_reused(self, cur, plans: list["content.Plan"], stored: dict[bytes, int], found: list[bytes]) -> None:
         """``verify_reused``: check the objects the put relies on (``stored``: address ->
         stored size); quarantine the damaged ones, in this transaction, and drop them
@@ -155,11 +212,23 @@ class SharedObjects:
             cur.execute(pgschema.quarantine_ddl(n) + "; RELEASE SAVEPOINT agck_quarantine")
         except (psycopg2.errors.UniqueViolation, psycopg2.errors.DuplicateTable, psycopg2.errors.DuplicateObject):
             cur.execute("ROLLBACK TO SAVEPOINT agck_quarantine")
+        outside: dict[bytes, object] = {}
+        if self._objects is not None:    # damaged bytes in the object store: kept here, deleted there
+            cur.execute(f"SELECT address FROM {n.objects} WHERE address = ANY(%s::bytea[]) AND data IS NULL",
+                        (list(bad),))
+            held = [bytes(a) for (a,) in cur.fetchall()]
+            outside = {a: None for a in held}
+            outside.update(self._objects.fetch(held))
         addresses, reasons = list(bad), list(bad.values())
-        cur.execute(f"INSERT INTO {n.quarantine} (address, size, data, reason) SELECT o.address, octet_length(o.data), "
-                    f"o.data, r.reason FROM {n.objects} o JOIN unnest(%s::bytea[], %s::text[]) AS r(address, reason) "
-                    f"ON o.address = r.address; DELETE FROM {n.objects} WHERE address = ANY(%s::bytea[]); "
-                    f"UPDATE {n.gc} SET generation = generation + 1", (addresses, reasons, addresses))
+        kept = [None if outside.get(a) is None else psycopg2.Binary(outside[a]) for a in addresses]
+        cur.execute(f"INSERT INTO {n.quarantine} (address, size, data, reason) SELECT o.address, "
+                    f"coalesce(octet_length(o.data), octet_length(r.data), o.size), coalesce(o.data, r.data), "
+                    f"r.reason FROM {n.objects} o JOIN unnest(%s::bytea[], %s::text[], %s::bytea[]) "
+                    f"AS r(address, reason, data) ON o.address = r.address; "
+                    f"DELETE FROM {n.objects} WHERE address = ANY(%s::bytea[]); "
+                    f"UPDATE {n.gc} SET generation = generation + 1", (addresses, reasons, kept, addresses))
+        if outside:    # the next put holding their content uploads good bytes under their names
+            self._objects.delete(list(outside))
 
     def quarantine(self, addresses) -> dict[bytes, str]:
         wanted = list(dict.fromkeys(bytes(a) for a in addresses))
@@ -207,7 +276,9 @@ class SharedObjects:
                         return
                     for a, size, data in rows:
                         a = bytes(a)
-                        yield a, size, f"{n.objects_ref}(address='\\x{a.hex()}')", (lambda d=data: d)
+                        load = (lambda d=data: d) if data is not None else \
+                            (lambda a=a: self._objects.fetch([a]).get(a) if self._objects is not None else None)
+                        yield a, size, f"{n.objects_ref}(address='\\x{a.hex()}')", load
                     after = bytes(rows[-1][0])
 
             listings = [(self.ref(r, s), partial(listed, r, s, c, self.ref(r, s))) for r, s, c in keys]
@@ -239,11 +310,16 @@ class SharedObjects:
             live, listings, damaged = self._live_objects(cur)
             cur.execute("CREATE TEMP TABLE agck_live (address bytea PRIMARY KEY) ON COMMIT DROP")
             cur.execute("INSERT INTO agck_live SELECT unnest(%s::bytea[])", (list(live),))
-            cur.execute(
+            cur.execute(     # an object whose bytes are in the object store is doomed there (the module)
                 f"WITH gone AS (DELETE FROM {n.objects} o WHERE NOT EXISTS "
-                f"(SELECT 1 FROM agck_live l WHERE l.address = o.address) RETURNING o.size) "
+                f"(SELECT 1 FROM agck_live l WHERE l.address = o.address) RETURNING o.address, o.size, "
+                f"o.data IS NULL AS outside), doomed AS (INSERT INTO {n.doomed} SELECT address FROM gone "
+                f"WHERE outside ON CONFLICT DO NOTHING) "
                 f"SELECT count(*), coalesce(sum(size), 0)::bigint FROM gone")
             deleted, nbytes = cur.fetchone()
+            if self._objects is not None:
+                stray, stray_bytes = self._doom_strays(cur)
+                deleted, nbytes = deleted + stray, nbytes + stray_bytes
             if deleted:   # what writers know to be present may be gone: they look again
                 cur.execute(f"UPDATE {n.gc} SET generation = generation + 1")
             cur.execute("SELECT to_regclass(%s) IS NOT NULL", (n.quarantine,))
@@ -253,7 +329,33 @@ class SharedObjects:
             return content.Collected(listings=listings, live_chunks=len(live), deleted_chunks=deleted,
                                      deleted_bytes=int(nbytes), damaged=damaged)
 
-        return self._exclusive(body, "collecting garbage failed")
+        collected = self._exclusive(body, "collecting garbage failed")
+        if self._objects is not None:
+            failpoints.hit("gc.pg_doomed")
+            self._exclusive(self._delete_doomed, "deleting collected objects from the object store failed")
+        return collected
+
+    def _doom_strays(self, cur) -> tuple[int, int]:
+        """Name in ``doomed`` every chunk in the object store that no row names: uploads
+        of puts that died before their COMMIT. Returns how many and their bytes."""
+        stored = self._objects.stored()
+        cur.execute("CREATE TEMP TABLE agck_stored (address bytea PRIMARY KEY, size bigint) ON COMMIT DROP")
+        cur.execute("INSERT INTO agck_stored SELECT * FROM unnest(%s::bytea[], %s::bigint[])",
+                    (list(stored), list(stored.values())))
+        cur.execute(f"WITH stray AS (INSERT INTO {self.names.doomed} SELECT s.address FROM agck_stored s "
+                    f"WHERE NOT EXISTS (SELECT 1 FROM {self.names.objects} o WHERE o.address = s.address) "
+                    f"ON CONFLICT DO NOTHING RETURNING address) SELECT count(*), coalesce(sum(s.size), 0)::bigint "
+                    f"FROM stray JOIN agck_stored s USING (address)")
+        return cur.fetchone()
+
+    def _delete_doomed(self, cur) -> None:
+        """Delete from the object store the doomed objects no row names (again), then
+        forget every doomed address: those with a row were needed again meanwhile."""
+        n = self.names
+        cur.execute(f"SELECT address FROM {n.doomed} d WHERE NOT EXISTS "
+                    f"(SELECT 1 FROM {n.objects} o WHERE o.address = d.address)")
+        self._objects.delete([bytes(a) for (a,) in cur.fetchall()])
+        cur.execute(f"DELETE FROM {n.doomed}")
 
     def _live_objects(self, cur) -> tuple[set[bytes], int, list[str]]:
         """What every listing lists (:func:`content.live_chunks`), read in this transaction."""

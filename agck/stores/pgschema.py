@@ -7,7 +7,10 @@ Tables (``prefix`` defaults to ``agck``, optionally inside Postgres ``schema``):
                                                                    PRIMARY KEY(run, step)
     {prefix}_chunks(run, step, idx, data bytea STORAGE EXTERNAL)   PRIMARY KEY(run, step, idx)
     {prefix}_objects(address bytea, size, data bytea STORAGE EXTERNAL)       PRIMARY KEY(address)
-    {prefix}_gc(generation bigint)                                 one row
+                                               data NULL: the bytes are in the object store
+    {prefix}_gc(generation bigint, objects text, objects_id text)   one row; objects: the
+                                               object store holding the chunks (agck_objects), if any
+    {prefix}_doomed(address bytea)             objects the collector is deleting from that store
     {prefix}_epochs(run, epoch bigint)         PRIMARY KEY(run); made by the first begin_epoch (fencing)
     {prefix}_quarantine(address, size, data, detected_at, reason)   objects found damaged, moved out
                                                of objects; made by the first one found
@@ -22,7 +25,7 @@ once). Connections and the mapping of database errors stay with the store.
 A schema that is missing, partial, older or newer than :data:`SCHEMA_VERSION`
 is reported with SchemaUninitializedError or SchemaMismatchError, whose hint
 comes from the caller's ``db_hint(action)`` (the ``agck db`` command for these
-very tables). Versions 1 and 2 are moved forward by :data:`MIGRATIONS`.
+very tables). Versions 1 to 3 are moved forward by :data:`MIGRATIONS`.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from psycopg2 import sql
 
 from ..errors import SchemaMismatchError, SchemaUninitializedError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # Advisory locks held to the end of the transaction, keyed by text: a (run, step),
 # Names.store_lock (shared by puts, exclusive for the collector), Names.schema_lock.
@@ -62,6 +65,7 @@ class Names:
         self.gc = ident(f"{prefix}_gc")
         self.epochs = ident(f"{prefix}_epochs")      # made by the first begin_epoch
         self.quarantine = ident(f"{prefix}_quarantine")   # made by the first damaged object found
+        self.doomed = ident(f"{prefix}_doomed")
         self.meta_index = sql.Identifier(f"{prefix}_manifest_meta").as_string(conn)
         self.schema_sql = sql.Identifier(schema).as_string(conn) if schema else None
         self.version_ref = f"{dot}{prefix}_schema_version"
@@ -70,8 +74,10 @@ class Names:
         self.objects_ref = f"{dot}{prefix}_objects"
         self.gc_ref = f"{dot}{prefix}_gc"
         self.quarantine_ref = f"{dot}{prefix}_quarantine"
-        self.tables = (self.version, self.manifest, self.chunks, self.objects, self.gc)
-        self.table_refs = (self.version_ref, self.manifest_ref, self.chunks_ref, self.objects_ref, self.gc_ref)
+        self.doomed_ref = f"{dot}{prefix}_doomed"
+        self.tables = (self.version, self.manifest, self.chunks, self.objects, self.gc, self.doomed)
+        self.table_refs = (self.version_ref, self.manifest_ref, self.chunks_ref, self.objects_ref, self.gc_ref,
+                           self.doomed_ref)
         self.store_lock = f"agck objects {self.label}"   # shared by puts, exclusive for the collector
         self.schema_lock = f"agck schema {self.label}"   # held by init_schema and migrate
 
@@ -84,7 +90,7 @@ def epochs_ddl(n: Names) -> str:
 def quarantine_ddl(n: Names) -> str:
     """The table of damaged objects, made by the first one found (schema_status does not look for it)."""
     return (f"CREATE TABLE IF NOT EXISTS {n.quarantine} (address bytea NOT NULL, size bigint NOT NULL, "
-            "data bytea NOT NULL, detected_at timestamptz NOT NULL DEFAULT now(), reason text NOT NULL)")
+            "data bytea, detected_at timestamptz NOT NULL DEFAULT now(), reason text NOT NULL)")
 
 
 def read_version(cur, n: Names) -> tuple[int | None, list[str]]:
@@ -197,7 +203,7 @@ def migrate(cur, n: Names, db_hint: Callable[..., str]) -> list[int]:
 # --- the steps between versions ----------------------------------------------------------
 
 def _objects_ddl(n: "Names") -> str:
-    """The objects table (the same since schema version 2)."""
+    """The objects table as schema version 2 made it (version 4 lets ``data`` be NULL)."""
     return f"""
         CREATE TABLE IF NOT EXISTS {n.objects} (
             address bytea NOT NULL CHECK (octet_length(address) = 32), size bigint NOT NULL,
@@ -206,11 +212,12 @@ def _objects_ddl(n: "Names") -> str:
 
 
 def _create_shared_tables(cur, n: "Names") -> None:
-    """The content shared between checkpoints (schema version 3)."""
+    """The content shared between checkpoints (schema version 3, then 4)."""
     cur.execute(_objects_ddl(n) + f"""
         ALTER TABLE {n.manifest} ADD COLUMN IF NOT EXISTS listing boolean NOT NULL DEFAULT false;
         CREATE TABLE IF NOT EXISTS {n.gc} (generation bigint NOT NULL);
         INSERT INTO {n.gc} (generation) SELECT 0 WHERE NOT EXISTS (SELECT 1 FROM {n.gc});""")
+    _migrate_3_to_4(cur, n)
 
 
 def _migrate_1_to_2(cur, n: "Names") -> None:
@@ -239,6 +246,18 @@ def _migrate_2_to_3(cur, n: "Names") -> None:
     _create_shared_tables(cur, n)
 
 
+def _migrate_3_to_4(cur, n: "Names") -> None:
+    """Chunks in an object store (``agck_objects``): an object's ``data`` may be NULL
+    (its bytes are in that store), ``gc`` names the store, and ``doomed`` holds what
+    the collector is deleting from it. Stores without one are unchanged."""
+    cur.execute(f"""
+        ALTER TABLE {n.objects} ALTER COLUMN data DROP NOT NULL;
+        ALTER TABLE {n.gc} ADD COLUMN IF NOT EXISTS objects text, ADD COLUMN IF NOT EXISTS objects_id text;
+        CREATE TABLE IF NOT EXISTS {n.doomed} (address bytea PRIMARY KEY);
+        ALTER TABLE IF EXISTS {n.quarantine} ALTER COLUMN data DROP NOT NULL;""")
+
+
 # Steps from version N to N+1, each run inside the migrate() transaction: {N: fn(cursor, names)}.
-MIGRATIONS: dict[int, Callable[[Any, "Names"], None]] = {1: _migrate_1_to_2, 2: _migrate_2_to_3}
+MIGRATIONS: dict[int, Callable[[Any, "Names"], None]] = {1: _migrate_1_to_2, 2: _migrate_2_to_3,
+                                                        3: _migrate_3_to_4}
 

@@ -48,6 +48,7 @@ import os
 import shlex
 import threading
 import time
+import uuid
 from typing import Any, Callable, TypeVar
 
 import psycopg2
@@ -57,11 +58,12 @@ import psycopg2.extensions
 from .. import codec, failpoints
 from ..checkpoint import Checkpoint
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
-                      DurabilityError, SchemaUninitializedError, StoreConnectionError, StoreError)
+                      DurabilityError, SchemaUninitializedError, StoreConnectionError, StoreError, UsageError)
 from ..memory import new_buffer
 from . import content, pgschema
 from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
 from .dsn import dsn_secrets, dsn_without_password, redact_dsn
+from .objchunks import REQUESTS, ObjectChunks
 from .pgcopy import COPY_IO_SIZE, CopyIn, CopyOut
 from .pgobjects import Refused, SharedObjects
 from .pgschema import SCHEMA_VERSION, XACT_LOCK, XACT_LOCK_SHARED, Names
@@ -138,7 +140,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
                  chunk_size: int = DEFAULT_CHUNK_SIZE, init: bool = False, check_schema: bool = True,
                  connect_timeout: int = 10, incremental: bool = True,
                  full_every: int | None = None, min_chunked: int = MIN_CHUNKED,
-                 verify_reused: str = content.DEFAULT_VERIFY_REUSED):
+                 verify_reused: str = content.DEFAULT_VERIFY_REUSED, objects: "str | ObjectChunks | None" = None):
         super().__init__()
         if not isinstance(url, str) or not url:
             raise StoreConnectionError(f"not a Postgres URL: {type(url).__name__}",
@@ -157,10 +159,13 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
         self._inherited = []      # a parent's connections, kept open: closing one would end the parent's session
         self._connect()
         self.names = Names(self._conn, self.prefix, self.schema, self.url)
+        self._objects: ObjectChunks | None = None
         if init:
             self.init_schema()
         elif check_schema:
             self._check_schema()
+        if init or check_schema:
+            self._objects = self._object_store(objects)
 
     # -- connection ------------------------------------------------------------------
     def _connect(self) -> None:
@@ -249,10 +254,43 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
         text = f"run `{cmd}`" + (" with the password added" if self._secrets else "")
         return f"{text}, {alternative}" if alternative else text
 
+    def _object_store(self, given: "str | ObjectChunks | None") -> "ObjectChunks | None":
+        """The object store holding this catalog's chunks: the one it was bound to
+        (``{prefix}_gc.objects``), or ``given``, bound to it now (:mod:`.objchunks`)."""
+        n = self.names
+        (url,) = self._query(f"SELECT objects FROM {n.gc}")[0]
+        if given is None:
+            return ObjectChunks(url) if url is not None else None
+        ext = given if isinstance(given, ObjectChunks) else ObjectChunks(given)
+
+        def same(url: str) -> bool:
+            c = ext.c if url == ext.url else ObjectChunks(url).c
+            return (c.bucket, c.prefix) == (ext.c.bucket, ext.c.prefix)
+
+        def bind(cur):
+            cur.execute(f"SELECT objects, objects_id FROM {n.gc} FOR UPDATE")
+            url, catalog = cur.fetchone()
+            if url is None:
+                catalog = uuid.uuid4().hex
+                ext.bind(catalog, n.where)
+                cur.execute(f"UPDATE {n.gc} SET objects = %s, objects_id = %s", (ext.url, catalog))
+            elif not same(url):
+                raise UsageError(f"this catalog keeps its chunks at {url}, not at {ext.url}", ref=n.where,
+                                 hint="open it with that agck_objects, or without one")
+
+        if url is None:
+            self._transaction("BEGIN; " + XACT_LOCK, (n.schema_lock,), bind, "binding the object store failed",
+                              n.where)
+        elif not same(url):
+            raise UsageError(f"this catalog keeps its chunks at {url}, not at {ext.url}", ref=n.where,
+                             hint="open it with that agck_objects, or without one")
+        return ext
+
     def _open_parts(self, create: bool) -> "PostgresStore | None":
         try:
             return PostgresStore(self._dsn, prefix=parts_prefix(self.prefix), schema=self.schema,
                                  chunk_size=self.chunk_size, init=create, connect_timeout=self._connect_timeout,
+                                 objects=self._objects.child("parts") if self._objects is not None else None,
                                  **self._policy())
         except SchemaUninitializedError:
             if create:
@@ -261,6 +299,8 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
 
     def close(self) -> None:
         super().close()
+        if self._objects is not None:
+            self._objects.close()
         with self._lock:
             self._closed = True
             if self._conn is not None and self._pid == os.getpid():
@@ -358,6 +398,8 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
                 generation, found, lengths = cur.fetchone()
                 found = [bytes(a) for a in found]
                 sizes = dict(zip(found, lengths)) if sized else {}
+                if self._objects is not None and sized:    # a row without data: the stored size is the object's
+                    sizes.update(self._objects.sizes([a for a, k in sizes.items() if k is None]))
                 found += self._still_known(cur, generation, [] if sized else addresses)
                 if self.verify_reused != "none":
                     self._heal_reused(cur, plans, {a: sizes.get(a) for a in found}, found)
@@ -621,14 +663,17 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
             buf = pending.result()
             check_checksum(buf, checksum, ref)
             addresses = content.listed_addresses(buf, verify=verify, ref=ref)
-            return buf, addresses, self._read_objects(cur, addresses) if addresses is not None else {}
+            return buf, addresses, self._read_objects(cur, addresses, external=False) if addresses is not None else {}
 
-        # One snapshot for the manifest, the chunk layout, the data and the objects.
+        # One snapshot for the manifest, the chunk layout, the data and the objects held in the
+        # database; objects in an object store are read after, each straight into its place.
         buf, addresses, found = self._transaction(
             "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; " + layout.format(data="", agg=""), (run, step),
             streamed, "read failed", ref)
+        outside = {} if self._objects is None or addresses is None else \
+            {"fetch_into": self._fetch_into(found), "fetch_threads": REQUESTS}
         return decode_read(self, buf, found, addresses, run=run, step=step, verify=verify,
-                           map_location=map_location, ref=ref)
+                           map_location=map_location, ref=ref, **outside)
 
     # -- housekeeping ------------------------------------------------------------------------
     def _orphan_where(self, run: str | None) -> tuple[str, tuple]:

@@ -49,11 +49,12 @@ from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError,
 from . import content, s3log
 from ..names import is_run_name
 from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
+from .objchunks import CATALOG_MARKER, STORE_MARKER, address_of, chunk_key
 from .objclient import ObjectClient, ObjectExists, ObjectInfo
 
 log = logging.getLogger("agck")
 
-MARKER = "agck-store"
+MARKER = STORE_MARKER
 STALE_AFTER = 600.0        # seconds a lock stands without a refresh (server clock)
 REFRESH_EVERY = STALE_AFTER / 4
 LOCK_WAIT = 900.0          # how long a writer or collector waits for the other before giving up
@@ -67,21 +68,6 @@ _APPEND_TRIES = 1000       # a commit racing other writers of the same run
 
 def _token() -> str:
     return uuid.uuid4().hex[:16]
-
-
-def chunk_key(address: bytes) -> str:
-    h = address.hex()
-    return f"chunks/{h[:2]}/{h[2:]}"
-
-
-def _address_of(key: str) -> bytes | None:
-    parts = key.split("/")
-    if len(parts) != 3 or len(parts[1]) != 2 or len(parts[2]) != 62:
-        return None
-    try:
-        return bytes.fromhex(parts[1] + parts[2])
-    except ValueError:
-        return None
 
 
 class S3Store(Store):
@@ -119,6 +105,9 @@ class S3Store(Store):
         if not create:
             raise StoreConnectionError("no agck store at this prefix", ref=self.url,
                                        hint="check the URL; agck.open_store(url) creates a store there")
+        if self.c.head(CATALOG_MARKER) is not None:
+            raise UsageError("this prefix holds the chunks of a database catalog (agck_objects), which a store "
+                             "here would delete as garbage", ref=self.url, hint="give the s3 store a prefix of its own")
         try:
             self.c.put(MARKER, json.dumps({"agck_store": 1}).encode(), create=True)
         except ObjectExists:
@@ -571,7 +560,7 @@ class S3Store(Store):
         with self._locked(exclusive=True) as held:
             folds = self._folds()
             live, count, damaged = content.live_chunks(self._listings(folds))
-            stored = [(a, o) for o in self.c.list("chunks/") if (a := _address_of(o.key)) is not None]
+            stored = [(a, o) for o in self.c.list("chunks/") if (a := address_of(o.key)) is not None]
             dead = [(a, o) for a, o in stored if a not in live]
             if dead:
                 held.check()
@@ -635,7 +624,7 @@ class S3Store(Store):
         with self._locked():
             listings = [(ref, lambda load=load, ref=ref: content.listed_addresses(load(), verify=True, ref=ref))
                         for ref, load in self._listings(self._folds())]
-            chunks = [(a, o) for o in self.c.list("chunks/") if (a := _address_of(o.key)) is not None]
+            chunks = [(a, o) for o in self.c.list("chunks/") if (a := address_of(o.key)) is not None]
             return content.scrub(self.url, listings, self._prefetched(chunks), progress)
 
     def _prefetched(self, chunks: list[tuple[bytes, ObjectInfo]]):

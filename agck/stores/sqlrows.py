@@ -183,13 +183,13 @@ class TransactionalPuts:
 
 
 def decode_read(store: "Store", buf, found: dict, addresses: list[bytes] | None, *, run: str, step: int, verify,
-                map_location, ref: str):
+                map_location, ref: str, fetch_into=None, fetch_threads: int | None = None):
     """The checkpoint a SQL store read: its container ``buf`` and, for a listing, the
-    objects found for ``addresses``. Chunks found damaged or missing are quarantined
-    before the error is raised."""
+    objects found for ``addresses`` (or ``fetch_into``: :func:`content.decode`). Chunks
+    found damaged or missing are quarantined before the error is raised."""
     try:
         ck = content.decode(buf, content.fetcher(found, addresses or []), verify=verify, map_location=map_location,
-                            ref=ref)
+                            ref=ref, fetch_into=fetch_into, fetch_threads=fetch_threads)
     except DamagedChunkError as e:
         store._damage_found(e)
         raise
