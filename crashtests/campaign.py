@@ -50,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -57,9 +58,11 @@ from . import checker, pgcluster, s3server
 from .checker import FAULTS, STORES, Trial
 from .report import exit_code, markdown, report, write_report
 
-__all__ = ["STORES", "FAULTS", "PREFIX", "Config", "Campaign", "report", "markdown", "write_report", "exit_code"]
+__all__ = ["STORES", "FAULTS", "PREFIX", "PG_STORES", "Config", "Campaign", "report", "markdown", "write_report", "exit_code"]
 
-PREFIX = {"file": "file.", "sqlite": "sqlite.", "postgres": "pg.", "s3": "s3."}
+# each store's fail points; "pgs3" is a Postgres store whose chunks are in the object store (agck_objects)
+PREFIX = {"file": ("file.",), "sqlite": ("sqlite.",), "postgres": ("pg.",), "s3": ("s3.",), "pgs3": ("pg.", "pgobj.")}
+PG_STORES = ("postgres", "pgs3")    # stores whose workloads hold a Postgres connection
 S3_BUCKET = "agck-crash"
 REPO = checker.REPO
 
@@ -171,12 +174,12 @@ class Campaign:
     # -- setup -------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
-        if "postgres" in cfg.stores:
+        if set(PG_STORES) & set(cfg.stores):
             reason = pgcluster.available()
             if reason:
                 self.pg_skipped = reason
-                self.notes.append(f"postgres skipped: {reason}")
-                cfg.stores = tuple(s for s in cfg.stores if s != "postgres")
+                self.notes.append(f"{', '.join(s for s in cfg.stores if s in PG_STORES)} skipped: {reason}")
+                cfg.stores = tuple(s for s in cfg.stores if s not in PG_STORES)
             else:
                 _log(cfg, "starting a private Postgres cluster")
                 self.cluster = pgcluster.PgCluster().start()
@@ -188,15 +191,15 @@ class Campaign:
                 for db in ("crash", "corrupt"):
                     PostgresStore(self.cluster.dsn(db), init=True).close()
                 self.urls["postgres"] = self.cluster.dsn("crash")
-        if "s3" in cfg.stores:
+        if {"s3", "pgs3"} & set(cfg.stores):
             reason = s3server.seaweed_available()
             try:
                 import obstore  # noqa: F401
             except ImportError:
                 reason = reason or "obstore not installed"
             if reason:
-                self.notes.append(f"s3 skipped: {reason}")
-                cfg.stores = tuple(s for s in cfg.stores if s != "s3")
+                self.notes.append(f"{', '.join(s for s in cfg.stores if s in ('s3', 'pgs3'))} skipped: {reason}")
+                cfg.stores = tuple(s for s in cfg.stores if s not in ("s3", "pgs3"))
             else:
                 _log(cfg, "starting a private SeaweedFS server")
                 for k, v in s3server.CREDENTIALS.items():     # the workloads inherit them
@@ -204,11 +207,21 @@ class Campaign:
                 self.s3 = s3server.Seaweed(self.work).start()
                 self.s3.bucket(S3_BUCKET)
                 self.urls["s3"] = self.s3_url("kill")
+        if "pgs3" in cfg.stores:
+            self.urls["pgs3"] = self.catalog_url("crash", "cat", "kill-catalog")
+            from agck.stores import open_store
+            open_store(self.urls["pgs3"], init=True).close()      # its tables, bound to its object prefix
         self.urls["file"] = os.path.join(self.work, "kill-file")
         self.urls["sqlite"] = f"sqlite:///{self.work}/kill.db"
 
     def s3_url(self, prefix: str) -> str:
         return self.s3.url(S3_BUCKET, prefix)
+
+    def catalog_url(self, db: str, prefix: str, objects: str) -> str:
+        """A Postgres store of the private cluster (tables ``prefix``) whose chunks are in the
+        object store under ``objects``, as one URL (agck_prefix, agck_objects)."""
+        return (self.cluster.dsn(db) + f"&agck_prefix={prefix}&agck_objects="
+                + urllib.parse.quote(self.s3_url(objects), safe=":/"))
 
     def cleanup(self) -> None:
         if self.s3 is not None:
@@ -277,7 +290,7 @@ class Campaign:
         slow = 1.0 if self.cfg.jobs == 1 else 1.25
         for s in STORES:
             # every Postgres commit waits commit_delay (100 ms) in the crash database
-            extra = 0.12 * (self.cfg.steps // self.cfg.every) if s == "postgres" else 0.0
+            extra = 0.12 * (self.cfg.steps // self.cfg.every) if s in PG_STORES else 0.0
             self.est[s] = (total - opened + extra) * slow
         _log(self.cfg, f"reference run: {total:.1f}s (imports done at {opened:.1f}s, first ack at "
                        f"{self.ref['first_ack']:.1f}s), final hash {out['final_hash']}")
@@ -323,7 +336,7 @@ class Campaign:
 
     def _client_url(self, t: Trial) -> str:
         """The workload's URL: for Postgres, tagged with the run so that its backend can be found."""
-        return f"{t.url}&application_name={t.run}" if t.store == "postgres" else t.url
+        return f"{t.url}&application_name={t.run}" if t.store in PG_STORES else t.url
 
     def _wait_backend_gone(self, t: Trial, timeout: float = 60.0) -> None:
         """A killed client's backend may still be executing its COMMIT (commit_delay holds it there):

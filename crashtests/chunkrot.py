@@ -177,6 +177,13 @@ def trials(c) -> None:
                 from agck.stores.s3 import S3Store
                 url = c.s3_url(f"chunkrot-{i}")
                 def opener(mode, url=url): return S3Store(url, verify_reused=mode)
+            elif s == "pgs3":
+                from agck.stores.postgres import PostgresStore
+                url = c.catalog_url("corrupt", f"catrot{i}", f"catrot-{i}")
+                objects = c.s3_url(f"catrot-{i}")
+                def opener(mode, i=i, objects=objects):
+                    return PostgresStore(c.cluster.dsn("corrupt"), prefix=f"catrot{i}", init=True,
+                                         verify_reused=mode, objects=objects)
             else:
                 from agck.stores.postgres import PostgresStore
                 url = c.cluster.dsn("corrupt") + f"&agck_prefix=rot{i}"

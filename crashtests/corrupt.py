@@ -315,6 +315,10 @@ def trials(c: Campaign) -> None:
             from agck.stores.s3 import S3Store
             url = c.s3_url("corrupt")
             stores = [S3Store(url)]
+        elif s == "pgs3":      # the listings are rows as on Postgres; the chunks are in the object store
+            from agck.stores import open_store
+            url = c.catalog_url("corrupt", "catcorrupt", "corrupt-catalog")
+            stores = [open_store(url, init=True)]
         else:
             from agck.stores.postgres import PostgresStore
             url = c.cluster.dsn("corrupt")

@@ -23,7 +23,7 @@ import signal
 import subprocess
 import time
 
-from .campaign import PREFIX, Campaign, _log
+from .campaign import PG_STORES, PREFIX, Campaign, _log
 from .checker import Trial
 
 
@@ -38,7 +38,7 @@ def trials(c: Campaign) -> None:
                 t = c._new_trial(store, "kill", "k", c.urls[store])
                 jobs.append((t, None, c.rng.choice(("sync", "async"))))
         if "failpoint" in cfg.faults:
-            points = [p for p in POINTS if p.startswith((PREFIX[store], "snapshot."))]
+            points = [p for p in POINTS if p.startswith(PREFIX[store] + ("snapshot.",))]
             for j in range(cfg.n(store, "failpoint")):
                 point = points[j % len(points)]
                 action = "raise" if j % 10 == 9 else "kill"   # now and then an EIO instead
@@ -107,7 +107,7 @@ def trial(c: Campaign, t: Trial, spec: str | None, mode: str) -> None:
             with c._lock:
                 c.est[t.store] = max(c.est[t.store], took * 1.05)
         t.detail = "finished before the fault"
-    if t.store == "postgres":
+    if t.store in PG_STORES:
         c._wait_backend_gone(t)
     c._check(t, d)
 

@@ -16,17 +16,31 @@ round by round:
   parallel download of the same bytes (ranged GETs of 8 MiB, 16 in flight),
   two passes per round in flipped orders (the first reads after large writes
   are the server's slowest);
+- **catalog**, when Postgres answers at --dsn (default ``AGCK_TEST_DSN``): the
+  same put and get through a Postgres store whose chunks go to the bucket
+  (``agck_objects``: chunks uploaded, then one transaction of their rows and the
+  listing), and through a plain Postgres store (every byte through COPY and the
+  WAL), in the same rounds;
 - **frozen base**: 1 GiB that does not change and 2 MiB that do, checkpointed
   ten times: bytes uploaded per checkpoint against the state, the requests
-  each checkpoint makes, and its time.
+  each checkpoint makes, and its time;
+- **a few KB changed**: 64 MiB of frozen tensors and 256 small values of 4 KiB,
+  one of which changes per checkpoint: the requests each checkpoint makes;
+- **ranks**: --ranks processes (default 4) each writing its part of --rank-mib
+  MiB (default 256) at once (``sharded.put_part`` into the store's parts, then
+  the commit record), against the same processes each uploading the same bytes
+  raw (parallel multipart); the time is from the start shared by all to the
+  last one's end, and the commit for the store.
 
 Targets (issue: object storage): put and get >= 0.9x raw; a frozen-base
-checkpoint uploads <= 5% of the state.
+checkpoint uploads <= 5% of the state; 4 ranks >= 0.9x four raw uploads; the
+catalog's put at the object store's speed, not the WAL's.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -62,6 +76,63 @@ def raw_get(client, key: str, size: int, pool: ThreadPoolExecutor) -> np.ndarray
     return out
 
 
+def _rank(rank: int, world: int, url: str, case: str, mib: int, epoch: int, barrier, out) -> None:
+    """One rank: its part of new content put into the store's parts (or the same bytes
+    uploaded raw), started with the others; reports (start, end, nonce)."""
+    from agck import sharded
+    from agck.stores.objclient import ObjectClient
+    from agck.stores.s3 import S3Store
+    state = _state(mib << 20, 100 + rank)
+    blob = memoryview(np.concatenate([t.view(np.uint8) for t in state.values()]))
+    raw = ObjectClient(url)
+    parts = S3Store(url).parts_store()
+    nonce = sharded.new_nonce()
+    barrier.wait()
+    t0 = time.monotonic()
+    if case == "raw":
+        raw_put(raw, f"raw/rank-{rank}", blob)
+    else:
+        sharded.put_part(parts, "bench", 1, epoch, rank, world, nonce, state)
+    out.put((rank, t0, time.monotonic(), nonce))
+
+
+def ranks_case(url: str, case: str, world: int, mib: int) -> float:
+    """Seconds from the ranks' shared start to the last one's end (and the commit)."""
+    from agck import sharded
+    from agck.stores.s3 import S3Store
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(world), ctx.Queue()
+    epoch = 0
+    if case == "store":
+        with S3Store(url) as store:
+            epoch = store.begin_epoch("bench")
+    procs = [ctx.Process(target=_rank, args=(r, world, url, case, mib, epoch, barrier, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = sorted(out.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join()
+    took = max(e for _, _, e, _ in got) - min(s for _, s, _, _ in got)
+    if case == "store":
+        t0 = time.monotonic()
+        with S3Store(url) as store:
+            sharded.commit_step(store, "bench", 1, epoch, [n for *_, n in got])
+        took += time.monotonic() - t0
+    return took
+
+
+def _postgres(dsn: str | None):
+    if not dsn:
+        return None
+    try:
+        import psycopg2
+        psycopg2.connect(dsn, connect_timeout=3).close()
+    except Exception as e:  # noqa: BLE001 - reported: the catalog rows are left out
+        print(f"no Postgres at {dsn} ({str(e).strip().splitlines()[0]}): catalog cases left out", file=sys.stderr)
+        return None
+    return dsn
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size-mib", type=int, default=1024)
@@ -70,9 +141,13 @@ def main(argv=None) -> int:
     p.add_argument("--endpoint", default=None, help="a running S3 server instead of a private SeaweedFS")
     p.add_argument("--bucket", default="agck-bench")
     p.add_argument("--frozen-puts", type=int, default=10)
+    p.add_argument("--dsn", default=os.environ.get("AGCK_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/test"),
+                   help="Postgres for the catalog cases ('' leaves them out)")
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--rank-mib", type=int, default=256)
     a = p.parse_args(argv)
+    dsn = _postgres(a.dsn)
 
-    import agck
     from agck.stores.objclient import ObjectClient
     from agck.stores.s3 import S3Store
 
@@ -81,22 +156,34 @@ def main(argv=None) -> int:
     state = _state(total, 0)
     blob = memoryview(np.concatenate([t.view(np.uint8) for t in state.values()]))
     pool = ThreadPoolExecutor(16)
-    rows: dict[str, list[float]] = {"raw put": [], "store put": [], "raw get": [], "store get": []}
+    kinds = ["raw", "store"] + (["catalog", "pg"] if dsn else [])
+    rows: dict[str, list[float]] = {f"{k} {op}": [] for op in ("put", "get") for k in kinds}
+    rows.update({"raw ranks": [], "store ranks": []})
     requests = []
+    try:
+        from agck.stores.postgres import PostgresStore
+    except ImportError:
+        PostgresStore = None
     try:
         for r in range(a.rounds):
             url = f"s3://{a.bucket}/bench-{os.getpid()}-{r}?endpoint={endpoint}"
             raw = ObjectClient(url)
-            store = S3Store(url)
-            cases = ["raw", "store"] if r % 2 == 0 else ["store", "raw"]
+            stores = {"store": S3Store(url)}
+            if dsn:
+                prefix = f"bench{os.getpid()}_{r}"
+                stores["catalog"] = PostgresStore(dsn, prefix=prefix + "c", init=True,
+                                                  objects=f"s3://{a.bucket}/catalog-{os.getpid()}-{r}"
+                                                          f"?endpoint={endpoint}")
+                stores["pg"] = PostgresStore(dsn, prefix=prefix + "p", init=True)
+            cases = kinds[r % len(kinds):] + kinds[:r % len(kinds)]     # the order rotates round by round
             for case in cases:
                 t0 = time.perf_counter()
                 if case == "raw":
                     raw_put(raw, "raw/blob", blob)
                 else:
-                    store.put("bench", 1, state)
+                    stores[case].put("bench", 1, state)
                 rows[f"{case} put"].append(time.perf_counter() - t0)
-            requests.append(dict(store.c.requests))
+            requests.append(dict(stores["store"].c.requests))
             # two passes of reads, the order flipped in the second: SeaweedFS serves the first
             # reads after a gigabyte of writes slowly, whichever object they are of
             for case in cases + cases[::-1]:
@@ -105,11 +192,19 @@ def main(argv=None) -> int:
                     got = raw_get(raw, "raw/blob", total, pool)
                     assert got.nbytes == total
                 else:
-                    ck = store.get("bench", 1)
+                    ck = stores[case].get("bench", 1)
                     assert ck.state["t0"].nbytes == 64 << 20
                 rows[f"{case} get"].append(time.perf_counter() - t0)
             del ck, got
-            store.close()
+            for case in ("store", "raw") if r % 2 else ("raw", "store"):
+                rows[f"{case} ranks"].append(ranks_case(f"s3://{a.bucket}/ranks-{os.getpid()}-{r}"
+                                                        f"?endpoint={endpoint}", case, a.ranks, a.rank_mib))
+            for k, st in stores.items():
+                if k in ("catalog", "pg"):
+                    n = st.names
+                    st._query(f"DROP TABLE IF EXISTS {n.manifest}, {n.chunks}, {n.objects}, {n.gc}, {n.doomed}, "
+                              f"{n.version} CASCADE; SELECT 1")
+                st.close()
             print(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in rows.items()),
                   file=sys.stderr, flush=True)
 
@@ -132,6 +227,31 @@ def main(argv=None) -> int:
                                                                          "delete")}
                 per.append((up, sum(reqs.values()), reqs, took))
         store.close()
+
+        # a few KB changed: 64 MiB frozen, 256 small values of 4 KiB, one of them changing
+        small_state = {**{f"t{i}": state[f"t{i}"] for i in range(1)},
+                       **{f"s{i}": np.full(1024, i, np.float32) for i in range(256)}}
+        few = {}
+        targets = {"store": S3Store(f"s3://{a.bucket}/few-{os.getpid()}?endpoint={endpoint}")}
+        if dsn:
+            targets["catalog"] = PostgresStore(dsn, prefix=f"bench{os.getpid()}_few", init=True,
+                                               objects=f"s3://{a.bucket}/few-cat-{os.getpid()}?endpoint={endpoint}")
+        for k, st in targets.items():
+            client = st.c if k == "store" else st._objects.c
+            counts = []
+            for i in range(a.frozen_puts + 1):
+                small_state[f"s{i % 256}"] = np.full(1024, 1000 + i, np.float32)
+                before = dict(client.requests)
+                st.put("few", i, small_state)
+                if i:
+                    counts.append({q: client.requests.get(q, 0) - before.get(q, 0)
+                                   for q in ("put", "multipart", "get", "head", "list", "delete")})
+            few[k] = counts
+            if k == "catalog":
+                n = st.names
+                st._query(f"DROP TABLE IF EXISTS {n.manifest}, {n.chunks}, {n.objects}, {n.gc}, {n.doomed}, "
+                          f"{n.version} CASCADE; SELECT 1")
+            st.close()
     finally:
         pool.shutdown()
         if server is not None:
@@ -147,6 +267,23 @@ def main(argv=None) -> int:
         raw_s, st_s = med[f"raw {op}"], med[f"store {op}"]
         print(f"| {op} | {raw_s:.2f} s ({gb / raw_s:.2f} GB/s) | {st_s:.2f} s ({gb / st_s:.2f} GB/s) | "
               f"{raw_s / st_s:.2f}x |")
+    rgb = a.ranks * (a.rank_mib << 20) / 1e9
+    raw_s, st_s = med["raw ranks"], med["store ranks"]
+    print(f"| {a.ranks} ranks' parts at once, {a.rank_mib} MiB each | {raw_s:.2f} s ({rgb / raw_s:.2f} GB/s) | "
+          f"{st_s:.2f} s ({rgb / st_s:.2f} GB/s) | {raw_s / st_s:.2f}x |")
+    if dsn:
+        print("\nPostgres catalog, chunks in the bucket (agck_objects), against a plain Postgres store "
+              "(every byte through COPY and the WAL), same run:\n")
+        print("| case | raw upload/download | catalog + bucket | plain Postgres | catalog / raw | catalog / Postgres |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for op in ("put", "get"):
+            raw_s, cat_s, pg_s = med[f"raw {op}"], med[f"catalog {op}"], med[f"pg {op}"]
+            print(f"| {op} | {raw_s:.2f} s | {cat_s:.2f} s ({gb / cat_s:.2f} GB/s) | {pg_s:.2f} s "
+                  f"({gb / pg_s:.2f} GB/s) | {raw_s / cat_s:.2f}x | {pg_s / cat_s:.2f}x |")
+    for k, counts in few.items():
+        tot = [sum(c.values()) for c in counts]
+        print(f"\na few KB changed ({k}): requests per checkpoint median {statistics.median(tot):.0f} "
+              f"(max {max(tot)}; last {counts[-1]})")
     req = requests[-1]
     print(f"\nrequests of one put of new content: {req}")
     ups = [u for u, *_ in per]
@@ -163,6 +300,13 @@ def main(argv=None) -> int:
           f"({med['raw get'] / med['store get']:.2f}x)")
     print(f"frozen base uploads <= 5% of the state per checkpoint: {'PASS' if ok_frozen else 'FAIL'} "
           f"({statistics.median(ups) / total:.2%})")
+    ratio = med["raw ranks"] / med["store ranks"]
+    print(f"{a.ranks} ranks >= 0.9x {a.ranks} raw parallel uploads: {'PASS' if ratio >= 0.9 else 'FAIL'} "
+          f"({ratio:.2f}x)")
+    if dsn:
+        cat, pg = med["raw put"] / med["catalog put"], med["pg put"] / med["catalog put"]
+        print(f"catalog put at the object store's speed (>= 0.9x raw), not the WAL's: "
+              f"{'PASS' if cat >= 0.9 else 'FAIL'} ({cat:.2f}x raw, {pg:.2f}x the plain Postgres store)")
     return 0
 
 

@@ -165,7 +165,7 @@ def _child_round_trip(rank, world, spec, out):
                         "step": reader.commit.step, "again": again})
 
 
-@pytest.mark.parametrize("backend", ["file", "sqlite", "postgres"])
+@pytest.mark.parametrize("backend", ["file", "sqlite", "postgres", "s3", "postgres-s3"])
 def test_two_ranks_save_and_load_bit_exact(backend, request, tmp_path):
     spec = make_spec(backend, request, tmp_path)
     out = tmp_path / "out"
