@@ -11,6 +11,8 @@ disturb each other):
                  workload commits, restarted;
 * ``s3kill``     (:mod:`crashtests.s3kill`) the private SeaweedFS server killed while a
                  workload writes to it, restarted;
+* ``netcut``     (:mod:`crashtests.netcut`) the connections to the object store reset
+                 mid-request by a proxy, client and server left up;
 * ``powerloss``  (:mod:`crashtests.powerloss`) file store on SimFS, power cut at operation N;
 * ``corrupt``    (:mod:`crashtests.corrupt`) a stored checkpoint damaged; recovery must
                  reject it and walk back to the newest intact one;
@@ -117,6 +119,7 @@ class Campaign:
         self.pg_skipped: str | None = None
         self.s3: s3server.Seaweed | None = None
         self.s3_kills = 0
+        self.proxy = None                     # the fault proxy of the netcut trials
 
     # -- trials and the time limit ---------------------------------------------------------
     def _new_trial(self, store: str, fault: str, run_prefix: str, url: str) -> Trial:
@@ -511,14 +514,15 @@ class Campaign:
     # -- the whole campaign --------------------------------------------------------------------
     def run(self) -> dict:
         # the fault kinds' modules import this one: imported once it is whole
-        from . import chunkrot, corrupt, dist, kill, pgkill, powerloss, s3kill, stale
+        from . import chunkrot, corrupt, dist, kill, netcut, pgkill, powerloss, s3kill, stale
         cfg = self.cfg
         t0 = time.monotonic()
         try:
             self.setup()
-            if set(cfg.faults) & {"kill", "failpoint", "pgkill", "s3kill", "stale"} and self._time_left():
+            if set(cfg.faults) & {"kill", "failpoint", "pgkill", "s3kill", "stale", "netcut"} and self._time_left():
                 self.reference()
             kill.trials(self)
+            netcut.trials(self)
             stale.trials(self)
             dist.trials(self)
             pgkill.trials(self)

@@ -143,3 +143,63 @@ def test_large_tensors_are_cut_on_the_stores_grid(url):
     for bad in (3 << 20, 1 << 10, 128 << 20, "8M"):
         with pytest.raises(UsageError, match="power of two"):
             agck.open_store(url, chunk_grid=bad)
+
+
+@pytest.mark.parametrize("kind", ["s3", "catalog"])
+def test_connections_cut_mid_request_lose_nothing_acknowledged(seaweed, kind, request):
+    """A proxy between the client and the server resets every connection at random
+    instants while checkpoints are put: each put either returns, and reads back
+    bit-exact through a clean connection, or raises an AgckError; no step is ever
+    half there."""
+    from urllib.parse import urlsplit
+
+    from agck.errors import AgckError
+    from crashtests.faultproxy import FaultProxy
+    from conftest import pg_prefix
+
+    direct = s3_url(seaweed)
+    proxy = FaultProxy("127.0.0.1", urlsplit(seaweed.endpoint).port)
+    cut = direct.replace(seaweed.endpoint, proxy.endpoint)
+    if kind == "s3":
+        def opener(url): return agck.open_store(url)
+    else:
+        dsn, schema = request.getfixturevalue("pg_dsn"), request.getfixturevalue("pg_schema")
+        prefix = pg_prefix()
+        agck.open_store(dsn, prefix=prefix, schema=schema, init=True, objects=direct).close()
+
+        def opener(url):    # the catalog as it was bound, its chunks reached through ``url``
+            s = agck.open_store(dsn, prefix=prefix, schema=schema)
+            s._objects = __import__("agck.stores.objchunks", fromlist=["x"]).ObjectChunks(url)
+            return s
+    rng = np.random.default_rng(5)
+    base = rng.standard_normal((24 << 20) // 8)
+    stop = threading.Event()
+
+    def cutter():
+        r = np.random.default_rng(6)
+        while not stop.wait(float(r.uniform(0.01, 0.15))):
+            proxy.cut()
+
+    acked, failed = [], []
+    store = opener(cut)
+    t = threading.Thread(target=cutter)
+    t.start()
+    try:
+        for step in range(1, 13):
+            try:
+                store.put("r", step, {"w": base + step, "step": step})
+                acked.append(step)
+            except AgckError as e:
+                failed.append((step, type(e).__name__))
+    finally:
+        stop.set()
+        t.join()
+        store.close()
+        proxy.close()
+    assert proxy.reset > 0, "the proxy cut no connection"
+    with opener(direct) as clean:
+        present = clean.steps("r")
+        assert set(acked) <= set(present), (acked, present, failed)
+        for step in present:
+            ck = clean.get("r", step)
+            np.testing.assert_array_equal(ck.state["w"], base + step)

@@ -6,7 +6,12 @@ GIL a pipeline's writer thread needs): put (overwriting, or create-only with
 ``If-None-Match: *``), get (whole, or into a caller's buffer), head, list under
 a prefix, delete. Errors become agck's: a write that failed without an answer
 "may or may not have been written" (:class:`DurabilityError`); a server that
-cannot be reached is a :class:`StoreConnectionError`.
+cannot be reached is a :class:`StoreConnectionError`. A request that failed
+without an answer from the server (a connection reset or refused, a timeout) is
+sent again, :data:`TRANSPORT_RETRIES` times with a growing pause, on top of the
+client's own retries: every request here may be repeated (a create-only PUT whose
+first try went through answers "exists" the second time, and its callers ask
+whether the object there is theirs).
 
 Where a bucket is and who may use it: the URL ``s3://bucket/prefix`` with
 optional parameters (``endpoint``, ``region``, ``profile``, ``allow_http``),
@@ -19,7 +24,9 @@ of ``url`` or of any message.
 from __future__ import annotations
 
 import os
+import re
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator
@@ -28,11 +35,13 @@ from urllib.parse import parse_qsl, unquote
 from ..errors import DependencyError, DurabilityError, StoreConnectionError, StoreError, UsageError
 
 SCHEMES = ("s3://",)
+_STATUS_RE = re.compile(r"status(?: code)?[:= ]+(\d{3})", re.IGNORECASE)
 # URL parameters agck reads itself; any other is refused by name (a typo must not be ignored).
 _PARAMS = ("endpoint", "region", "profile", "allow_http")
 MULTIPART_PART = 8 << 20        # bytes per part of a multipart upload
 MULTIPART_MIN = 16 << 20        # below this an object goes up in one request
 UPLOAD_CONCURRENCY = 8          # parts in flight per multipart upload
+TRANSPORT_RETRIES = 5           # a request that got no answer, sent again (0.1 s, then twice as long each time)
 
 
 class ObjectExists(StoreError):
@@ -139,12 +148,26 @@ class ObjectClient:
         """The "directories" right under ``prefix`` (which ends with '/'), as keys ending with '/'."""
         self._count("list")
         try:
-            found = self._ob.list_with_delimiter(self._store, prefix)
+            found = self._again(lambda: self._ob.list_with_delimiter(self._store, prefix))
         except self._missing:
             return []
         except Exception as e:
             raise self._error(e, prefix, "list objects") from None
         return [p.rstrip("/") + "/" for p in found["common_prefixes"]]
+
+    def _again(self, fn):
+        """``fn()``, sent again while it fails without the server's answer (see the module)."""
+        for attempt in range(TRANSPORT_RETRIES + 1):
+            try:
+                return fn()
+            except (*self._missing, *self._taken, PermissionError, self._ob.exceptions.PermissionDeniedError,
+                    self._ob.exceptions.UnauthenticatedError):
+                raise
+            except Exception as e:
+                if attempt == TRANSPORT_RETRIES or not _no_answer(e):
+                    raise
+                self._count("retry")
+                time.sleep(0.1 * 2 ** attempt)
 
     def _count(self, kind: str, nbytes: int = 0) -> None:
         with self._count_lock:
@@ -184,14 +207,14 @@ class ObjectClient:
         self._count("put", n) if create or n < MULTIPART_MIN else self._count("multipart", n)
         try:
             if create:
-                body = parts[0] if len(parts) == 1 else b"".join(parts)
-                self._ob.put(self._store, key, _flat(body), mode="create", use_multipart=False)
+                body = _flat(parts[0] if len(parts) == 1 else b"".join(parts))
+                self._again(lambda: self._ob.put(self._store, key, body, mode="create", use_multipart=False))
             elif n >= MULTIPART_MIN:
-                self._ob.put(self._store, key, [_flat(p) for p in parts], use_multipart=True,
-                             chunk_size=MULTIPART_PART, max_concurrency=UPLOAD_CONCURRENCY)
+                self._again(lambda: self._ob.put(self._store, key, [_flat(p) for p in parts], use_multipart=True,
+                                                 chunk_size=MULTIPART_PART, max_concurrency=UPLOAD_CONCURRENCY))
             else:
-                body = parts[0] if len(parts) == 1 else b"".join(parts)
-                self._ob.put(self._store, key, _flat(body), use_multipart=False)
+                body = _flat(parts[0] if len(parts) == 1 else b"".join(parts))
+                self._again(lambda: self._ob.put(self._store, key, body, use_multipart=False))
         except self._taken:
             raise ObjectExists("the key is taken", ref=self.ref(key)) from None
         except Exception as e:
@@ -201,7 +224,7 @@ class ObjectClient:
         """Remove ``key``; absent is fine (S3 answers 204 either way)."""
         self._count("delete")
         try:
-            self._ob.delete(self._store, key)
+            self._again(lambda: self._ob.delete(self._store, key))
         except self._missing:
             pass
         except Exception as e:
@@ -212,7 +235,7 @@ class ObjectClient:
         """The bytes at ``key``, None if there is no such object."""
         self._count("get")
         try:
-            return memoryview(self._ob.get(self._store, key).bytes())
+            return memoryview(self._again(lambda: self._ob.get(self._store, key).bytes()))
         except self._missing:
             return None
         except Exception as e:
@@ -222,16 +245,17 @@ class ObjectClient:
         """Read ``key`` into ``view``; its size (which may differ from ``view``'s: the
         caller judges), None if absent. Bytes beyond ``view`` are not kept."""
         self._count("get")
-        try:
-            r = self._ob.get(self._store, key)
+        def read() -> int:
             pos = 0
-            for block in r.stream(min_chunk_size=4 << 20):
+            for block in self._ob.get(self._store, key).stream(min_chunk_size=4 << 20):
                 b = memoryview(block)
                 take = min(b.nbytes, max(0, view.nbytes - pos))
                 if take:
                     view[pos:pos + take] = b[:take]
                 pos += b.nbytes
             return pos
+        try:
+            return self._again(read)
         except self._missing:
             return None
         except Exception as e:
@@ -240,7 +264,7 @@ class ObjectClient:
     def head(self, key: str) -> ObjectInfo | None:
         self._count("head")
         try:
-            m = self._ob.head(self._store, key)
+            m = self._again(lambda: self._ob.head(self._store, key))
         except self._missing:
             return None
         except Exception as e:
@@ -250,13 +274,19 @@ class ObjectClient:
     def list(self, prefix: str, *, after: str | None = None) -> Iterator[ObjectInfo]:
         """The objects whose keys start with ``prefix``, in key order (after ``after``)."""
         self._count("list")
-        try:
-            stream = self._ob.list(self._store, prefix, offset=after, chunk_size=1000)
-            for batch in stream:
-                for m in batch:
-                    yield ObjectInfo(m["path"], m["size"], m["last_modified"].timestamp())
-        except Exception as e:
-            raise self._error(e, prefix, "list objects") from None
+        last = after
+        for attempt in range(TRANSPORT_RETRIES + 1):
+            try:      # a listing cut off is taken up after the last key it gave
+                for batch in self._ob.list(self._store, prefix, offset=last, chunk_size=1000):
+                    for m in batch:
+                        last = m["path"]
+                        yield ObjectInfo(m["path"], m["size"], m["last_modified"].timestamp())
+                return
+            except Exception as e:
+                if attempt == TRANSPORT_RETRIES or not _no_answer(e) or isinstance(e, PermissionError):
+                    raise self._error(e, prefix, "list objects") from None
+                self._count("retry")
+                time.sleep(0.1 * 2 ** attempt)
 
 
 def _flat(p):
@@ -267,6 +297,13 @@ def _flat(p):
 def _seconds(n: float):
     from datetime import timedelta
     return timedelta(seconds=n)
+
+
+def _no_answer(e: Exception) -> bool:
+    """Whether a request failed without a final answer from the server: no HTTP status
+    at all (a reset, a refused connection, a timeout), or a 5xx (the server says: again)."""
+    m = _STATUS_RE.search(str(e))
+    return m is None or m.group(1).startswith("5")
 
 
 def _unreachable(text: str) -> bool:
