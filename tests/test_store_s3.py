@@ -203,3 +203,18 @@ def test_connections_cut_mid_request_lose_nothing_acknowledged(seaweed, kind, re
         for step in present:
             ck = clean.get("r", step)
             np.testing.assert_array_equal(ck.state["w"], base + step)
+
+
+def test_a_collection_keeps_the_newest_fold_snapshots_and_readers_still_fold_every_step(url):
+    from agck.stores import s3, s3log
+    with agck.open_store(url) as s:
+        n = 3 * s3log.snapshot_every(0) + 5
+        for step in range(n):
+            s.put("many", step, {"i": step})
+        snaps = lambda: [o.key for o in s.c.list("runs/many/snap/")]     # noqa: E731
+        assert len(snaps()) == 3
+        s.collect_garbage()
+        assert len(snaps()) == s3.KEEP_SNAPSHOTS
+    with agck.open_store(url) as fresh:
+        assert fresh.steps("many") == list(range(n))
+        assert fresh.get("many").state["i"] == n - 1

@@ -64,6 +64,7 @@ REQUESTS = 16              # requests in flight for one put or read (chunks, rec
 # (STORAGE.md, "at scale": 1 MiB chunks make a 10 TB checkpoint 9.5 million PUTs)
 CHUNK_GRID = 8 << 20
 _APPEND_TRIES = 1000       # a commit racing other writers of the same run
+KEEP_SNAPSHOTS = 2         # fold snapshots a collection leaves per run (the newest)
 
 
 def _token() -> str:
@@ -553,10 +554,20 @@ class S3Store(Store):
             out += [o for o in self.c.list(f"runs/{r}/data/") if o.key not in named and now - o.modified > self.grace]
         return out
 
+    def _old_snapshots(self, folds: dict[str, s3log.RunState]) -> list[ObjectInfo]:
+        """Each run's fold snapshots but the newest ``KEEP_SNAPSHOTS``: a reader starts from
+        the newest it can read (an older one, or none, only costs it more records to fold)."""
+        def old(run: str) -> list[ObjectInfo]:
+            snaps = sorted(((s3log.parse_seq(o.key.rsplit("/", 1)[1]), o) for o in self.c.list(f"runs/{run}/snap/")),
+                           key=lambda x: (x[0] is not None, x[0] or 0))
+            return [o for seq, o in snaps[:-KEEP_SNAPSHOTS] if seq is not None]
+        return [o for found in self._map(old, sorted(folds)) for o in found]
+
     def collect_garbage(self) -> content.Collected:
-        """Delete chunks no committed listing lists, and data objects no record names
+        """Delete chunks no committed listing lists, data objects no record names
         (those younger than ``grace`` are spared: a put in flight uploads its data
-        object before its record). Holds the exclusive lock while it deletes chunks."""
+        object before its record) and each run's older fold snapshots. Holds the
+        exclusive lock while it deletes chunks."""
         with self._locked(exclusive=True) as held:
             folds = self._folds()
             live, count, damaged = content.live_chunks(self._listings(folds))
@@ -566,7 +577,7 @@ class S3Store(Store):
                 held.check()
                 self._new_generation()
                 self._map(lambda item: self.c.delete(item[1].key), dead)
-            orphans = self._orphan_data(folds)
+            orphans = self._orphan_data(folds) + self._old_snapshots(folds)
             # a quarantined copy is evidence while a checkpoint that lists its address is broken;
             # once a put wrote the content again (healed), or nothing lists it, it goes
             kept = {a for a, _ in stored} - {a for a, _ in dead}
