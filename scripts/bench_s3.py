@@ -15,7 +15,8 @@ round by round:
   BLAKE3 address checked, then the container's checksums) against a raw
   parallel download of the same bytes (ranged GETs of 8 MiB, 16 in flight),
   two passes per round in flipped orders (the first reads after large writes
-  are the server's slowest);
+  are the server's slowest); and once more with ``verify=False``, to show what
+  checking every byte costs;
 - **catalog**, when Postgres answers at --dsn (default ``AGCK_TEST_DSN``): the
   same put and get through a Postgres store whose chunks go to the bucket
   (``agck_objects``: chunks uploaded, then one transaction of their rows and the
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
     pool = ThreadPoolExecutor(16)
     kinds = ["raw", "store"] + (["catalog", "pg"] if dsn else [])
     rows: dict[str, list[float]] = {f"{k} {op}": [] for op in ("put", "get") for k in kinds}
-    rows.update({"raw ranks": [], "store ranks": []})
+    rows.update({"raw ranks": [], "store ranks": [], "store get unverified": []})
     requests = []
     try:
         from agck.stores.postgres import PostgresStore
@@ -195,6 +196,9 @@ def main(argv=None) -> int:
                     ck = stores[case].get("bench", 1)
                     assert ck.state["t0"].nbytes == 64 << 20
                 rows[f"{case} get"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()      # the same read without checking a byte: what verifying costs
+            ck = stores["store"].get("bench", 1, verify=False)
+            rows["store get unverified"].append(time.perf_counter() - t0)
             del ck, got
             for case in ("store", "raw") if r % 2 else ("raw", "store"):
                 rows[f"{case} ranks"].append(ranks_case(f"s3://{a.bucket}/ranks-{os.getpid()}-{r}"
@@ -267,6 +271,9 @@ def main(argv=None) -> int:
         raw_s, st_s = med[f"raw {op}"], med[f"store {op}"]
         print(f"| {op} | {raw_s:.2f} s ({gb / raw_s:.2f} GB/s) | {st_s:.2f} s ({gb / st_s:.2f} GB/s) | "
               f"{raw_s / st_s:.2f}x |")
+    raw_s, st_s = med["raw get"], med["store get unverified"]
+    print(f"| get, verify=False (no BLAKE3, no XXH3) | {raw_s:.2f} s | {st_s:.2f} s ({gb / st_s:.2f} GB/s) | "
+          f"{raw_s / st_s:.2f}x |")
     rgb = a.ranks * (a.rank_mib << 20) / 1e9
     raw_s, st_s = med["raw ranks"], med["store ranks"]
     print(f"| {a.ranks} ranks' parts at once, {a.rank_mib} MiB each | {raw_s:.2f} s ({rgb / raw_s:.2f} GB/s) | "

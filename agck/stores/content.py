@@ -363,16 +363,18 @@ def listing(w: format.ContainerWriter, chunks: Chunks, *, run, step, parent, met
 
 def assemble(listed: format.ChunkedContainer, fetch: Callable[[bytes, int], object], *,
              ref: str | None, fetch_into: Callable[[bytes, memoryview], int | None] | None = None,
-             threads: int | None = None) -> memoryview:
+             threads: int | None = None, checked: chunking.CheckedChunks | None = None) -> memoryview:
     """The listed container's bytes, rebuilt from its chunks. ``fetch(address,
     size)`` returns a chunk's bytes (or None if the store lacks it); a store that
     can read a chunk straight into its place passes ``fetch_into(address, view)``
     instead (returns the chunk's size, or None). Sizes are checked here (FORMAT.md
-    12.3: DamagedChunkError); addresses and the container by :func:`decode`."""
+    12.3: DamagedChunkError); addresses and the container by :func:`decode`. With
+    ``fetch_into`` and ``checked``, each chunk is also hashed by the thread that read
+    it, while others are still in flight, and ``checked`` notes those that match."""
     buf = memory.new_buffer(listed.length)   # a uint8 array, not zero-filled
     view = memoryview(buf)
     if fetch_into is not None:
-        _read_into(listed, fetch_into, view, ref, threads)
+        _read_into(listed, fetch_into, view, ref, threads, checked)
         return buf
     pos = 0
     for i, (a, n) in enumerate(zip(listed.addresses, listed.sizes)):
@@ -418,10 +420,12 @@ def _in_shares(listed: format.ChunkedContainer, work: Callable[[int, int, list[i
 
 
 def _read_into(listed: format.ChunkedContainer, fetch_into, view: memoryview, ref: str | None,
-               threads: int | None = None) -> None:
-    """Each chunk read into its place (:func:`_in_shares`)."""
+               threads: int | None = None, checked: chunking.CheckedChunks | None = None) -> None:
+    """Each chunk read into its place (:func:`_in_shares`); hashed there too when
+    ``checked`` is given (a mismatch is left for :func:`_raise_mismatch` to report)."""
 
-    def read(lo: int, hi: int, starts: list[int]) -> None:
+    def read(lo: int, hi: int, starts: list[int]) -> int:
+        hashed = 0
         for i in range(lo, hi):
             a, n = listed.addresses[i], listed.sizes[i]
             got = fetch_into(a, view[starts[i]:starts[i] + n])
@@ -429,8 +433,15 @@ def _read_into(listed: format.ChunkedContainer, fetch_into, view: memoryview, re
                 raise _chunk_error(i, a, "is missing from the store", ref, missing=True)
             if got != n:
                 raise _chunk_error(i, a, f"holds {got} bytes, its listing says {n}", ref)
+            if checked is not None and a not in checked.addresses \
+                    and chunking.address(view[starts[i]:starts[i] + n]) == a:
+                checked.addresses.add(a)     # a set's add is atomic: the reading threads share it
+                hashed += n
+        return hashed
 
-    _in_shares(listed, read, ref=ref, name="agck-read", threads=threads)
+    hashed = _in_shares(listed, read, ref=ref, name="agck-read", threads=threads)
+    if checked is not None:
+        checked.hashed_bytes += sum(hashed)
 
 
 def fetcher(found: dict, addresses: list[bytes]) -> Callable[[bytes, int], object]:
@@ -496,11 +507,13 @@ def decode(buf, fetch: Callable[[bytes, int], object], *, verify: bool, map_loca
     if not format.is_chunked(c.header):
         return checkpoint.decode(c, copy=False, map_location=map_location)
     listed = format.open_chunked(c)                                  # 12.1, 12.2
-    inner = assemble(listed, fetch, ref=ref, fetch_into=fetch_into,   # 12.3: every chunk there, of its size
-                     threads=fetch_threads)
     shared = isinstance(verify, chunking.CheckedChunks)
-    if verify:   # 12.3: and of the bytes its address names
-        _raise_mismatch(verify if shared else chunking.CheckedChunks(), listed, inner, ref)
+    checked = (verify if shared else chunking.CheckedChunks()) if verify else None
+    # 12.3: every chunk there, of its size; read over a network, hashed as it arrives
+    inner = assemble(listed, fetch, ref=ref, fetch_into=fetch_into, threads=fetch_threads,
+                     checked=checked if fetch_threads is not None else None)
+    if verify:   # 12.3: and of the bytes its address names (those not hashed on arrival)
+        _raise_mismatch(checked, listed, inner, ref)
     try:
         # 12.4. Many checkpoints verified together (``shared``): their chunks match their
         # addresses, so the payload is what its writer checksummed and is not hashed
