@@ -218,3 +218,31 @@ def test_a_collection_keeps_the_newest_fold_snapshots_and_readers_still_fold_eve
     with agck.open_store(url) as fresh:
         assert fresh.steps("many") == list(range(n))
         assert fresh.get("many").state["i"] == n - 1
+
+
+def test_a_request_without_an_answer_is_sent_again_and_an_answer_is_not(url, monkeypatch):
+    from agck.errors import DurabilityError, StoreError
+    from agck.stores import objclient
+    monkeypatch.setattr(objclient.time, "sleep", lambda s: None)
+    c = objclient.ObjectClient(url)
+    real = c._ob.put
+    fails = {"n": 2, "text": "Generic S3 error: error sending request: connection reset by peer"}
+
+    def flaky(*args, **kwargs):
+        if fails["n"]:
+            fails["n"] -= 1
+            raise RuntimeError(fails["text"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(c, "_ob", type("Ob", (), {"put": staticmethod(flaky), "get": c._ob.get,
+                                                  "exceptions": c._ob.exceptions})())
+    c.put("k", b"abc")                                       # two resets, then through
+    assert c.requests["retry"] == 2 and bytes(c.get("k")) == b"abc"
+    fails.update(n=objclient.TRANSPORT_RETRIES + 1)
+    with pytest.raises(DurabilityError, match="may or may not"):
+        c.put("k", b"abc")                                   # never through: raised, not hung
+    fails.update(n=1, text="Client error with status 400 Bad Request: no")
+    before = c.requests["retry"]
+    with pytest.raises(StoreError):
+        c.put("k", b"abc")                                   # the server answered: not sent again
+    assert c.requests["retry"] == before
