@@ -64,6 +64,7 @@ from . import content, pgschema
 from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
 from .dsn import dsn_secrets, dsn_without_password, redact_dsn
 from .objchunks import REQUESTS, ObjectChunks
+from .objclient import parse_url
 from .pgcopy import COPY_IO_SIZE, CopyIn, CopyOut
 from .pgobjects import Refused, SharedObjects
 from .pgschema import SCHEMA_VERSION, XACT_LOCK, XACT_LOCK_SHARED, Names
@@ -263,27 +264,25 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
             return ObjectChunks(url) if url is not None else None
         ext = given if isinstance(given, ObjectChunks) else ObjectChunks(given)
 
-        def same(url: str) -> bool:
-            c = ext.c if url == ext.url else ObjectChunks(url).c
-            return (c.bucket, c.prefix) == (ext.c.bucket, ext.c.prefix)
-
-        def bind(cur):
-            cur.execute(f"SELECT objects, objects_id FROM {n.gc} FOR UPDATE")
-            url, catalog = cur.fetchone()
-            if url is None:
-                catalog = uuid.uuid4().hex
-                ext.bind(catalog, n.where)
-                cur.execute(f"UPDATE {n.gc} SET objects = %s, objects_id = %s", (ext.url, catalog))
-            elif not same(url):
+        def check_same(url: str) -> None:    # the bucket and prefix; the endpoint may be spelt otherwise
+            if parse_url(url)[:2] != (ext.c.bucket, ext.c.prefix):
                 raise UsageError(f"this catalog keeps its chunks at {url}, not at {ext.url}", ref=n.where,
                                  hint="open it with that agck_objects, or without one")
+
+        def bind(cur):
+            cur.execute(f"SELECT objects FROM {n.gc} FOR UPDATE")
+            (url,) = cur.fetchone()
+            if url is not None:       # bound meanwhile by another process
+                return check_same(url)
+            catalog = uuid.uuid4().hex
+            ext.bind(catalog, n.where)
+            cur.execute(f"UPDATE {n.gc} SET objects = %s, objects_id = %s", (ext.url, catalog))
 
         if url is None:
             self._transaction("BEGIN; " + XACT_LOCK, (n.schema_lock,), bind, "binding the object store failed",
                               n.where)
-        elif not same(url):
-            raise UsageError(f"this catalog keeps its chunks at {url}, not at {ext.url}", ref=n.where,
-                             hint="open it with that agck_objects, or without one")
+        else:
+            check_same(url)
         return ext
 
     def _open_parts(self, create: bool) -> "PostgresStore | None":
