@@ -571,3 +571,37 @@ def test_ls_of_a_database_without_the_schema_says_agck_once(pg_dsn, pg_schema, c
     assert err.startswith("agck: ") and not err.startswith("agck: agck") and "agck: agck:" not in err, err
     assert f"tables {pg_schema}.agck_*" in err
     assert_one_line(err)
+
+
+@pytest.mark.parametrize("kind", ["s3", "postgres-s3"])
+def test_every_command_on_object_storage(tmp_path, capsys, kind, request):
+    """ls, show, verify, recover (--restore-to), prune, gc and export with the store's URL
+    alone: an s3:// URL, or a Postgres URL naming its bucket (agck_objects)."""
+    from urllib.parse import quote
+
+    from conftest import make_spec
+    _, url, opts = make_spec(kind, request, tmp_path)
+    with agck.open_store(url, **opts) as s:
+        for step in range(1, 5):
+            s.put("r", step, {"w": np.arange(100_000) * step, "step": step})
+    if kind == "postgres-s3":
+        url += ("&" if "?" in url else "?") + f"agck_prefix={opts['prefix']}&agck_schema={opts['schema']}" \
+               f"&agck_objects={quote(opts['objects'], safe=':/')}"
+    code, out, _ = run_cli(capsys, "ls", url, "--json")
+    assert code == 0 and [c["step"] for c in json.loads(out)] == [1, 2, 3, 4]
+    code, out, _ = run_cli(capsys, "show", url, "--run", "r", "--step", "2", "--json")
+    assert code == 0 and json.loads(out)["step"] == 2
+    code, out, err = run_cli(capsys, "verify", url)
+    assert code == 0, err
+    code, out, _ = run_cli(capsys, "recover", url, "--json", "--run", "r", "--restore-to", tmp_path / "r.agck")
+    assert code == 0 and json.loads(out)["runs"][0]["step"] == 4
+    np.testing.assert_array_equal(agck.load(tmp_path / "r.agck").state["w"], np.arange(100_000) * 4)
+    code, out, _ = run_cli(capsys, "prune", url, "--run", "r", "--keep-last", "1")
+    assert code == 0
+    code, out, _ = run_cli(capsys, "ls", url, "--json")
+    assert [c["step"] for c in json.loads(out)] == [4]
+    code, out, _ = run_cli(capsys, "gc", url, "--json")      # prune collected already: nothing left to delete
+    assert code == 0 and json.loads(out)["deleted_chunks"] == 0 and json.loads(out)["live_chunks"] > 0
+    code, out, _ = run_cli(capsys, "export", url, "--run", "r", "--to", tmp_path / "o.npz")
+    assert code == 0
+    np.testing.assert_array_equal(np.load(tmp_path / "o.npz")["w"], np.arange(100_000) * 4)
