@@ -246,3 +246,36 @@ def test_a_request_without_an_answer_is_sent_again_and_an_answer_is_not(url, mon
     with pytest.raises(StoreError):
         c.put("k", b"abc")                                   # the server answered: not sent again
     assert c.requests["retry"] == before
+
+
+def test_a_writer_killed_mid_multipart_upload_leaves_nothing_listed(url):
+    """A standalone checkpoint of 48 MiB goes up as a multipart data object; the writer
+    is SIGKILLed at instants spread over its upload: the step is never listed, the one
+    before reads back, and a collection (grace 0) deletes what the killed put left."""
+    import time
+    code = f"""
+import sys, numpy as np, agck
+s = agck.open_store({url!r}, incremental=False)
+print("ready", flush=True)
+s.put("m", 2, {{"w": np.random.default_rng(2).standard_normal((48 << 20) // 8)}})
+print("done", flush=True)
+"""
+    with agck.open_store(url, incremental=False) as s:
+        s.put("m", 1, {"w": np.arange(10)})
+    outcomes = []
+    for delay in (0.05, 0.2, 0.4, 0.8):
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "ready"
+        time.sleep(delay)
+        p.kill()
+        out, _ = p.communicate(timeout=60)
+        outcomes.append("done" in out)
+        with agck.open_store(url, incremental=False) as s:
+            assert s.steps("m") == ([1, 2] if "done" in out else [1])
+            np.testing.assert_array_equal(s.get("m", 1).state["w"], np.arange(10))
+            if "done" in out:
+                s.delete("m", 2)
+    assert not all(outcomes), "every put finished before its kill: nothing was cut mid-upload"
+    with agck.open_store(url, grace=0) as s:
+        s.collect_garbage()
+        assert [o.key for o in s.c.list("runs/m/data/")] == []
