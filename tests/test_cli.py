@@ -555,7 +555,7 @@ def test_db_prints_readable_lines_and_json(pg_dsn, pg_schema, capsys):
     assert fields["schema"] == pg_schema and f"{prefix}_manifest" in out and "missing tables" in out
     code, out, _ = run_cli(capsys, "db", "init", url)
     assert code == 0 and "state           current" in out and "missing tables  none" in out
-    assert "version         3 (this agck uses 3)" in out
+    assert "version         4 (this agck uses 4)" in out
     code, out, _ = run_cli(capsys, "db", "migrate", url)
     assert code == 0 and "migrated        nothing to do" in out
     code, out, _ = run_cli(capsys, "db", "status", url, "--json")
