@@ -132,3 +132,22 @@ def test_objects_held_in_the_database_before_the_binding_stay_readable(spec):
         assert inside == inside_before and outside > 0
         np.testing.assert_array_equal(s.get("r", 2).state["y"], np.arange(200_000) * 2)
         assert s.scrub().ok
+
+
+@pytest.mark.parametrize("detect", ["read", "put-size"])
+def test_a_chunk_the_bucket_lost_is_uploaded_again_by_the_next_put(spec, detect):
+    """The bucket loses a chunk whose row stays: once a read or a put (``size``) sees it
+    gone, the next put holding its content uploads it again and heals every step."""
+    from agck.errors import DamagedChunkError
+    frozen = np.random.default_rng(3).standard_normal(300_000)
+    with _open(spec, verify_reused="size" if detect == "put-size" else "none") as s:
+        s.put("r", 1, {"f": frozen, "i": 1})
+        victim = max(s.last_put.addresses, key=lambda a: s.last_put.sizes[s.last_put.addresses.index(a)])
+        ObjectChunks(spec[2]).delete([victim])
+        if detect == "read":
+            with pytest.raises(DamagedChunkError, match="missing"):
+                s.get("r", 1)
+        s.put("r", 2, {"f": frozen, "i": 2})
+        assert victim in ObjectChunks(spec[2]).stored()
+        for step in (1, 2):
+            np.testing.assert_array_equal(s.get("r", step).state["f"], frozen)

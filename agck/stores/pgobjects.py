@@ -235,9 +235,15 @@ class SharedObjects:
 
         def body(cur):
             out, bad = content.judge(wanted, self._read_objects(cur, wanted))
+            gone = [a for a, v in out.items() if v == "missing"]
+            if gone and self._objects is not None:
+                # a row whose object the bucket lost: the catalog no longer holds it, so the
+                # next put holding its content uploads it again (and heals what lists it)
+                cur.execute(f"DELETE FROM {self.names.objects} WHERE address = ANY(%s::bytea[]) AND data IS NULL",
+                            (gone,))
             if bad:
                 self._quarantine_rows(cur, bad)
-            elif "missing" in out.values():   # writers that knew it stored look again
+            elif gone:   # writers that knew it stored look again
                 cur.execute(f"UPDATE {self.names.gc} SET generation = generation + 1")
             return out
 

@@ -398,7 +398,12 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
                 found = [bytes(a) for a in found]
                 sizes = dict(zip(found, lengths)) if sized else {}
                 if self._objects is not None and sized:    # a row without data: the stored size is the object's
-                    sizes.update(self._objects.sizes([a for a, k in sizes.items() if k is None]))
+                    heads = self._objects.sizes([a for a, k in sizes.items() if k is None])
+                    lost = {a for a, k in heads.items() if k is None}    # the bucket lost it: sent again
+                    sizes.update({a: k for a, k in heads.items() if k is not None})
+                    for a in lost:
+                        del sizes[a]
+                    found = [a for a in found if a not in lost]
                 found += self._still_known(cur, generation, [] if sized else addresses)
                 if self.verify_reused != "none":
                     self._heal_reused(cur, plans, {a: sizes.get(a) for a in found}, found)
