@@ -160,14 +160,20 @@ class ObjectClient:
         for attempt in range(TRANSPORT_RETRIES + 1):
             try:
                 return fn()
-            except (*self._missing, *self._taken, PermissionError, self._ob.exceptions.PermissionDeniedError,
-                    self._ob.exceptions.UnauthenticatedError):
-                raise
             except Exception as e:
-                if attempt == TRANSPORT_RETRIES or not _no_answer(e):
+                if attempt == TRANSPORT_RETRIES or not self._unanswered(e):
                     raise
                 self._count("retry")
                 time.sleep(0.1 * 2 ** attempt)
+
+    def _unanswered(self, e: Exception) -> bool:
+        """Whether ``e`` is a request that failed without a final answer (:func:`_no_answer`);
+        absent, taken and refused keys are answers."""
+        ex = self._ob.exceptions
+        if isinstance(e, (*self._missing, *self._taken, PermissionError, ex.PermissionDeniedError,
+                          ex.UnauthenticatedError)):
+            return False
+        return _no_answer(e)
 
     def _count(self, kind: str, nbytes: int = 0) -> None:
         with self._count_lock:
@@ -283,7 +289,7 @@ class ObjectClient:
                         yield ObjectInfo(m["path"], m["size"], m["last_modified"].timestamp())
                 return
             except Exception as e:
-                if attempt == TRANSPORT_RETRIES or not _no_answer(e) or isinstance(e, PermissionError):
+                if attempt == TRANSPORT_RETRIES or not self._unanswered(e):
                     raise self._error(e, prefix, "list objects") from None
                 self._count("retry")
                 time.sleep(0.1 * 2 ** attempt)

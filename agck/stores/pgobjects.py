@@ -62,6 +62,17 @@ _OBJECT_ROUNDS = 8
 _KNOWN_OBJECTS_MAX = 1 << 22
 
 
+def _missing(plans: list["content.Plan"], present: set[bytes]) -> list:
+    """(address, bytes) of the objects ``plans`` hold that are not in ``present``; an
+    object two of them hold comes once."""
+    missing, seen = [], set(present)
+    for plan in plans:
+        m = plan.missing(seen)
+        seen.update(a for a, _ in m)
+        missing += m
+    return missing
+
+
 class Refused(Exception):
     """The database refused a put's objects in a way a new attempt gets past."""
 
@@ -140,11 +151,7 @@ class SharedObjects:
             self._put_external(cur, plans, present)
             return
         for _ in range(_OBJECT_ROUNDS):
-            missing, seen = [], set(present)
-            for plan in plans:      # an object two of them hold is sent once
-                m = plan.missing(seen)
-                seen.update(a for a, _ in m)
-                missing += m
+            missing = _missing(plans, present)
             if not missing:
                 return
             missing.sort()      # writers sending the same new objects meet them in one order: no deadlock
@@ -172,11 +179,7 @@ class SharedObjects:
         its PUT returns), then their rows (``data`` NULL) inserted in this transaction.
         Another writer's row for one of them, committed or not, is left as it is: its
         bytes are the same."""
-        missing, seen = [], set(present)
-        for plan in plans:
-            m = plan.missing(seen)
-            seen.update(a for a, _ in m)
-            missing += m
+        missing = _missing(plans, present)
         if not missing:
             return
         self._objects.upload(missing)
