@@ -458,10 +458,8 @@ def _report(args, cases, small, recovery, payload, clen, t_large, can_checkpoint
     results = {"checks": [], "cases": {}}
     lines = []
     out = lines.append
-    with pg._conn.cursor() as cur:
-        cur.execute("SELECT current_setting('server_version'), current_setting('shared_buffers'), "
-                    "current_setting('max_wal_size'), current_setting('full_page_writes')")
-        ver, sb, mws, fpw = cur.fetchone()
+    ver, sb, mws, fpw = pg._query("SELECT current_setting('server_version'), current_setting('shared_buffers'), "
+                                  "current_setting('max_wal_size'), current_setting('full_page_writes')")[0]
     out(f"## agck store benchmark: {payload / MiB:.0f} MiB of float32 ({clen / MiB:.1f} MiB container)")
     out("")
     out(f"`python scripts/bench_stores.py --size-mb {args.size_mb} --repeats {args.repeats}"

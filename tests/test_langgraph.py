@@ -40,6 +40,7 @@ from langgraph.checkpoint.conformance import checkpointer_test, validate  # noqa
 from langgraph.checkpoint.conformance.capabilities import ALL_CAPABILITIES  # noqa: E402
 from langgraph.checkpoint.serde import jsonplus  # noqa: E402
 from langgraph.graph import END, START, StateGraph  # noqa: E402
+from langgraph.graph.message import add_messages  # noqa: E402
 from langgraph.types import Command, Interrupt, Send, interrupt  # noqa: E402
 
 import agck  # noqa: E402
@@ -753,6 +754,53 @@ def test_interrupt_sigkill_resume(kind, request, tmp_path):
     with AgckSaver(url, **opts) as saver:
         latest = saver.get_tuple({"configurable": {"thread_id": "review/42 ü"}})
         assert latest.metadata["source"] == "loop" and latest.checkpoint["channel_values"]["approved"] == "yes"
+
+
+class _Conversation(TypedDict):
+    messages: Annotated[list, add_messages]
+    n: Annotated[int, operator.add]
+
+
+@pytest.mark.parametrize("kind", ["postgres", "file"])
+def test_many_conversations_at_once_on_one_event_loop(kind, request, tmp_path):
+    """24 graphs run with ainvoke at once on one saver: every thread's history is whole
+    and in order, and the saver's calls ran on at most as many threads as the store has
+    connections (a Postgres pool of 3; 4 elsewhere)."""
+    _, url, opts = make_spec(kind, request, tmp_path)
+    if kind == "postgres":
+        opts["pool"] = 3
+    saver = AgckSaver(url, **opts)
+    threads_used, put = set(), saver.put
+
+    def counting_put(*a, **k):
+        threads_used.add(threading.get_ident())
+        return put(*a, **k)
+
+    saver.put = counting_put
+
+    def reply(state):
+        return {"messages": [AIMessage(content=f"reply {state['n']} " + "x" * 500, id=f"m{state['n']}")], "n": 1}
+
+    g = StateGraph(_Conversation)
+    g.add_node("reply", reply)
+    g.add_edge(START, "reply")
+    g.add_conditional_edges("reply", lambda s: END if s["n"] >= 6 else "reply")
+    graph = g.compile(checkpointer=saver)
+
+    async def main():
+        return await asyncio.gather(*(graph.ainvoke({"messages": [HumanMessage(content=f"hi {i}", id="h")], "n": 0},
+                                                    _cfg(f"conv-{i}")) for i in range(24)))
+
+    outs = asyncio.run(main())
+    try:
+        assert all(o["n"] == 6 and len(o["messages"]) == 7 for o in outs)
+        assert 1 < len(threads_used) <= (3 if kind == "postgres" else 4)
+        for i in range(24):
+            history = list(saver.list(_cfg(f"conv-{i}")))
+            assert [t.checkpoint["channel_values"].get("n", 0) for t in history] == list(range(6, -1, -1)) + [0]
+            assert history[0].checkpoint["channel_values"]["messages"][0].content == f"hi {i}"
+    finally:
+        saver.close()
 
 
 def test_import_agck_does_not_import_langgraph():

@@ -109,9 +109,7 @@ def _chunked(store, run, step) -> bool:
         from agck import format
         e = store._state(run).steps[step]
         return format.parse_header(bytes(store._head_bytes(run, e)[:64])).minor == 1
-    cur = store._cursor()
-    cur.execute(f"SELECT listing FROM {store.names.manifest} WHERE run = %s AND step = %s", (run, step))
-    return cur.fetchone()[0]
+    return store._query(f"SELECT listing FROM {store.names.manifest} WHERE run = %s AND step = %s", (run, step))[0][0]
 
 
 @pytest.mark.parametrize("min_chunked", [None, 0, 1 << 20])

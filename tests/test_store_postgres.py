@@ -99,18 +99,20 @@ def test_pg_server_errors_at_commit_are_not_called_ambiguous(pg_dsn, pg_schema, 
     'may or may not have been written', and the store goes on working. (A standalone
     checkpoint's statements and COMMIT travel in one exchange with its COPY.)"""
     from agck.stores.postgres import PostgresStore
-    pg = PostgresStore(pg_dsn, prefix=pg_prefix(), schema=pg_schema, init=True, incremental=incremental)
+    pg = PostgresStore(pg_dsn, prefix=pg_prefix(), schema=pg_schema, init=True, incremental=incremental, pool=1)
     pg.put("r", 0, state_for(0))
     holder = _autocommit(pg_dsn)
     holder.cursor().execute("SELECT pg_advisory_lock(hashtextextended(%s, 0))", (pg._row_lock_key("r", 1),))
-    pg._conn.cursor().execute("SET lock_timeout = 200")
+    with pg._cursor() as cur:     # the pool's one connection: the put below uses it
+        cur.execute("SET lock_timeout = 200")
     try:
         with pytest.raises(DurabilityError) as ei:
             pg.put("r", 1, state_for(1))
         assert "lock timeout" in str(ei.value) and "may or may not" not in str(ei.value)
     finally:
         holder.close()
-        pg._conn.cursor().execute("RESET lock_timeout")
+        with pg._cursor() as cur:
+            cur.execute("RESET lock_timeout")
     pg.put("r", 1, state_for(1))
     assert pg.steps("r") == [0, 1]
     pg.close()
@@ -127,7 +129,8 @@ def test_pg_reconnect_forgets_which_objects_the_database_holds(pg_dsn, pg_schema
         admin = _autocommit(pg_dsn)
         admin.cursor().execute(f"DELETE FROM {pg_schema}.{s.prefix}_objects")    # the database lost them
         admin.close()
-        s._conn.close()                  # and the connection went with it
+        with s._pool.connection() as conn:
+            conn.close()                 # and the connection went with it
         s.put("r", 2, {"x": x})          # the same content: sent again
         assert np.array_equal(s.read("r", 2).state["x"], x)
     finally:

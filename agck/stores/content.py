@@ -27,6 +27,7 @@ from chunks for a reader.
 
 from __future__ import annotations
 
+import threading
 from bisect import bisect_left
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -95,17 +96,21 @@ class WriteCaches:
 
     def __init__(self):
         self._by_run: dict[str, WriteCache] = {}
+        self._lock = threading.Lock()     # a store's threads put at once (a Postgres store's pool)
 
     def take(self, run: str) -> WriteCache:
-        return self._by_run.pop(run, None) or WriteCache()
+        with self._lock:
+            return self._by_run.pop(run, None) or WriteCache()
 
     def peek(self, run: str) -> WriteCache | None:
-        return self._by_run.get(run)
+        with self._lock:
+            return self._by_run.get(run)
 
     def give(self, run: str, cache: WriteCache) -> None:
-        if len(self._by_run) >= self._MAX_RUNS:
-            self._by_run.pop(next(iter(self._by_run)), None)
-        self._by_run[run] = cache
+        with self._lock:
+            if len(self._by_run) >= self._MAX_RUNS:
+                self._by_run.pop(next(iter(self._by_run)), None)
+            self._by_run[run] = cache
 
 
 class _PieceDigests:

@@ -4,8 +4,8 @@ A DSN is a URL (``postgresql://user:pw@host/db?password=...``) or a libpq
 ``key=value`` string. :func:`redact_dsn` masks the password for ``store.url``
 and messages, :func:`dsn_without_password` drops it for a command to be shown,
 :func:`dsn_secrets` lists every spelling of it to scrub from any text, and
-:func:`split_agck_params` takes ``agck_prefix``/``agck_schema``/``agck_objects`` out before the
-DSN reaches libpq. Nothing here raises on a malformed DSN, and nothing needs
+:func:`split_agck_params` takes ``agck_prefix``/``agck_schema``/``agck_objects``/``agck_pool``
+out before the DSN reaches libpq. Nothing here raises on a malformed DSN, and nothing needs
 psycopg2: any layer (the CLI, error messages) can hide a password.
 """
 
@@ -22,7 +22,7 @@ _KV_RE = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*('(?:[^'\\]|\\.)*'|(?:[^
 _KV_PASSWORD_RE = re.compile(r"(?<![A-Za-z0-9_])(password\s*=\s*)('(?:[^'\\]|\\.)*'?|(?:[^\s\\]|\\.)*)",
                              re.ASCII | re.DOTALL)
 _CONNECT_KEYS = {"host", "hostaddr", "port", "dbname", "user", "password", "passfile", "service"}
-_AGCK_PARAMS = ("agck_prefix", "agck_schema", "agck_objects")
+_AGCK_PARAMS = ("agck_prefix", "agck_schema", "agck_objects", "agck_pool")
 
 
 def _kv_pairs(dsn: str) -> list[re.Match] | None:
@@ -106,7 +106,8 @@ def dsn_secrets(dsn: str) -> list[str]:
 def split_agck_params(dsn: str) -> tuple[str, dict]:
     """``agck_prefix``/``agck_schema`` in a Postgres DSN (URL query or key=value) choose
     the tables (so the CLI can reach them), ``agck_objects`` the object store holding
-    the chunks; they are removed before the DSN reaches libpq."""
+    the chunks, ``agck_pool`` the most connections a store opens; they are removed
+    before the DSN reaches libpq."""
     own = {}
     if "://" in dsn:
         scheme, netloc, path, query, fragment = _url_parts(dsn)

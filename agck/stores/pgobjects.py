@@ -34,7 +34,8 @@ deleted by the next one, and never a row without its chunk.
 
 :class:`SharedObjects` is a mixin of the store: it uses the store's ``names``
 (:class:`~agck.stores.pgschema.Names`), ``_transaction``, ``_query``, ``ref``,
-``url``, ``verify_reused`` and ``_reread_turn``, and the store calls
+``url``, ``verify_reused``, ``_reread_turn`` and ``_known_lock`` (the threads of a
+store share what it knows), and the store calls
 :meth:`SharedObjects._forget_objects` whenever it opens a connection. Methods
 taking a cursor run inside the caller's transaction and never end it.
 """
@@ -84,28 +85,33 @@ class SharedObjects:
     def _forget_objects(self) -> None:
         """Forget every object this store object committed (a new connection: a failover
         or a restore may have lost them)."""
-        self._known_objects: set[bytes] = set()
-        self._known_generation = None
+        with self._known_lock:
+            self._known_objects: set[bytes] = set()
+            self._known_generation = None
 
     def _still_known(self, cur, generation: int, addresses: list[bytes]) -> list[bytes]:
         """Those of ``addresses`` this store object committed itself and the store still
         holds, as of gc ``generation``: while no collection (or quarantine) ran, all it
         knows; after one, those of them a query finds."""
-        if generation != self._known_generation:    # a collection ran: what this store knew may be gone
-            known_before = self._known_objects
-            self._known_objects = set()
-            self._known_generation = generation
-            return list(self._present(cur, [a for a in addresses if a in known_before]))
-        return [a for a in addresses if a in self._known_objects]
+        with self._known_lock:
+            current = generation == self._known_generation
+            if not current:     # a collection ran: what this store knew may be gone
+                known_before = self._known_objects
+                self._known_objects = set()
+                self._known_generation = generation
+            known = self._known_objects if current else known_before
+            mine = [a for a in addresses if a in known]
+        return mine if current else list(self._present(cur, mine))
 
     def _committed_objects(self, plans: list["content.Plan"]) -> None:
         """After a put's COMMIT: its objects are in the store until a collection runs."""
         if not plans:
             return
-        if len(self._known_objects) > _KNOWN_OBJECTS_MAX:
-            self._known_objects = set()
-        for plan in plans:
-            self._known_objects.update(plan.distinct)
+        with self._known_lock:
+            if len(self._known_objects) > _KNOWN_OBJECTS_MAX:
+                self._known_objects = set()
+            for plan in plans:
+                self._known_objects.update(plan.distinct)
 
     def _present(self, cur, addresses: list[bytes]) -> set[bytes]:
         cur.execute(f"SELECT address FROM {self.names.objects} WHERE address = ANY(%s::bytea[])", (addresses,))

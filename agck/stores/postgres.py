@@ -44,11 +44,11 @@ Passwords never appear in ``store.url`` or in error messages.
 
 from __future__ import annotations
 
-import os
 import shlex
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from typing import Any, Callable, TypeVar
 
 import psycopg2
@@ -67,6 +67,7 @@ from .objchunks import REQUESTS, ObjectChunks
 from .objclient import parse_url
 from .pgcopy import COPY_IO_SIZE, CopyIn, CopyOut
 from .pgobjects import Refused, SharedObjects
+from .pgpool import DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT, ConnectionPool
 from .pgschema import SCHEMA_VERSION, XACT_LOCK, XACT_LOCK_SHARED, Names
 from .sqlrows import (decode_read, DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalPuts, check_chunk_size, check_checksum,
                       check_identifier, chunk_plan, nchunks_for, parts_prefix, sql_row)
@@ -76,6 +77,7 @@ from .sqlrows import (decode_read, DEFAULT_CHUNK_SIZE, PreparedPut, Transactiona
 PUT_RETRIES = 1
 
 SMALL_READ_MAX = 256 << 10   # a standalone container up to this size is read in one statement
+SMALL_PUT_MAX = 256 << 10    # standalone containers up to this size in all are written in one statement
 
 T = TypeVar("T")
 
@@ -99,6 +101,19 @@ def _scrub(text: str, secrets: list[str]) -> str:
         text = text.replace(s, "***")
     lines = [ln.strip() for ln in text.splitlines()]
     return " ".join(ln for ln in lines if ln and not ln.startswith("LINE ") and set(ln) != {"^"})
+
+
+def _text(cur, sql: bytes) -> str:
+    """A statement psycopg2 interpolated (in the connection's encoding) as text,
+    to put in front of a COPY."""
+    return sql.decode(psycopg2.extensions.encodings.get(cur.connection.encoding, "utf-8"))
+
+
+def _commit_unknown(e: psycopg2.Error, cur) -> bool:
+    """Whether a write ended without the server's verdict on it (the connection lost,
+    no SQLSTATE), so its COMMIT may have happened. An error the server sent (a lock
+    or statement timeout, a deadlock, a full disk) rolled the transaction back."""
+    return e.pgcode is None or bool(cur.connection.closed)
 
 
 # --- reading ---------------------------------------------------------------------------
@@ -127,7 +142,7 @@ class _Background:
 # --- the store ------------------------------------------------------------------------
 
 class PostgresStore(TransactionalPuts, SharedObjects, Store):
-    """Checkpoints in Postgres; one connection, shared between threads under a lock.
+    """Checkpoints in Postgres, through a pool of connections shared by the threads of a process.
 
     ``prefix`` names the tables, ``schema`` the Postgres schema holding them (the
     search path when None), ``chunk_size`` the bytes per chunk row (bytea holds at
@@ -135,13 +150,16 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
     ``check_schema=False`` opens without looking at the schema (``agck db``),
     ``incremental=False`` writes standalone containers instead of chunk listings,
     ``full_every=K`` one in every K puts of a run, ``min_chunked`` a container of fewer
-    bytes (:meth:`Store._set_policy`)."""
+    bytes (:meth:`Store._set_policy`). ``pool`` bounds the connections open at once
+    (``agck_pool=N`` in the URL; :mod:`.pgpool`), ``pool_timeout`` how long an
+    operation waits for one when all are busy."""
 
     def __init__(self, url: str, *, prefix: str = "agck", schema: str | None = None,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, init: bool = False, check_schema: bool = True,
                  connect_timeout: int = 10, incremental: bool = True,
                  full_every: int | None = None, min_chunked: int = MIN_CHUNKED,
-                 verify_reused: str = content.DEFAULT_VERIFY_REUSED, objects: "str | ObjectChunks | None" = None):
+                 verify_reused: str = content.DEFAULT_VERIFY_REUSED, objects: "str | ObjectChunks | None" = None,
+                 pool: "int | str" = DEFAULT_POOL_SIZE, pool_timeout: float = DEFAULT_POOL_TIMEOUT):
         super().__init__()
         if not isinstance(url, str) or not url:
             raise StoreConnectionError(f"not a Postgres URL: {type(url).__name__}",
@@ -155,11 +173,11 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
         self._set_policy(incremental, full_every, min_chunked, verify_reused)
         self.last_put: content.Chunks | None = None
         self._connect_timeout = connect_timeout
-        self._conn = None
-        self._closed = False
-        self._inherited = []      # a parent's connections, kept open: closing one would end the parent's session
-        self._connect()
-        self.names = Names(self._conn, self.prefix, self.schema, self.url)
+        self._known_lock = threading.Lock()
+        self._forget_objects()
+        self._pool = ConnectionPool(self._connect, pool, timeout=pool_timeout, where=self.url)
+        with self._pool.connection() as conn:    # the first connection now: a bad URL or server fails here
+            self.names = Names(conn, self.prefix, self.schema, self.url)
         self._objects: ObjectChunks | None = None
         if init:
             self.init_schema()
@@ -169,7 +187,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
             self._objects = self._object_store(objects)
 
     # -- connection ------------------------------------------------------------------
-    def _connect(self) -> None:
+    def _connect(self):
         extra = {"application_name": "agck"}
         try:
             given = psycopg2.extensions.parse_dsn(self._dsn)
@@ -184,34 +202,29 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
             raise StoreConnectionError(f"cannot connect to Postgres: {_scrub(str(e), self._secrets)}",
                                        ref=self.url) from None
         conn.autocommit = True   # transactions are explicit: BEGIN travels with the first statement
-        self._conn = conn
-        self._pid = os.getpid()
-        self._forget_objects()   # what the last connection committed: a failover or a restore may have lost it
+        self._forget_objects()   # a new connection: a failover or a restore may have lost what the last committed
+        return conn
 
+    @contextmanager
     def _cursor(self):
-        if self._closed:
-            raise StoreError("the store is closed", ref=self.url, hint="open it again")
-        if self._conn is not None and self._pid != os.getpid():
-            self._inherited.append(self._conn)
-            self._conn = None
-        if self._conn is None or self._conn.closed:
-            self._connect()
-        return self._conn.cursor()
+        """A cursor on a connection of the pool, this thread's until the block ends."""
+        with self._pool.connection() as conn:
+            yield conn.cursor()
 
-    def _abort(self, cur) -> None:
-        """Roll back after an error; a connection that cannot is dropped and reopened later."""
+    @staticmethod
+    def _abort(cur) -> None:
+        """Roll back after an error; a connection that cannot is dropped (the pool opens another)."""
         try:
             cur.execute("ROLLBACK")
         except psycopg2.Error:
             try:
-                self._conn.close()
+                cur.connection.close()
             except psycopg2.Error:
                 pass
 
-    def _db_error(self, e: psycopg2.Error, what: str, ref: str, cls=StoreError) -> AgckError:
+    def _db_error(self, e: psycopg2.Error, what: str, ref: str, cls=StoreError, conn=None) -> AgckError:
         msg = _scrub(str(e).strip() or type(e).__name__, self._secrets)
-        if isinstance(e, (psycopg2.OperationalError, psycopg2.InterfaceError)) and self._conn is not None \
-                and self._conn.closed:
+        if isinstance(e, (psycopg2.OperationalError, psycopg2.InterfaceError)) and conn is not None and conn.closed:
             return StoreConnectionError(f"{what}: lost the connection to Postgres ({msg})", ref=ref)
         if isinstance(e, psycopg2.errors.UndefinedTable):
             return SchemaUninitializedError(f"{what}: {msg}", ref=ref,
@@ -226,9 +239,8 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
         ``cls`` (``what: message``, at ``ref``), anything else as it is. An error of a
         ``retry`` type starts it over, at most ``retries`` times, ``pause`` seconds
         more each time."""
-        with self._lock:
-            for attempt in range(retries + 1):
-                cur = self._cursor()
+        for attempt in range(retries + 1):
+            with self._cursor() as cur:
                 try:
                     cur.execute(begin, args)
                     result = body(cur)
@@ -241,7 +253,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
                             time.sleep(pause * (attempt + 1))
                         continue
                     if isinstance(e, psycopg2.Error):
-                        raise self._db_error(e, what, ref, cls) from None
+                        raise self._db_error(e, what, ref, cls, cur.connection) from None
                     raise
         raise AssertionError("unreachable")
 
@@ -289,6 +301,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
         try:
             return PostgresStore(self._dsn, prefix=parts_prefix(self.prefix), schema=self.schema,
                                  chunk_size=self.chunk_size, init=create, connect_timeout=self._connect_timeout,
+                                 pool=self._pool.size,
                                  objects=self._objects.child("parts") if self._objects is not None else None,
                                  **self._policy())
         except SchemaUninitializedError:
@@ -300,22 +313,18 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
         super().close()
         if self._objects is not None:
             self._objects.close()
-        with self._lock:
-            self._closed = True
-            if self._conn is not None and self._pid == os.getpid():
-                self._conn.close()
-                self._conn = None
+        self._pool.close()
 
     # -- schema (its tables and steps: pgschema) ---------------------------------------------
     def schema_status(self) -> dict:
         """Where the schema stands: ``state`` is ``current``, ``uninitialized``,
         ``incomplete``, ``outdated`` (run migrate) or ``newer`` (a newer agck made it)."""
-        with self._lock:
-            cur = self._cursor()
+        with self._cursor() as cur:
             try:
                 version, missing = pgschema.read_version(cur, self.names)
             except psycopg2.Error as e:
-                raise self._db_error(e, "cannot read the schema version", self.names.where) from None
+                raise self._db_error(e, "cannot read the schema version", self.names.where, conn=cur.connection) \
+                    from None
         return {"state": pgschema.state(version, missing, self.names), "version": version, "expected": SCHEMA_VERSION,
                 "prefix": self.prefix, "schema": self.schema, "missing_tables": missing, "url": self.url}
 
@@ -350,16 +359,17 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
 
     # -- writing ---------------------------------------------------------------------------
     def _write(self, puts: list[PreparedPut], epoch: int | None) -> None:
-        with self._lock:
+        with self._cursor() as cur:
             for attempt in range(PUT_RETRIES + 1):
                 try:
-                    self._put_once(puts, epoch)
+                    self._put_once(cur, puts, epoch)
                     break
                 except Refused as e:
                     if attempt == PUT_RETRIES:
-                        raise DurabilityError(f"the database refused the checkpoint's objects {attempt + 1} "
+                        raise DurabilityError(f"the database refused the checkpoint {attempt + 1} "
                                               f"times ({e.args[0]})", ref=puts[0].ref,
-                                              hint="a garbage collection ran alongside; put it again") from None
+                                              hint="another writer or a garbage collection ran alongside; "
+                                                   "put it again") from None
             last = puts[-1].plan
             self.last_put = last.chunks if last is not None else None
         for p in puts:
@@ -367,7 +377,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
                 self._caches.give(p.run, p.cache)
         failpoints.hit("pg.after_commit")
 
-    def _put_once(self, puts: list[PreparedPut], epoch: int | None = None) -> None:
+    def _put_once(self, cur, puts: list[PreparedPut], epoch: int | None = None) -> None:
         """One write transaction: each container of ``puts`` as chunk rows (a standalone
         checkpoint, or a listing after the objects its plan lacks) and its manifest row.
         Statements travel together where no answer is awaited in between: when every
@@ -379,7 +389,6 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
         n = self.names
         ref = puts[0].ref
         stream = None
-        cur = self._cursor()
         try:
             plans = [p.plan for p in puts if p.plan is not None]
             begin, args = self._begin_sql(puts)
@@ -410,11 +419,15 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
                 self._put_objects(cur, plans, set(found))
                 failpoints.hit("pg.after_objects")
                 begin = ""
-            stream = CopyIn([(p.run, p.step, p.parts(), p.total) for p in puts], self.chunk_size)
-            copy = f"COPY {n.chunks} (run, step, idx, data) FROM STDIN (FORMAT binary)"
             row = "(%s, %s, %s, %s, %s, %s, to_timestamp(%s), %s::jsonb, %s, %s)"
             insert = (f"INSERT INTO {n.manifest} (run, step, parent, size, checksum, nchunks, created_at, meta, "
                       f"length, listing) VALUES " + ", ".join([row] * len(puts)))
+            if epoch is None and not plans and sum(p.total for p in puts) <= SMALL_PUT_MAX \
+                    and all(p.data is not None for p in puts):
+                self._put_small(cur, puts, insert, begin, args)
+                return
+            stream = CopyIn([(p.run, p.step, p.parts(), p.total) for p in puts], self.chunk_size)
+            copy = f"COPY {n.chunks} (run, step, idx, data) FROM STDIN (FORMAT binary)"
             if epoch is None and all(p.ready for p in puts):
                 # every manifest row is known: one exchange from here, the COMMIT following the COPY
                 values = [v for p in puts for v in p.manifest_row(nchunks_for(p.total, self.chunk_size))]
@@ -423,11 +436,11 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
                 stream.last_point = "pg.before_commit"    # the COMMIT runs once the stream ends
                 sql = cur.mogrify((begin + "; " if begin else "") + insert, [*(args if begin else ()), *values])
                 try:
-                    cur.copy_expert(self._text(sql) + "; " + copy + "; COMMIT", stream, size=COPY_IO_SIZE)
+                    cur.copy_expert(_text(cur, sql) + "; " + copy + "; COMMIT", stream, size=COPY_IO_SIZE)
                 except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
                     if stream.error is not None:
                         raise stream.error from None
-                    if self._commit_unknown(e):
+                    if _commit_unknown(e, cur):
                         raise self._commit_failed(e, ref) from None
                     raise       # the server's verdict (a lock or statement timeout, disk full): rolled back
                 if stream.error is not None:
@@ -435,7 +448,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
             else:
                 failpoints.hit("pg.before_copy")
                 if begin:    # nothing asked of the database yet: the transaction begins with the COPY
-                    copy = self._text(cur.mogrify(begin, args)) + "; " + copy
+                    copy = _text(cur, cur.mogrify(begin, args)) + "; " + copy
                 cur.copy_expert(copy, stream, size=COPY_IO_SIZE)
                 if stream.error is not None:
                     raise stream.error
@@ -458,7 +471,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
                 try:
                     cur.execute(commit, values)
                 except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
-                    if self._commit_unknown(e):
+                    if _commit_unknown(e, cur):
                         raise self._commit_failed(e, ref) from None
                     raise       # the server's verdict (a lock or statement timeout, disk full): rolled back
             self._committed_objects(plans)
@@ -468,26 +481,19 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
             self._abort(cur)
             if isinstance(e, AgckError):
                 raise e.at(ref)
-            if isinstance(e, psycopg2.errors.UniqueViolation) and not all(p.overwrite for p in puts):
-                raise self._exists(puts) from None
+            if isinstance(e, psycopg2.errors.UniqueViolation):
+                if not all(p.overwrite for p in puts):
+                    raise self._exists(puts) from None
+                # a put that does not replace takes no lock: one may commit the key between
+                # this put's DELETE and INSERT; the next attempt deletes what it committed
+                raise Refused("another writer put the same step at the same time") from None
             if isinstance(e, (psycopg2.errors.ForeignKeyViolation, psycopg2.errors.DeadlockDetected)):
                 raise Refused(_scrub(str(e).strip(), self._secrets)) from None
             if isinstance(e, psycopg2.Error):
-                raise self._db_error(e, "write failed", ref, DurabilityError) from None
+                raise self._db_error(e, "write failed", ref, DurabilityError, cur.connection) from None
             if isinstance(e, OSError):
                 raise DurabilityError(f"write failed: {e.strerror or e}", ref=ref) from e
             raise
-
-    def _text(self, sql: bytes) -> str:
-        """A statement psycopg2 interpolated (in the connection's encoding) as text,
-        to put in front of a COPY."""
-        return sql.decode(psycopg2.extensions.encodings.get(self._conn.encoding, "utf-8"))
-
-    def _commit_unknown(self, e: psycopg2.Error) -> bool:
-        """Whether a write ended without the server's verdict on it (the connection lost,
-        no SQLSTATE), so its COMMIT may have happened. An error the server sent (a lock
-        or statement timeout, a deadlock, a full disk) rolled the transaction back."""
-        return e.pgcode is None or self._conn is None or bool(self._conn.closed)
 
     def _commit_failed(self, e: psycopg2.Error, ref: str) -> DurabilityError:
         return DurabilityError(
@@ -495,14 +501,41 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
             f"({_scrub(str(e), self._secrets)})", ref=ref,
             hint="check store.steps(run) once the server is reachable, and put it again if absent")
 
+    def _put_small(self, cur, puts: list[PreparedPut], insert: str, begin: str, args: list) -> None:
+        """Small standalone containers, written in one statement and one round trip: BEGIN,
+        the locks and deletes, the manifest rows, the chunk rows (bytea parameters, not a
+        COPY, which would take a second exchange) and COMMIT. A client killed at any of
+        its fail points has sent nothing."""
+        n = self.names
+        rows, values = [], []
+        for p in puts:
+            data = memoryview(p.data).cast("B")
+            for idx, at in enumerate(range(0, max(len(data), 1), self.chunk_size)):
+                rows.append("(%s, %s, %s, %s)")
+                values += [p.run, p.step, idx, data[at:at + self.chunk_size]]
+        manifest = [v for p in puts for v in p.manifest_row(nchunks_for(p.total, self.chunk_size))]
+        for point in ("pg.before_copy", "pg.mid_copy", "pg.before_manifest", "pg.before_commit"):
+            failpoints.hit(point)
+        sql = (f"{begin}; {insert}; INSERT INTO {n.chunks} (run, step, idx, data) VALUES {', '.join(rows)}; COMMIT")
+        try:
+            cur.execute(sql, [*args, *manifest, *values])
+        except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
+            if _commit_unknown(e, cur):
+                raise self._commit_failed(e, puts[0].ref) from None
+            raise       # the server's verdict (a lock or statement timeout, disk full): rolled back
+
     def _begin_sql(self, puts: list[PreparedPut]) -> tuple[str, list]:
-        """The statements that open a put's durable transaction: the (run, step) locks,
-        taken in one order by every writer (no deadlock between two put_many), then
+        """The statements that open a put's durable transaction: the (run, step) locks of
+        the entries it replaces, taken in one order by every writer (no deadlock between
+        two put_many), then
         the rows of the entries it may replace deleted, chunks first. An entry not to
         be replaced is left alone: its rows, if any, collide with the new ones
         (UniqueViolation) and the transaction is rolled back."""
         n = self.names
-        locks = sorted({self._row_lock_key(p.run, p.step) for p in puts})
+        # only a put that replaces takes the (run, step) lock: it serialises its DELETE and
+        # INSERT with other writers of the key; one that does not replace relies on the
+        # manifest's primary key (a second INSERT of the key waits, then fails)
+        locks = sorted({self._row_lock_key(p.run, p.step) for p in puts if p.overwrite})
         stmts, args = ["BEGIN", "SET LOCAL synchronous_commit = on"] + [XACT_LOCK] * len(locks), list(locks)
         replaced = [(p.run, p.step) for p in puts if p.overwrite]
         if replaced:
@@ -580,13 +613,12 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
 
     # -- reading -----------------------------------------------------------------------------
     def _query(self, query: str, args=()) -> list:
-        with self._lock:
-            cur = self._cursor()
+        with self._cursor() as cur:
             try:
                 cur.execute(query, args)
                 return cur.fetchall()
             except psycopg2.Error as e:
-                raise self._db_error(e, "query failed", self.names.where) from None
+                raise self._db_error(e, "query failed", self.names.where, conn=cur.connection) from None
 
     def runs(self) -> list[str]:
         return [r for (r,) in self._query(f"SELECT DISTINCT run FROM {self.names.manifest} ORDER BY run")]
@@ -618,8 +650,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
                   f"array_agg(octet_length(data) ORDER BY idx) AS lens{{agg}} FROM {n.chunks} "
                   f"WHERE run = m.run AND step = m.step) c ON true "
                   f"WHERE m.run = %s AND m.step = %s")
-        with self._lock:
-            cur = self._cursor()
+        with self._cursor() as cur:
             try:
                 # A small standalone container comes with its manifest row, in one statement
                 # (one snapshot, no transaction to end): one round trip. Anything else, or a
@@ -631,7 +662,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
                 row = cur.fetchone()
             except psycopg2.Error as e:
                 self._abort(cur)
-                raise self._db_error(e, "read failed", ref) from None
+                raise self._db_error(e, "read failed", ref, conn=cur.connection) from None
         if row is None:
             raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref,
                                           hint=f"store.steps({run!r}) lists the steps")

@@ -10,8 +10,10 @@ Needs ``langgraph`` (``pip install 'agck[langgraph]'``); ``import agck`` does no
 import this package. Every method of LangGraph's ``BaseCheckpointSaver`` is
 implemented: ``get_tuple``, ``list``, ``put``, ``put_writes``, ``delete_thread``,
 ``delete_for_runs``, ``copy_thread``, ``prune`` and ``get_delta_channel_history``,
-and their ``a...`` forms. The async forms run the sync ones in a worker thread
-(``asyncio.to_thread``), so the event loop is never blocked by a store's I/O.
+and their ``a...`` forms. The async forms run the sync ones on the saver's own
+worker threads, as many as a Postgres store's pool has connections (``agck_pool``;
+4 on other stores), so the event loop is never blocked by a store's I/O and the
+conversations waiting beyond them hold no thread.
 
 One process writes a thread at a time, as LangGraph assumes; deleting or pruning
 a thread while a graph writes it is not supported (a put may refer to values the

@@ -1,7 +1,9 @@
 """``AgckSaver``: the LangGraph checkpointer. It adds to its reading half
 (``reading._CheckpointReader``) everything that changes the store (``put``,
 ``put_writes``, deleting, copying, pruning), its construction and lifecycle, and
-the async form of every method (the sync one in a worker thread).
+the async form of every method (the sync one on the saver's worker threads, as
+many as the store has connections: an asyncio server's conversations wait for
+one without holding a thread each).
 
 A ``put`` writes its values entries and its record with one ``put_many`` of
 the store: on SQLite and Postgres one transaction (one commit), on the file
@@ -18,9 +20,13 @@ gc STORE``).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import copy
+import functools
 import logging
 import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -38,6 +44,27 @@ from .values import _normalize_types, _Refused, _ValueCodec
 logger = logging.getLogger("agck.langgraph")
 
 _END = object()   # alist's next() in a worker thread: a StopIteration cannot cross the await
+
+
+class _Workers:
+    """The threads a saver's async methods run on: ``size`` of them, started at first use."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def get(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.size, thread_name_prefix="agck-saver")
+            return self._pool
+
+    def shutdown(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)
 
 
 class AgckSaver(_CheckpointReader):
@@ -62,10 +89,12 @@ class AgckSaver(_CheckpointReader):
         else:
             store, self._own = open_store(store, **open_options), True
         super().__init__(store, _ValueCodec(_normalize_types(allowed_types)), on_damaged)
+        self._workers = _Workers(getattr(getattr(store, "_pool", None), "size", 4))   # shared with clones
 
     # -- lifecycle --
     def close(self) -> None:
-        """Close the store if the saver opened it."""
+        """End the async methods' worker threads; close the store if the saver opened it."""
+        self._workers.shutdown()     # idle threads end; a later async call starts them again
         if self._own:
             self.store.close()
 
@@ -492,42 +521,50 @@ class AgckSaver(_CheckpointReader):
                     meta.get("channel"), str) else target_runs.base + kind
                 self.store.put(target, s, ck.state, meta=meta, parent=ck.parent)
 
-    # -- async: the sync methods in a worker thread ----------------------------------------
+    # -- async: the sync methods on the saver's worker threads ------------------------------
+    async def _off_loop(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on one of the saver's worker threads, in this task's
+        context. There are as many as the store has connections (a Postgres store's
+        pool; 4 on the others): more would only queue on the pool holding a thread
+        each; the coroutines waiting beyond them hold none."""
+        call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._workers.get(), call)
+
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
-        return await asyncio.to_thread(self.get_tuple, config)
+        return await self._off_loop(self.get_tuple, config)
 
     async def alist(self, config: RunnableConfig | None, *, filter: dict[str, Any] | None = None,
                     before: RunnableConfig | None = None, limit: int | None = None
                     ) -> AsyncIterator[CheckpointTuple]:
         it = self.list(config, filter=filter, before=before, limit=limit)
         while True:
-            item = await asyncio.to_thread(next, it, _END)
+            item = await self._off_loop(next, it, _END)
             if item is _END:
                 return
             yield item
 
     async def aput(self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata,
                    new_versions: ChannelVersions) -> RunnableConfig:
-        return await asyncio.to_thread(self.put, config, checkpoint, metadata, new_versions)
+        return await self._off_loop(self.put, config, checkpoint, metadata, new_versions)
 
     async def aput_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str,
                           task_path: str = "") -> None:
-        await asyncio.to_thread(self.put_writes, config, writes, task_id, task_path)
+        await self._off_loop(self.put_writes, config, writes, task_id, task_path)
 
     async def adelete_thread(self, thread_id: str) -> None:
-        await asyncio.to_thread(self.delete_thread, thread_id)
+        await self._off_loop(self.delete_thread, thread_id)
 
     async def adelete_for_runs(self, run_ids: Sequence[str]) -> None:
-        await asyncio.to_thread(self.delete_for_runs, run_ids)
+        await self._off_loop(self.delete_for_runs, run_ids)
 
     async def acopy_thread(self, source_thread_id: str, target_thread_id: str) -> None:
-        await asyncio.to_thread(self.copy_thread, source_thread_id, target_thread_id)
+        await self._off_loop(self.copy_thread, source_thread_id, target_thread_id)
 
     async def aprune(self, thread_ids: Sequence[str], *, strategy: str = "keep_latest") -> None:
-        await asyncio.to_thread(self.prune, thread_ids, strategy=strategy)
+        await self._off_loop(self.prune, thread_ids, strategy=strategy)
 
     async def aget_delta_channel_history(self, *, config: RunnableConfig, channels: Sequence[str]
                                          ) -> Mapping[str, DeltaChannelHistory]:
-        return await asyncio.to_thread(self.get_delta_channel_history, config=config, channels=channels)
+        return await self._off_loop(self.get_delta_channel_history, config=config, channels=channels)
 
 

@@ -1,0 +1,240 @@
+#!/usr/bin/env python3
+"""Many LangGraph conversations at once on one Postgres server: agck's AgckSaver
+against LangGraph's AsyncPostgresSaver, each with a pool of the same size, in one run.
+A conversation is a compiled graph run with ``ainvoke``: 20 super-steps, each
+appending a chat message of about 1 KB to a ``messages`` channel (LangGraph's
+``add_messages`` reducer), so each checkpoint holds the conversation so far (a few
+KB up to about 20 KB). Two layouts, each saver in turn, alternated every round:
+
+- one process: ``--conversations`` (64) conversations on one event loop, sharing
+  one saver whose pool holds ``--pool`` (16) connections;
+- ``--procs`` (8) OS processes, each with its own saver and pool of ``--pool``
+  connections, running an equal share of the conversations; they start together.
+
+Reported per saver and layout: throughput in super-steps per second (all
+conversations' super-steps over the wall time from the first start to the last
+end), and the p50 and p99 latency of a checkpoint (``aput``, awaited by the graph
+once per super-step) and of a write (``aput_writes``).
+
+    pip install -e '.[test]' langgraph-checkpoint-postgres==3.2.0 'psycopg[binary,pool]==3.3.9'
+    python scripts/bench_langgraph_concurrent.py [--rounds 3] [--conversations 64] [--procs 8] [--pool 16]
+                                                 [--steps 20] [--dsn postgresql://...] [--json F]
+"""
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import operator
+import os
+import secrets
+import statistics
+import sys
+import time
+from typing import Annotated, TypedDict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchio  # noqa: E402,F401  (puts the checkout on sys.path, before agck is imported)
+
+DSN = os.environ.get("AGCK_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+SAVERS = ("LangGraph AsyncPostgresSaver", "agck AgckSaver (Postgres)")
+
+
+def _graph(steps: int):
+    from langchain_core.messages import AIMessage
+    from langgraph.graph import END, START, StateGraph
+    from langgraph.graph.message import add_messages
+
+    class State(TypedDict):
+        messages: Annotated[list, add_messages]
+        n: Annotated[int, operator.add]
+
+    def reply(state: State):
+        k = state["n"]
+        return {"messages": [AIMessage(content=f"reply {k}: " + "lorem ipsum dolor " * 55, id=f"m{k}")], "n": 1}
+
+    g = StateGraph(State)
+    g.add_node("reply", reply)
+    g.add_edge(START, "reply")
+    g.add_conditional_edges("reply", lambda s: END if s["n"] >= steps else "reply")
+    return g
+
+
+class _Timed:
+    """Wraps a saver's aput and aput_writes to record how long each took."""
+
+    def __init__(self, saver):
+        self.puts: list[float] = []
+        self.writes: list[float] = []
+        saver.aput = self._timed(saver.aput, self.puts)
+        saver.aput_writes = self._timed(saver.aput_writes, self.writes)
+
+    @staticmethod
+    def _timed(method, into: list):
+        async def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return await method(*a, **k)
+            finally:
+                into.append(time.perf_counter() - t0)
+        return timed
+
+
+async def _open(which: str, dsn: str, schema: str, pool: int):
+    """(saver, close) for saver ``which`` on ``schema`` with a pool of ``pool`` connections."""
+    if which == SAVERS[0]:
+        from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+        from psycopg.rows import dict_row
+        from psycopg_pool import AsyncConnectionPool
+        p = AsyncConnectionPool(dsn, min_size=pool, max_size=pool, open=False,
+                                kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row,
+                                        "options": f"-c search_path={schema}"})
+        await p.open(wait=True)
+        saver = AsyncPostgresSaver(p)
+
+        async def close():
+            await p.close()
+        return saver, close
+    from agck.integrations.langgraph import AgckSaver
+    from agck.stores.postgres import PostgresStore
+    store = PostgresStore(dsn, schema=schema, pool=pool)
+    saver = AgckSaver(store)
+
+    async def close():
+        saver.close()
+        store.close()
+    return saver, close
+
+
+async def _conversations(which: str, dsn: str, schema: str, pool: int, n: int, steps: int, tag: str,
+                         start_at: float | None = None) -> dict:
+    from langchain_core.messages import HumanMessage
+    saver, close = await _open(which, dsn, schema, pool)
+    timed = _Timed(saver)
+    graph = _graph(steps).compile(checkpointer=saver)
+    try:
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+        t0 = time.time()
+        outs = await asyncio.gather(*(graph.ainvoke({"messages": [HumanMessage(content="hello", id="h")], "n": 0},
+                                                    {"configurable": {"thread_id": f"{tag}-{i}"}})
+                                      for i in range(n)))
+        t1 = time.time()
+        assert all(o["n"] == steps and len(o["messages"]) == steps + 1 for o in outs)
+        return {"start": t0, "end": t1, "puts": timed.puts, "writes": timed.writes, "supersteps": n * steps}
+    finally:
+        await close()
+
+
+def _proc_main(args):
+    which, dsn, schema, pool, n, steps, tag, start_at, q = args
+    try:
+        q.put(asyncio.run(_conversations(which, dsn, schema, pool, n, steps, tag, start_at)))
+    except BaseException as e:   # reported by the parent
+        q.put({"error": repr(e)})
+
+
+def _multi(which: str, dsn: str, schema: str, pool: int, n: int, procs: int, steps: int, tag: str) -> dict:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    start_at = time.time() + 6.0       # time for every process to import LangGraph and open its pool
+    share = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
+    ps = [ctx.Process(target=_proc_main, args=((which, dsn, schema, pool, share[i], steps, f"{tag}-p{i}", start_at,
+                                                q),)) for i in range(procs)]
+    for p in ps:
+        p.start()
+    results = [q.get(timeout=600) for _ in ps]
+    for p in ps:
+        p.join()
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        raise RuntimeError(f"{which}: {errors[0]}")
+    late = max(r["start"] for r in results) - start_at
+    if late > 1.0:
+        print(f"  warning: a process started {late:.1f} s late", file=sys.stderr)
+    return {"start": min(r["start"] for r in results), "end": max(r["end"] for r in results),
+            "puts": [x for r in results for x in r["puts"]], "writes": [x for r in results for x in r["writes"]],
+            "supersteps": sum(r["supersteps"] for r in results)}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--conversations", type=int, default=64)
+    p.add_argument("--procs", type=int, default=8)
+    p.add_argument("--pool", type=int, default=16)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--dsn", default=DSN)
+    p.add_argument("--json")
+    p.add_argument("--layouts", default="one,procs")
+    a = p.parse_args(argv)
+    import psycopg2
+
+    schema = f"bench_lgc_{secrets.token_hex(3)}"
+    admin = psycopg2.connect(a.dsn)
+    admin.autocommit = True
+    admin.cursor().execute(f"CREATE SCHEMA {schema}")
+    log = lambda m: print(m, file=sys.stderr, flush=True)   # noqa: E731
+    try:
+        from langgraph.checkpoint.postgres import PostgresSaver
+        from psycopg import Connection
+        with Connection.connect(a.dsn, autocommit=True, options=f"-c search_path={schema}") as c:
+            PostgresSaver(c).setup()
+        from agck.stores.postgres import PostgresStore
+        PostgresStore(a.dsn, schema=schema, init=True).close()
+
+        layouts = a.layouts.split(",")
+        runs: dict = {(s, lay): [] for s in SAVERS for lay in layouts}
+        for r in range(-1, a.rounds):
+            order = SAVERS if r % 2 == 0 else SAVERS[::-1]
+            for lay in layouts:
+                for s in order:
+                    tag = f"r{r}-{lay}-{secrets.token_hex(2)}"
+                    if lay == "one":
+                        res = asyncio.run(_conversations(s, a.dsn, schema, a.pool, a.conversations, a.steps, tag))
+                    else:
+                        res = _multi(s, a.dsn, schema, a.pool, a.conversations, a.procs, a.steps, tag)
+                    rate = res["supersteps"] / (res["end"] - res["start"])
+                    log(f"  {'warm-up' if r < 0 else f'round {r + 1}/{a.rounds}'} {lay:5s} {s}: "
+                        f"{rate:.0f} super-steps/s, aput p50 {_pct(res['puts'], .5):.1f} ms "
+                        f"p99 {_pct(res['puts'], .99):.1f} ms")
+                    if r >= 0:
+                        runs[(s, lay)].append({"rate": rate, "puts": res["puts"], "writes": res["writes"]})
+        procs = f"{a.procs} processes x {a.conversations // a.procs} conversations"
+        names = {"one": f"{a.conversations} conversations, one event loop", "procs": procs}
+        print(f"## {a.conversations} LangGraph conversations at once, {a.steps} super-steps each, "
+              f"pools of {a.pool} connections, medians of {a.rounds} rounds\n")
+        print("| layout | saver | super-steps/s | ratio (agck / LangGraph) | aput p50 ms | aput p99 ms "
+              "| aput_writes p50 ms | aput_writes p99 ms |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
+        out = {"rounds": a.rounds, "pool": a.pool, "conversations": a.conversations, "procs": a.procs,
+               "steps": a.steps, "cases": {}}
+        for lay in layouts:
+            base = statistics.median(x["rate"] for x in runs[(SAVERS[0], lay)])
+            for s in SAVERS:
+                rs = runs[(s, lay)]
+                rate = statistics.median(x["rate"] for x in rs)
+                puts = [v for x in rs for v in x["puts"]]
+                writes = [v for x in rs for v in x["writes"]]
+                row = {"rate": rate, "put_p50_ms": _pct(puts, .5), "put_p99_ms": _pct(puts, .99),
+                       "writes_p50_ms": _pct(writes, .5), "writes_p99_ms": _pct(writes, .99)}
+                out["cases"][f"{lay} | {s}"] = row
+                ratio = f"{rate / base:.2f}x" if s != SAVERS[0] else ""
+                print(f"| {names[lay]} | {s} | {rate:.0f} | {ratio} | {row['put_p50_ms']:.1f} | "
+                      f"{row['put_p99_ms']:.1f} | {row['writes_p50_ms']:.1f} | {row['writes_p99_ms']:.1f} |")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=1)
+    finally:
+        admin.cursor().execute(f"DROP SCHEMA {schema} CASCADE")
+        admin.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
