@@ -9,6 +9,8 @@ disturb each other):
                  named fail point of the store's write path, on its N-th hit;
 * ``pgkill``     (:mod:`crashtests.pgkill`) the private Postgres server killed while a
                  workload commits, restarted;
+* ``pgload``     (:mod:`crashtests.pgload`) many threads and processes on one Postgres
+                 store, their connections dropped and the server killed under them;
 * ``s3kill``     (:mod:`crashtests.s3kill`) the private SeaweedFS server killed while a
                  workload writes to it, restarted;
 * ``netcut``     (:mod:`crashtests.netcut`) the connections to the object store reset
@@ -469,6 +471,12 @@ class Campaign:
                     if isinstance(steps, Exception):
                         t.cli_step = "error"
                         t.reasons.append(f"agck recover failed: {steps}")
+                    elif t.load is not None:    # many runs: each must recover to its last step
+                        short = {r: steps.get(r) for r in t.load["runs"] if steps.get(r) != t.load["last"]}
+                        t.cli_step = t.recovered if not short else None
+                        if short:
+                            t.reasons.append(f"the CLI recovered {dict(list(short.items())[:3])}, "
+                                             f"not step {t.load['last']}")
                     else:
                         t.cli_step = steps.get(t.run)
         urls = list(by_url)
@@ -514,7 +522,7 @@ class Campaign:
     # -- the whole campaign --------------------------------------------------------------------
     def run(self) -> dict:
         # the fault kinds' modules import this one: imported once it is whole
-        from . import chunkrot, corrupt, dist, kill, netcut, pgkill, powerloss, s3kill, stale
+        from . import chunkrot, corrupt, dist, kill, netcut, pgkill, pgload, powerloss, s3kill, stale
         cfg = self.cfg
         t0 = time.monotonic()
         try:
@@ -526,6 +534,7 @@ class Campaign:
             stale.trials(self)
             dist.trials(self)
             pgkill.trials(self)
+            pgload.trials(self)
             s3kill.trials(self)
             powerloss.trials(self)
             corrupt.trials(self)

@@ -33,7 +33,8 @@ from typing import Any
 OUTCOMES = ("ok", "indeterminate", "lost", "corrupt", "error")
 SKIPPED = "skipped"     # the outcome of a trial that never started: no outcome of the code under test
 STORES = ("file", "sqlite", "postgres", "s3", "pgs3")   # pgs3: a Postgres catalog, chunks in SeaweedFS
-FAULTS = ("kill", "failpoint", "pgkill", "s3kill", "netcut", "powerloss", "corrupt", "stale", "dist", "distpower", "chunkrot")
+FAULTS = ("kill", "failpoint", "pgkill", "pgload", "s3kill", "netcut", "powerloss", "corrupt", "stale", "dist",
+          "distpower", "chunkrot")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -62,6 +63,7 @@ class Trial:
     reasons: list = field(default_factory=list)
     detail: str = ""
     skipped: bool = False           # never started (the campaign's time limit): not judged
+    load: dict | None = None        # a pgload trial: its runs, their last step, acknowledged, lost, corrupt
 
     @property
     def last_ack(self):
@@ -182,6 +184,8 @@ def classify(t: Trial) -> str:
     rec = t.recovered
     if rec == "raised":
         error = True
+    elif t.load is not None:        # many runs at once: judged step by step (crashtests.pgload)
+        lost, corrupt = t.load["lost"] > 0, t.load["corrupt"] > 0
     elif t.expected == "min":
         last = t.last_ack
         if last is not None and (rec is None or rec < last):

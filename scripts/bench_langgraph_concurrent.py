@@ -8,8 +8,9 @@ KB up to about 20 KB). Two layouts, each saver in turn, alternated every round:
 
 - one process: ``--conversations`` (64) conversations on one event loop, sharing
   one saver whose pool holds ``--pool`` (16) connections;
-- ``--procs`` (8) OS processes, each with its own saver and pool of ``--pool``
-  connections, running an equal share of the conversations; they start together.
+- ``--procs`` (8) OS processes, each with its own saver and a pool of ``--pool`` /
+  ``--procs`` connections (the same connections in all; at least 2 each), running an
+  equal share of the conversations; they start together.
 
 Reported per saver and layout: throughput in super-steps per second (all
 conversations' super-steps over the wall time from the first start to the last
@@ -137,8 +138,9 @@ def _proc_main(args):
 def _multi(which: str, dsn: str, schema: str, pool: int, n: int, procs: int, steps: int, tag: str) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    start_at = time.time() + 6.0       # time for every process to import LangGraph and open its pool
+    start_at = time.time() + 20.0      # time for every process to import LangGraph and open its pool
     share = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
+    pool = max(2, pool // procs)
     ps = [ctx.Process(target=_proc_main, args=((which, dsn, schema, pool, share[i], steps, f"{tag}-p{i}", start_at,
                                                 q),)) for i in range(procs)]
     for p in ps:

@@ -177,9 +177,9 @@ def test_quick_campaign_file_and_sqlite(tmp_path):
 @pytest.mark.campaign
 @pytest.mark.skipif(pgcluster.available() is not None, reason=f"no private Postgres: {pgcluster.available()}")
 def test_quick_campaign_postgres(tmp_path):
-    counts = {"kill": 2, "failpoint": 2, "pgkill": 1, "corrupt": 25}
-    rep = _run(tmp_path, ("postgres",), ("kill", "failpoint", "pgkill", "corrupt"), counts, seed=8)
-    assert rep["postgres_kills"] == 1
+    counts = {"kill": 2, "failpoint": 2, "pgkill": 1, "pgload": 1, "corrupt": 25}
+    rep = _run(tmp_path, ("postgres",), ("kill", "failpoint", "pgkill", "pgload", "corrupt"), counts, seed=8)
+    assert rep["postgres_kills"] == 2
     assert not any(n.startswith("postgres skipped") for n in rep["notes"])
 
 
@@ -191,3 +191,49 @@ def test_quick_campaign_object_store(tmp_path):
     rep = _run(tmp_path, ("s3",), ("kill", "failpoint", "s3kill", "stale", "corrupt", "chunkrot"), counts, seed=9)
     assert rep["s3_kills"] == 1
     assert not any(n.startswith("s3 skipped") for n in rep["notes"])
+
+
+def test_concurrent_load_judge_finds_lost_and_wrong_steps(tmp_path, pg_dsn, pg_schema):
+    """The pgload judge has teeth: an acknowledged step that is not stored is lost, a
+    stored step holding a state nobody put is corrupt, a gap in a history is lost."""
+    from crashtests import loadworker, pgload
+    from crashtests.checker import Trial, classify
+    from agck.stores import open_store
+    from conftest import pg_prefix
+
+    url = f"{pg_dsn}{'&' if '?' in pg_dsn else '?'}agck_prefix={pg_prefix()}&agck_schema={pg_schema}"
+    open_store(url, init=True).close()
+
+    class Harness:      # what pgload.check uses of a Campaign
+        def _open(self, u):
+            return open_store(u)
+
+    def judged(tamper):
+        t = Trial(id=1, store="postgres", fault="pgload", run=f"J{tamper}", url=url)
+        acks = tmp_path / f"acks-{tamper}"
+        store = open_store(url)
+        lines = []
+        for k in range(pgload.PROCS):
+            for j in range(pgload.THREADS):
+                run = f"{t.run}-p{k}-t{j}"
+                loadworker.conversation(store, run, pgload.STEPS, lambda r, s: lines.append(f"{r} {s}\n"))
+        victim = f"{t.run}-p0-t0"
+        if tamper == "lost":
+            store.delete(victim, 4)
+        elif tamper == "wrong":
+            store.put(victim, 4, loadworker.state_for(victim, 5))
+        elif tamper == "gap":
+            store.delete(victim, 4)
+            lines.remove(f"{victim} 4\n")
+        store.close()
+        acks.write_text("".join(lines))
+        pgload.check(Harness(), t, str(acks))
+        return classify(t), t.reasons
+
+    assert judged("none") == ("ok", [])
+    outcome, reasons = judged("lost")
+    assert outcome == "lost" and any("acknowledged steps [4] missing" in r for r in reasons)
+    outcome, reasons = judged("wrong")
+    assert outcome == "corrupt" and any("a state nobody put" in r for r in reasons)
+    outcome, reasons = judged("gap")
+    assert outcome == "lost" and any("gaps [4]" in r for r in reasons)
