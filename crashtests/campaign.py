@@ -362,6 +362,11 @@ class Campaign:
             conn.close()
 
     # -- server kills: trials one after another on one shared server -----------------------------
+    def revive_cluster(self) -> None:
+        """Restart the private Postgres server if it is not running (after a harness failure)."""
+        if self.cluster.proc is None or self.cluster.proc.poll() is not None:
+            self.cluster.restart()
+
     def server_kill_trials(self, store: str, fault: str, prefix: str, what: str, trial, revive) -> None:
         """``cfg.n(store, fault)`` trials of ``trial(c, t, i)``, one at a time (they share the
         server); ``revive()`` brings the server back after a harness failure."""

@@ -28,11 +28,7 @@ from .checker import Trial
 def trials(c: Campaign) -> None:
     if "pgkill" not in c.cfg.faults or c.cluster is None:
         return
-
-    def revive():
-        if c.cluster.proc is None or c.cluster.proc.poll() is not None:
-            c.cluster.restart()
-    c.server_kill_trials("postgres", "pgkill", "p", "Postgres server", trial, revive)
+    c.server_kill_trials("postgres", "pgkill", "p", "Postgres server", trial, c.revive_cluster)
 
 
 def trial(c: Campaign, t: Trial, i: int) -> None:

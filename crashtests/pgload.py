@@ -39,11 +39,7 @@ STEPS = 10        # checkpoints per conversation
 def trials(c: Campaign) -> None:
     if "pgload" not in c.cfg.faults or c.cluster is None:
         return
-
-    def revive():
-        if c.cluster.proc is None or c.cluster.proc.poll() is not None:
-            c.cluster.restart()
-    c.server_kill_trials("postgres", "pgload", "L", "concurrent load", trial, revive)
+    c.server_kill_trials("postgres", "pgload", "L", "concurrent load", trial, c.revive_cluster)
 
 
 def _drop_connections(c: Campaign) -> int:
@@ -107,8 +103,7 @@ def trial(c: Campaign, t: Trial, i: int) -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        if c.cluster.proc is None or c.cluster.proc.poll() is not None:
-            c.cluster.restart()
+        c.revive_cluster()
     t.reached = killed or dropped > 0
     t.point = f"{drops} drops ({dropped} connections)" + (f", server {how}" if killed else "")
     for k, p in enumerate(procs):
