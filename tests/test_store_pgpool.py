@@ -270,3 +270,25 @@ def test_a_forked_child_opens_its_own_connections(pg_dsn, pg_schema):
     assert s.steps("r") == [0, 1]
     assert np.array_equal(s.read("r", 1).state["x"], np.arange(6))
     s.close()
+
+
+def test_threads_putting_the_same_new_content_send_it_once(pg_dsn, pg_schema, admin):
+    """Two threads of one store putting the same new 8 MiB at once (as LangGraph writes a
+    large value as a pending write and a channel together): the bytes reach the objects
+    table once, not twice (the second sender would block on the first's rows, fail, and
+    leave its copy as dead rows)."""
+    from agck.stores.postgres import PostgresStore
+    s = PostgresStore(pg_dsn, prefix=pg_prefix(), schema=pg_schema, init=True, pool=4)
+    x = np.random.default_rng(5).random(1 << 20)          # 8 MiB, new content
+
+    def objects_bytes():
+        admin.execute("SELECT pg_total_relation_size(%s::regclass)", (s.names.objects,))
+        return admin.fetchone()[0]
+
+    before = objects_bytes()
+    for _ in range(3):
+        assert _run_threads(2, lambda i: s.put(f"same-{i}-{_}", 1, {"x": x})) == []
+    grew = objects_bytes() - before
+    assert (8 << 20) <= grew < (12 << 20), grew
+    assert all(np.array_equal(s.read(f"same-{i}-2", 1).state["x"], x) for i in range(2))
+    s.close()

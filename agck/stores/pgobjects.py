@@ -34,14 +34,17 @@ deleted by the next one, and never a row without its chunk.
 
 :class:`SharedObjects` is a mixin of the store: it uses the store's ``names``
 (:class:`~agck.stores.pgschema.Names`), ``_transaction``, ``_query``, ``ref``,
-``url``, ``verify_reused``, ``_reread_turn`` and ``_known_lock`` (the threads of a
-store share what it knows), and the store calls
-:meth:`SharedObjects._forget_objects` whenever it opens a connection. Methods
+``url``, ``verify_reused``, ``_reread_turn``, ``_known_lock`` (the threads of a
+store share what it knows), ``_claims`` and ``_claimed`` (the objects its threads
+are sending), and the store calls :meth:`SharedObjects._forget_objects` whenever
+its pool drops a broken connection, and :meth:`SharedObjects._release_claims`
+when a put's transaction has ended. Methods
 taking a cursor run inside the caller's transaction and never end it.
 """
 
 from __future__ import annotations
 
+import threading
 from functools import partial
 
 import psycopg2
@@ -58,6 +61,8 @@ from .sqlrows import check_checksum
 GC_RETRIES = 5
 # How often a put sends its missing objects again after another writer sent one of them first.
 _OBJECT_ROUNDS = 8
+# How long a put waits for another thread of its store sending the same objects (then sends them too).
+_CLAIM_WAIT = 60.0
 # Objects a store object remembers having committed (32 bytes each), so a put asks the
 # database only about the others while no collection has run (the gc generation).
 _KNOWN_OBJECTS_MAX = 1 << 22
@@ -160,6 +165,12 @@ class SharedObjects:
             missing = _missing(plans, present)
             if not missing:
                 return
+            busy = self._claim([a for a, _ in missing])
+            if busy:    # another thread of this store is sending some of them: once it ends, those it committed
+                for done in busy:
+                    done.wait(_CLAIM_WAIT)
+                present |= self._present(cur, [a for a, _ in missing])
+                continue
             missing.sort()      # writers sending the same new objects meet them in one order: no deadlock
             stream = ObjectsIn(missing)
             try:     # the savepoint stays open to COMMIT, which commits what it holds
@@ -179,6 +190,40 @@ class SharedObjects:
                 raise stream.error
             return
         raise Refused("other writers kept sending the same objects")
+
+    def _claim(self, addresses: list[bytes]) -> list:
+        """Claim ``addresses`` for this thread's put, all of them, or none when another
+        thread of this store object is sending some (its put not yet ended): then the
+        events that tell when those puts end. Two threads that would send the same new
+        content at once (LangGraph writes a large value as a pending write and as a
+        channel beside it) send it once: the other waits, then finds it committed,
+        instead of sending it too, blocking on the first one's rows, failing, and
+        leaving the bytes it sent as dead rows. :meth:`_release_claims` ends them."""
+        with self._known_lock:
+            mine = getattr(self._claimed, "event", None)
+            busy = {id(e): e for a in addresses if (e := self._claims.get(a)) is not None and e is not mine}
+            if busy:
+                return list(busy.values())
+            if mine is None:
+                mine = self._claimed.event = threading.Event()
+                self._claimed.addresses = []
+            for a in addresses:
+                self._claims[a] = mine
+            self._claimed.addresses += addresses
+        return []
+
+    def _release_claims(self) -> None:
+        """After this thread's put transaction ended (committed or rolled back)."""
+        mine = getattr(self._claimed, "event", None)
+        if mine is None:
+            return
+        with self._known_lock:
+            for a in self._claimed.addresses:
+                if self._claims.get(a) is mine:
+                    del self._claims[a]
+            self._claimed.event = None
+            self._claimed.addresses = []
+        mine.set()
 
     def _put_external(self, cur, plans: list["content.Plan"], present: set[bytes]) -> None:
         """The objects the store lacks uploaded to the object store (each durable when

@@ -49,9 +49,10 @@ class ConnectionPool:
     """At most ``size`` connections made by ``connect()``, each used by one thread at a time."""
 
     def __init__(self, connect: Callable[[], Any], size: int, *, timeout: float = DEFAULT_POOL_TIMEOUT,
-                 where: str = ""):
+                 where: str = "", on_broken: Callable[[], None] | None = None):
         self.size = check_pool_size(size)
         self._connect = connect
+        self._on_broken = on_broken     # told when a broken connection is dropped (the server may have changed)
         self._timeout = timeout
         self._where = where
         self._cond = threading.Condition()
@@ -96,6 +97,7 @@ class ConnectionPool:
                     if not conn.closed:
                         return conn
                     self._open -= 1
+                    self._broken()
                 if self._open < self.size:
                     self._open += 1
                     break
@@ -119,11 +121,17 @@ class ConnectionPool:
                 return
             if conn.closed or self._closed:
                 self._open -= 1
-                if not conn.closed:
+                if conn.closed:
+                    self._broken()
+                else:
                     conn.close()
             else:
                 self._idle.append(conn)
             self._cond.notify()
+
+    def _broken(self) -> None:
+        if self._on_broken is not None and not self._closed:
+            self._on_broken()
 
     def close(self) -> None:
         """Close the idle connections; those lent are closed when given back."""

@@ -175,7 +175,11 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
         self._connect_timeout = connect_timeout
         self._known_lock = threading.Lock()
         self._forget_objects()
-        self._pool = ConnectionPool(self._connect, pool, timeout=pool_timeout, where=self.url)
+        self._claims: dict[bytes, threading.Event] = {}    # objects a thread of this store object is sending
+        self._claimed = threading.local()                   # this thread's claims (pgobjects)
+        # a connection dropped broken: a failover or a restore may have lost what this store object saw committed
+        self._pool = ConnectionPool(self._connect, pool, timeout=pool_timeout, where=self.url,
+                                    on_broken=self._forget_objects)
         with self._pool.connection() as conn:    # the first connection now: a bad URL or server fails here
             self.names = Names(conn, self.prefix, self.schema, self.url)
         self._objects: ObjectChunks | None = None
@@ -202,7 +206,6 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
             raise StoreConnectionError(f"cannot connect to Postgres: {_scrub(str(e), self._secrets)}",
                                        ref=self.url) from None
         conn.autocommit = True   # transactions are explicit: BEGIN travels with the first statement
-        self._forget_objects()   # a new connection: a failover or a restore may have lost what the last committed
         return conn
 
     @contextmanager
@@ -494,6 +497,8 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
             if isinstance(e, OSError):
                 raise DurabilityError(f"write failed: {e.strerror or e}", ref=ref) from e
             raise
+        finally:
+            self._release_claims()      # the transaction has ended: a thread waiting for these objects looks again
 
     def _commit_failed(self, e: psycopg2.Error, ref: str) -> DurabilityError:
         return DurabilityError(
