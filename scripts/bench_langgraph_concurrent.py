@@ -35,7 +35,7 @@ import time
 from typing import Annotated, TypedDict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import benchio  # noqa: E402,F401  (puts the checkout on sys.path, before agck is imported)
+import benchio  # noqa: E402  (puts the checkout on sys.path, before agck is imported)
 
 DSN = os.environ.get("AGCK_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 SAVERS = ("LangGraph AsyncPostgresSaver", "agck AgckSaver (Postgres)")
@@ -175,67 +175,62 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     p.add_argument("--layouts", default="one,procs")
     a = p.parse_args(argv)
-    import psycopg2
-
-    schema = f"bench_lgc_{secrets.token_hex(3)}"
-    admin = psycopg2.connect(a.dsn)
-    admin.autocommit = True
-    admin.cursor().execute(f"CREATE SCHEMA {schema}")
-    log = lambda m: print(m, file=sys.stderr, flush=True)   # noqa: E731
-    try:
-        from langgraph.checkpoint.postgres import PostgresSaver
-        from psycopg import Connection
-        with Connection.connect(a.dsn, autocommit=True, options=f"-c search_path={schema}") as c:
-            PostgresSaver(c).setup()
-        from agck.stores.postgres import PostgresStore
-        PostgresStore(a.dsn, schema=schema, init=True).close()
-
-        layouts = a.layouts.split(",")
-        runs: dict = {(s, lay): [] for s in SAVERS for lay in layouts}
-        for r in range(-1, a.rounds):
-            order = SAVERS if r % 2 == 0 else SAVERS[::-1]
-            for lay in layouts:
-                for s in order:
-                    tag = f"r{r}-{lay}-{secrets.token_hex(2)}"
-                    if lay == "one":
-                        res = asyncio.run(_conversations(s, a.dsn, schema, a.pool, a.conversations, a.steps, tag))
-                    else:
-                        res = _multi(s, a.dsn, schema, a.pool, a.conversations, a.procs, a.steps, tag)
-                    rate = res["supersteps"] / (res["end"] - res["start"])
-                    log(f"  {'warm-up' if r < 0 else f'round {r + 1}/{a.rounds}'} {lay:5s} {s}: "
-                        f"{rate:.0f} super-steps/s, aput p50 {_pct(res['puts'], .5):.1f} ms "
-                        f"p99 {_pct(res['puts'], .99):.1f} ms")
-                    if r >= 0:
-                        runs[(s, lay)].append({"rate": rate, "puts": res["puts"], "writes": res["writes"]})
-        procs = f"{a.procs} processes x {a.conversations // a.procs} conversations"
-        names = {"one": f"{a.conversations} conversations, one event loop", "procs": procs}
-        print(f"## {a.conversations} LangGraph conversations at once, {a.steps} super-steps each, "
-              f"pools of {a.pool} connections, medians of {a.rounds} rounds\n")
-        print("| layout | saver | super-steps/s | ratio (agck / LangGraph) | aput p50 ms | aput p99 ms "
-              "| aput_writes p50 ms | aput_writes p99 ms |")
-        print("|---|---|---:|---:|---:|---:|---:|---:|")
-        out = {"rounds": a.rounds, "pool": a.pool, "conversations": a.conversations, "procs": a.procs,
-               "steps": a.steps, "cases": {}}
-        for lay in layouts:
-            base = statistics.median(x["rate"] for x in runs[(SAVERS[0], lay)])
-            for s in SAVERS:
-                rs = runs[(s, lay)]
-                rate = statistics.median(x["rate"] for x in rs)
-                puts = [v for x in rs for v in x["puts"]]
-                writes = [v for x in rs for v in x["writes"]]
-                row = {"rate": rate, "put_p50_ms": _pct(puts, .5), "put_p99_ms": _pct(puts, .99),
-                       "writes_p50_ms": _pct(writes, .5), "writes_p99_ms": _pct(writes, .99)}
-                out["cases"][f"{lay} | {s}"] = row
-                ratio = f"{rate / base:.2f}x" if s != SAVERS[0] else ""
-                print(f"| {names[lay]} | {s} | {rate:.0f} | {ratio} | {row['put_p50_ms']:.1f} | "
-                      f"{row['put_p99_ms']:.1f} | {row['writes_p50_ms']:.1f} | {row['writes_p99_ms']:.1f} |")
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(out, f, indent=1)
-    finally:
-        admin.cursor().execute(f"DROP SCHEMA {schema} CASCADE")
-        admin.close()
+    with benchio.scratch_schema(a.dsn, "bench_lgc") as (schema, _):
+        _run(a, schema)
     return 0
+
+
+def _run(a, schema: str) -> None:
+    log = lambda m: print(m, file=sys.stderr, flush=True)   # noqa: E731
+    from langgraph.checkpoint.postgres import PostgresSaver
+    from psycopg import Connection
+    with Connection.connect(a.dsn, autocommit=True, options=f"-c search_path={schema}") as c:
+        PostgresSaver(c).setup()
+    from agck.stores.postgres import PostgresStore
+    PostgresStore(a.dsn, schema=schema, init=True).close()
+
+    layouts = a.layouts.split(",")
+    runs: dict = {(s, lay): [] for s in SAVERS for lay in layouts}
+    for r in range(-1, a.rounds):
+        order = SAVERS if r % 2 == 0 else SAVERS[::-1]
+        for lay in layouts:
+            for s in order:
+                tag = f"r{r}-{lay}-{secrets.token_hex(2)}"
+                if lay == "one":
+                    res = asyncio.run(_conversations(s, a.dsn, schema, a.pool, a.conversations, a.steps, tag))
+                else:
+                    res = _multi(s, a.dsn, schema, a.pool, a.conversations, a.procs, a.steps, tag)
+                rate = res["supersteps"] / (res["end"] - res["start"])
+                log(f"  {'warm-up' if r < 0 else f'round {r + 1}/{a.rounds}'} {lay:5s} {s}: "
+                    f"{rate:.0f} super-steps/s, aput p50 {_pct(res['puts'], .5):.1f} ms "
+                    f"p99 {_pct(res['puts'], .99):.1f} ms")
+                if r >= 0:
+                    runs[(s, lay)].append({"rate": rate, "puts": res["puts"], "writes": res["writes"]})
+    procs = f"{a.procs} processes x {a.conversations // a.procs} conversations"
+    names = {"one": f"{a.conversations} conversations, one event loop", "procs": procs}
+    print(f"## {a.conversations} LangGraph conversations at once, {a.steps} super-steps each, "
+          f"pools of {a.pool} connections, medians of {a.rounds} rounds\n")
+    print("| layout | saver | super-steps/s | ratio (agck / LangGraph) | aput p50 ms | aput p99 ms "
+          "| aput_writes p50 ms | aput_writes p99 ms |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    out = {"rounds": a.rounds, "pool": a.pool, "conversations": a.conversations, "procs": a.procs,
+           "steps": a.steps, "cases": {}}
+    for lay in layouts:
+        base = statistics.median(x["rate"] for x in runs[(SAVERS[0], lay)])
+        for s in SAVERS:
+            rs = runs[(s, lay)]
+            rate = statistics.median(x["rate"] for x in rs)
+            puts = [v for x in rs for v in x["puts"]]
+            writes = [v for x in rs for v in x["writes"]]
+            row = {"rate": rate, "put_p50_ms": _pct(puts, .5), "put_p99_ms": _pct(puts, .99),
+                   "writes_p50_ms": _pct(writes, .5), "writes_p99_ms": _pct(writes, .99)}
+            out["cases"][f"{lay} | {s}"] = row
+            ratio = f"{rate / base:.2f}x" if s != SAVERS[0] else ""
+            print(f"| {names[lay]} | {s} | {rate:.0f} | {ratio} | {row['put_p50_ms']:.1f} | "
+                  f"{row['put_p99_ms']:.1f} | {row['writes_p50_ms']:.1f} | {row['writes_p99_ms']:.1f} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -22,11 +22,13 @@ psycopg 3 async, as many coroutines on one event loop, each with its own connect
 import argparse
 import asyncio
 import os
-import secrets
 import statistics
 import sys
 import threading
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchio  # noqa: E402  (puts the checkout on sys.path)
 
 DSN = os.environ.get("AGCK_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 META = '{"lg": 1, "thread_id": "t", "checkpoint_ns": "", "checkpoint_id": "1ef-..."}'
@@ -189,40 +191,37 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args(argv)
-    import psycopg2
-    schema = f"bench_drv_{secrets.token_hex(3)}"
-    admin = psycopg2.connect(a.dsn)
-    admin.autocommit = True
-    admin.cursor().execute(f"CREATE SCHEMA {schema}; " + _tables(schema))
+    with benchio.scratch_schema(a.dsn, "bench_drv") as (schema, admin):
+        admin.execute(_tables(schema))
+        _run(a, schema)
+    return 0
+
+
+def _run(a, schema: str) -> None:
     data = os.urandom(a.kb << 10)
     names = [Psycopg2.name, Psycopg3.name, Psycopg3Async.name]
     seq = {n: [] for n in names}
     conc = {n: [] for n in names}
-    try:
-        for r in range(a.rounds):
-            tag = f"r{r}"
-            for cls in (Psycopg2, Psycopg3):
-                c = cls(a.dsn, schema)
-                seq[cls.name].append(_sequential(c, f"{tag}-{cls.__name__}", data, a.n))
-                c.close()
-                conc[cls.name].append(_threads(cls, a.dsn, schema, f"{tag}-{cls.__name__}-t", data, a.n // 4,
-                                               a.threads))
-            seq[Psycopg3Async.name].append(asyncio.run(_async_sequential(a.dsn, schema, f"{tag}-a", data, a.n)))
-            conc[Psycopg3Async.name].append(asyncio.run(_coroutines(a.dsn, schema, f"{tag}-ac", data, a.n // 4,
-                                                                    a.threads)))
-            print(f"  round {r + 1}/{a.rounds} done", file=sys.stderr, flush=True)
-        print(f"## A small put ({a.kb} KiB chunk row + manifest row, committed) and its get, "
-              f"medians of {a.rounds} rounds\n")
-        print(f"| driver | put median ms | get median ms | puts/s, {a.threads} clients at once |")
-        print("|---|---:|---:|---:|")
-        for n in names:
-            put = statistics.median(x[0] for x in seq[n])
-            get = statistics.median(x[1] for x in seq[n])
-            print(f"| {n} | {put:.3f} | {get:.3f} | {statistics.median(conc[n]):.0f} |")
-    finally:
-        admin.cursor().execute(f"DROP SCHEMA {schema} CASCADE")
-        admin.close()
-    return 0
+    for r in range(a.rounds):
+        tag = f"r{r}"
+        for cls in (Psycopg2, Psycopg3):
+            c = cls(a.dsn, schema)
+            seq[cls.name].append(_sequential(c, f"{tag}-{cls.__name__}", data, a.n))
+            c.close()
+            conc[cls.name].append(_threads(cls, a.dsn, schema, f"{tag}-{cls.__name__}-t", data, a.n // 4,
+                                           a.threads))
+        seq[Psycopg3Async.name].append(asyncio.run(_async_sequential(a.dsn, schema, f"{tag}-a", data, a.n)))
+        conc[Psycopg3Async.name].append(asyncio.run(_coroutines(a.dsn, schema, f"{tag}-ac", data, a.n // 4,
+                                                                a.threads)))
+        print(f"  round {r + 1}/{a.rounds} done", file=sys.stderr, flush=True)
+    print(f"## A small put ({a.kb} KiB chunk row + manifest row, committed) and its get, "
+          f"medians of {a.rounds} rounds\n")
+    print(f"| driver | put median ms | get median ms | puts/s, {a.threads} clients at once |")
+    print("|---|---:|---:|---:|")
+    for n in names:
+        put = statistics.median(x[0] for x in seq[n])
+        get = statistics.median(x[1] for x in seq[n])
+        print(f"| {n} | {put:.3f} | {get:.3f} | {statistics.median(conc[n]):.0f} |")
 
 
 if __name__ == "__main__":

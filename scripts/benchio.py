@@ -131,3 +131,22 @@ def run_rounds(cases: list[Case], repeats: int, log, warmup: int = 0,
                 c.after()
         what = f"round {r + 1}/{repeats}" if r >= 0 else "warm-up round (not counted)"
         log(f"  {what}: {time.perf_counter() - t_round:.1f} s")
+
+
+@contextmanager
+def scratch_schema(dsn: str, prefix: str):
+    """A Postgres schema of this run's own (``{prefix}_<random>``), dropped after: yields
+    (schema name, an autocommit psycopg2 cursor on the server)."""
+    import secrets
+
+    import psycopg2
+    schema = f"{prefix}_{secrets.token_hex(3)}"
+    admin = psycopg2.connect(dsn)
+    admin.autocommit = True
+    cur = admin.cursor()
+    cur.execute(f"CREATE SCHEMA {schema}")
+    try:
+        yield schema, cur
+    finally:
+        cur.execute(f"DROP SCHEMA {schema} CASCADE")
+        admin.close()
