@@ -292,3 +292,34 @@ def test_threads_putting_the_same_new_content_send_it_once(pg_dsn, pg_schema, ad
     assert (8 << 20) <= grew < (12 << 20), grew
     assert all(np.array_equal(s.read(f"same-{i}-2", 1).state["x"], x) for i in range(2))
     s.close()
+
+
+def test_a_store_refused_at_open_leaves_no_connection(pg_dsn, pg_schema, admin):
+    """Opening tables that do not exist raises, and closes the connection it opened
+    (`agck recover` asks for the parts tables of every run it walks)."""
+    from agck.errors import SchemaUninitializedError
+    from agck.stores.postgres import PostgresStore
+    app = f"agck_pool_{secrets.token_hex(4)}"
+    for _ in range(10):
+        with pytest.raises(SchemaUninitializedError):
+            PostgresStore(_app_dsn(pg_dsn, app), prefix=pg_prefix(), schema=pg_schema)
+    time.sleep(0.2)
+    assert _backends(admin, app) == 0
+
+
+def test_a_store_dropped_without_close_frees_its_connections(pg_dsn, pg_schema, admin):
+    """A store object nobody holds any more closes its connections at once (as one
+    connection did before the pool), not at some later garbage collection."""
+    import gc
+    from agck.stores.postgres import PostgresStore
+    app = f"agck_pool_{secrets.token_hex(4)}"
+    gc.disable()
+    try:
+        for i in range(5):
+            s = PostgresStore(_app_dsn(pg_dsn, app), prefix=pg_prefix(), schema=pg_schema, init=True)
+            s.put("r", i, {"x": i})
+            del s
+        time.sleep(0.2)
+        assert _backends(admin, app) == 0
+    finally:
+        gc.enable()

@@ -44,10 +44,12 @@ Passwords never appear in ``store.url`` or in error messages.
 
 from __future__ import annotations
 
+import functools
 import shlex
 import threading
 import time
 import uuid
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, TypeVar
 
@@ -103,10 +105,40 @@ def _scrub(text: str, secrets: list[str]) -> str:
     return " ".join(ln for ln in lines if ln and not ln.startswith("LINE ") and set(ln) != {"^"})
 
 
+def _connect(dsn: str, secrets: list[str], url: str, connect_timeout: int):
+    """A new autocommit connection (a module function: the pool holds no reference to
+    its store, so a store dropped without close() is freed, and its connections closed,
+    at once)."""
+    extra = {"application_name": "agck"}
+    try:
+        given = psycopg2.extensions.parse_dsn(dsn)
+    except psycopg2.Error as e:
+        raise StoreConnectionError(f"invalid Postgres URL: {_scrub(str(e), secrets)}", ref=url) from None
+    if "connect_timeout" not in given:
+        extra["connect_timeout"] = connect_timeout
+    try:
+        conn = psycopg2.connect(dsn, **{k: v for k, v in extra.items() if k not in given})
+    except psycopg2.Error as e:
+        raise StoreConnectionError(f"cannot connect to Postgres: {_scrub(str(e), secrets)}", ref=url) from None
+    conn.autocommit = True   # transactions are explicit: BEGIN travels with the first statement
+    return conn
+
+
 def _text(cur, sql: bytes) -> str:
     """A statement psycopg2 interpolated (in the connection's encoding) as text,
     to put in front of a COPY."""
     return sql.decode(psycopg2.extensions.encodings.get(cur.connection.encoding, "utf-8"))
+
+
+def _weak(method) -> Callable[[], None]:
+    """``method()`` while its object lives, without keeping it alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        m = ref()
+        if m is not None:
+            m()
+    return call
 
 
 def _commit_unknown(e: psycopg2.Error, cur) -> bool:
@@ -178,36 +210,24 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
         self._claims: dict[bytes, threading.Event] = {}    # objects a thread of this store object is sending
         self._claimed = threading.local()                   # this thread's claims (pgobjects)
         # a connection dropped broken: a failover or a restore may have lost what this store object saw committed
-        self._pool = ConnectionPool(self._connect, pool, timeout=pool_timeout, where=self.url,
-                                    on_broken=self._forget_objects)
-        with self._pool.connection() as conn:    # the first connection now: a bad URL or server fails here
-            self.names = Names(conn, self.prefix, self.schema, self.url)
-        self._objects: ObjectChunks | None = None
-        if init:
-            self.init_schema()
-        elif check_schema:
-            self._check_schema()
-        if init or check_schema:
-            self._objects = self._object_store(objects)
+        self._pool = ConnectionPool(functools.partial(_connect, url, self._secrets, self.url, connect_timeout),
+                                    pool, timeout=pool_timeout, where=self.url,
+                                    on_broken=_weak(self._forget_objects))
+        try:
+            with self._pool.connection() as conn:    # the first connection now: a bad URL or server fails here
+                self.names = Names(conn, self.prefix, self.schema, self.url)
+            self._objects: ObjectChunks | None = None
+            if init:
+                self.init_schema()
+            elif check_schema:
+                self._check_schema()
+            if init or check_schema:
+                self._objects = self._object_store(objects)
+        except BaseException:
+            self._pool.close()     # refused (no schema, another bucket): its connection closed now, not at a GC
+            raise
 
     # -- connection ------------------------------------------------------------------
-    def _connect(self):
-        extra = {"application_name": "agck"}
-        try:
-            given = psycopg2.extensions.parse_dsn(self._dsn)
-        except psycopg2.Error as e:
-            raise StoreConnectionError(f"invalid Postgres URL: {_scrub(str(e), self._secrets)}",
-                                       ref=self.url) from None
-        if "connect_timeout" not in given:
-            extra["connect_timeout"] = self._connect_timeout
-        try:
-            conn = psycopg2.connect(self._dsn, **{k: v for k, v in extra.items() if k not in given})
-        except psycopg2.Error as e:
-            raise StoreConnectionError(f"cannot connect to Postgres: {_scrub(str(e), self._secrets)}",
-                                       ref=self.url) from None
-        conn.autocommit = True   # transactions are explicit: BEGIN travels with the first statement
-        return conn
-
     @contextmanager
     def _cursor(self):
         """A cursor on a connection of the pool, this thread's until the block ends."""
