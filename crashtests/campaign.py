@@ -264,6 +264,17 @@ class Campaign:
         finally:
             err.close()
 
+    @staticmethod
+    def _finish(p: subprocess.Popen, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for ``p`` to exit, else kill it; whether it hung."""
+        try:
+            p.wait(timeout=timeout)
+            return False
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            return True
+
     def reference(self) -> None:
         """One uninterrupted run: per-step hashes, final hash, and how long the phases take."""
         d = os.path.join(self.work, "reference")

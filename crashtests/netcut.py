@@ -81,11 +81,7 @@ def trial(c: Campaign, t: Trial, client_url: str) -> None:
             t.point = f"{cuts} cuts"
         else:
             t.detail = "the workload finished before the first cut"
-        try:
-            p.wait(timeout=300)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        if c._finish(p, 300):
             t.reasons.append("the workload hung after the connections were cut")
             t.recovered = "raised"
         if p.returncode not in (0, None):

@@ -23,12 +23,11 @@ the one server.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 
 from .campaign import Campaign
-from .checker import REPO, Trial
+from .checker import Trial
 
 PROCS = 3         # workload processes per trial
 THREADS = 6       # conversations (threads) per process
@@ -61,15 +60,10 @@ def trial(c: Campaign, t: Trial, i: int) -> None:
     os.makedirs(d)
     acks = os.path.join(d, "acks")
     procs = []
-    for k in range(PROCS):
-        err = open(os.path.join(d, f"stderr{k}"), "wb")
-        try:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "crashtests.loadworker", t.url, t.run, str(k), str(THREADS), str(STEPS),
-                 str(POOL), acks], cwd=REPO, env=c._env(None), stdout=subprocess.DEVNULL, stderr=err,
-                stdin=subprocess.DEVNULL))
-        finally:
-            err.close()
+    for k in range(PROCS):       # a directory each, for its stderr
+        os.makedirs(os.path.join(d, str(k)))
+        procs.append(c._spawn([sys.executable, "-m", "crashtests.loadworker", t.url, t.run, str(k), str(THREADS),
+                               str(STEPS), str(POOL), acks], os.path.join(d, str(k))))
     how = "immediate" if i % 2 else "sigkill"
     drops = dropped = 0
     killed = False
@@ -92,24 +86,17 @@ def trial(c: Campaign, t: Trial, i: int) -> None:
             restart = c.cluster.restart()
             t.detail = f"restart {restart:.1f}s"
         for p in procs:
-            try:
-                p.wait(timeout=300)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            if c._finish(p, 300):
                 t.reasons.append("a workload process hung")
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            c._finish(p, 0)
         c.revive_cluster()
     t.reached = killed or dropped > 0
     t.point = f"{drops} drops ({dropped} connections)" + (f", server {how}" if killed else "")
     for k, p in enumerate(procs):
         if p.returncode != 0:
-            with open(os.path.join(d, f"stderr{k}"), "rb") as f:
-                err = f.read()[-400:].decode("utf-8", "replace").strip()
+            err = c._stderr(os.path.join(d, str(k))).strip()[-400:]
             t.reasons.append(f"workload process {k} exited {p.returncode}: {err}")
             t.recovered = "raised"
     check(c, t, acks)

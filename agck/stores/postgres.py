@@ -228,6 +228,11 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
             raise
 
     # -- connection ------------------------------------------------------------------
+    @property
+    def pool_size(self) -> int:
+        """The most connections this store object opens at once (``agck_pool``)."""
+        return self._pool.size
+
     @contextmanager
     def _cursor(self):
         """A cursor on a connection of the pool, this thread's until the block ends."""
@@ -324,7 +329,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
         try:
             return PostgresStore(self._dsn, prefix=parts_prefix(self.prefix), schema=self.schema,
                                  chunk_size=self.chunk_size, init=create, connect_timeout=self._connect_timeout,
-                                 pool=self._pool.size,
+                                 pool=self.pool_size,
                                  objects=self._objects.child("parts") if self._objects is not None else None,
                                  **self._policy())
         except SchemaUninitializedError:

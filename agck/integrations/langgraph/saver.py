@@ -89,7 +89,7 @@ class AgckSaver(_CheckpointReader):
         else:
             store, self._own = open_store(store, **open_options), True
         super().__init__(store, _ValueCodec(_normalize_types(allowed_types)), on_damaged)
-        self._workers = _Workers(getattr(getattr(store, "_pool", None), "size", 4))   # shared with clones
+        self._workers = _Workers(getattr(store, "pool_size", 4))   # shared with clones
 
     # -- lifecycle --
     def close(self) -> None:
