@@ -52,7 +52,14 @@ def pg_schema(pg_dsn):
     try:
         yield name
     finally:
-        conn.cursor().execute(f"DROP SCHEMA {name} CASCADE")
+        # A whole session's tables in one DROP SCHEMA take more locks than one transaction
+        # may hold (max_locks_per_transaction): dropped 50 at a time first.
+        cur = conn.cursor()
+        cur.execute("SELECT quote_ident(tablename) FROM pg_tables WHERE schemaname = %s", (name,))
+        tables = [t for (t,) in cur.fetchall()]
+        for i in range(0, len(tables), 50):
+            cur.execute("DROP TABLE IF EXISTS " + ", ".join(f"{name}.{t}" for t in tables[i:i + 50]) + " CASCADE")
+        cur.execute(f"DROP SCHEMA {name} CASCADE")
         conn.close()
 
 
