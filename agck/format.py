@@ -14,6 +14,7 @@ hashed on a few threads (:func:`agck.memory.digests`).
 from __future__ import annotations
 
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from itertools import chain
@@ -240,15 +241,29 @@ def bin_header(n: int) -> bytes:
     return b"\xc5" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xc6" + n.to_bytes(4, "big")
 
 
+_PACKERS = threading.local()
+
+
+def _packer() -> msgpack.Packer:
+    """This thread's msgpack packer: making one per value costs more than packing a
+    small one (a packer is not safe to share between threads)."""
+    try:
+        return _PACKERS.packer
+    except AttributeError:
+        _PACKERS.packer = msgpack.Packer(use_bin_type=True, unicode_errors="surrogatepass")
+        return _PACKERS.packer
+
+
 def _pack_map(m: dict) -> tuple[bytes, dict]:
     """``msgpack.packb(m)`` (a map is its header then each key and value, packed one
     after another), and where each value is: key -> (start, start of its members or
     content, end). A bytes value is copied once, into the result."""
+    pack = _packer().pack
     parts = [map_header(len(m))]
     spans = {}
     pos = len(parts[0])
     for k, v in m.items():
-        kb = msgpack.packb(k, use_bin_type=True, unicode_errors="surrogatepass")
+        kb = pack(k)
         parts.append(kb)
         pos += len(kb)
         if type(v) is bytes:
@@ -256,7 +271,7 @@ def _pack_map(m: dict) -> tuple[bytes, dict]:
             parts += (head, v)
             n = len(head) + len(v)
         else:
-            vb = msgpack.packb(v, use_bin_type=True, unicode_errors="surrogatepass")
+            vb = pack(v)
             parts.append(vb)
             n = len(vb)
             head = array_header(len(v)) if type(v) is list else b""

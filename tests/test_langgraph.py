@@ -244,15 +244,18 @@ def test_values_round_trip(tmp_path):
 
     # arrays and tensors are raw blobs of the container, objects LangGraph's msgpack bytes
     runs = lgmod._Runs.of("t", "")
-    entry = saver.store.read(runs.values, checkpoint_key(cfg["configurable"]["checkpoint_id"]))
+    # the small values a checkpoint changed are in its record: one store entry per put
+    entry = saver.store.read(runs.records, checkpoint_key(cfg["configurable"]["checkpoint_id"]))
+    assert saver.store.runs() == sorted([runs.records, runs.writes(entry.step)])
     paths = {d["path"] for d in entry.tensors}
-    assert "state['arrays']['f32']" in paths and "state['tensors'][0]" in paths
+    assert "state['values']['arrays']['f32']" in paths and "state['values']['tensors'][0]" in paths
+    values = entry.state["values"]
     # a list of objects only is one msgpack value, as LangGraph's savers store a channel
-    mark, kind, data = entry.state["messages"]
+    mark, kind, data = values["messages"]
     assert (mark, kind) == (lgmod._MARK, lgmod._K_MSGPACK) and saver.serde.pickle_fallback is False
     assert saver.serde.loads_typed(("msgpack", data)) == msgs
     # a list that holds a tensor keeps the tensor raw, the objects beside it msgpack
-    assert type(entry.state["tensors"]) is list and isinstance(entry.state["tensors"][0], torch.Tensor)
+    assert type(values["tensors"]) is list and isinstance(values["tensors"][0], torch.Tensor)
 
 
 def test_pickle_and_unlisted_classes_are_refused(tmp_path):
@@ -297,11 +300,19 @@ def test_stored_classes_are_never_imported_on_load(tmp_path):
     evil = ormsgpack.packb(ormsgpack.Ext(jsonplus.EXT_CONSTRUCTOR_POS_ARGS, ormsgpack.packb(
         ("os", "system", (f"touch {marker}",)))))
     runs = lgmod._Runs.of("t", "")
-    saver.store.put(runs.values, checkpoint_key(cfg["configurable"]["checkpoint_id"]),
-                    {"x": (lgmod._MARK, "m", evil)})
-    with pytest.raises(DamagedCheckpointError, match=r"os.system, which is not on the allowlist") as e:
-        saver.get_tuple(cfg)
-    assert e.value.part == "the value of channel 'x'" and isinstance(e.value.cause, agck.MalformedCheckpointError)
+    key = checkpoint_key(cfg["configurable"]["checkpoint_id"])
+    record = saver.store.read(runs.records, key)
+    # in the record (where a put stores a small value), and in the values run (where an
+    # earlier layout stored it, and a deleted record's values are kept)
+    for place in ("record", "values run"):
+        state = {**record.state, "values": {"x": (lgmod._MARK, "m", evil)}}
+        if place == "values run":
+            saver.store.put(runs.values, key, state.pop("values"))
+        saver.store.put(runs.records, key, state, meta=record.meta, parent=record.parent)
+        with pytest.raises(DamagedCheckpointError, match=r"os.system, which is not on the allowlist") as e:
+            saver.get_tuple(cfg)
+        assert e.value.part == "the value of channel 'x'" and isinstance(e.value.cause, agck.MalformedCheckpointError)
+        assert e.value.ref == saver.store.ref(runs.records if place == "record" else runs.values, key)
     assert not marker.exists()
 
 
@@ -317,11 +328,12 @@ def test_unchanged_channels_are_written_once(tmp_path):
         keys.append(checkpoint_key(cfg["configurable"]["checkpoint_id"]))
     runs = lgmod._Runs.of("t", "")
     assert saver.store.steps(runs.own("big")) == keys[:1]
-    entries = saver.store.list(runs.values)
+    assert saver.store.steps(runs.values) == []                    # small values live in the records
+    entries = saver.store.list(runs.records)
     assert [e.step for e in entries] == keys
-    assert set(saver.store.read(runs.values, keys[0]).state) == {"n", "cfg"}
+    assert set(saver.store.read(runs.records, keys[0]).state["values"]) == {"n", "cfg"}
     for info in entries[1:]:
-        assert set(saver.store.read(runs.values, info.step).state) == {"n"} and info.size < 4096
+        assert set(saver.store.read(runs.records, info.step).state["values"]) == {"n"} and info.size < 4096
     for i, t in enumerate(reversed(list(saver.list(_cfg("t"))))):
         assert t.checkpoint["channel_values"]["n"] == i and t.checkpoint["channel_values"]["cfg"] == "x"
         assert np.array_equal(t.checkpoint["channel_values"]["big"], big)
@@ -337,8 +349,7 @@ def test_unchanged_channels_are_written_once(tmp_path):
     saver.store.read = lambda run, step, **kw: reads.append((run, step)) or read(run, step, **kw)
     t = saver.get_tuple(_cfg("t"))
     assert np.array_equal(t.checkpoint["channel_values"]["big"], big + 8)
-    assert sorted(reads) == sorted([(runs.records, keys[-1]), (runs.own("big"), keys[-1]),
-                                    (runs.values, keys[0]), (runs.values, keys[-1])])
+    assert sorted(reads) == sorted([(runs.records, keys[-1]), (runs.own("big"), keys[-1]), (runs.records, keys[0])])
 
 
 @pytest.mark.parametrize("kind", BACKENDS)
@@ -399,13 +410,14 @@ def test_delete_for_runs_and_prune_free_values(tmp_path):
     assert np.array_equal(left[1].checkpoint["channel_values"]["big"], np.zeros(5))
     assert np.all(left[0].checkpoint["channel_values"]["huge"] == 3)
     assert np.all(left[1].checkpoint["channel_values"]["huge"] == 0)
-    assert len(saver.store.steps(runs.values)) == 4                  # r2's and r0's entries are still used
+    # the small values of deleted r0 and r2 that r1 and r3 use ('big') were kept in the values run
+    assert saver.store.steps(runs.values) == [keys[0], keys[2]]
     assert saver.store.steps(runs.own("huge")) == [keys[0], keys[3]]
     saver.prune(["t"])
     (only,) = list(saver.list(_cfg("t")))
     assert only.metadata["run_id"] == "r3" and only.pending_writes == [("task3", "a", 3)]
     assert np.array_equal(only.checkpoint["channel_values"]["big"], np.ones(5))
-    assert saver.store.steps(runs.values) == [keys[2], keys[3]]     # r3's own and r2's (its 'big')
+    assert saver.store.steps(runs.values) == [keys[2]]              # r2's, for r3's 'big'; r3's own are in its record
     assert saver.store.steps(runs.own("huge")) == [keys[3]]
     # the pruned checkpoints' runs (pending writes, values) leave no empty run behind
     assert [r for r in saver.store.runs() if ".w" in r] == [runs.writes(keys[3])]
@@ -632,8 +644,8 @@ def test_damaged_channel_value_walks_back_past_sharers(tmp_path):
     cfg = _put(saver, "t", {"emb": None, "n": 3}, {"emb": 3, "n": 4}, {"n": 4}, parent=_cfg("t", cid=ids[2]))
     ids.append(cfg["configurable"]["checkpoint_id"])
     runs = lgmod._Runs.of("t", "")
-    path = saver.store.ref(runs.values, checkpoint_key(ids[2]))
-    (blob,) = [d for d in agck.inspect(path)["tensors"] if d["path"] == "state['emb']"]
+    path = saver.store.ref(runs.records, checkpoint_key(ids[2]))     # its small values are in its record
+    (blob,) = [d for d in agck.inspect(path)["tensors"] if d["path"] == "state['values']['emb']"]
     _flip(path, blob["blob_offset"] + 100)
 
     with pytest.raises(DamagedCheckpointError) as e:

@@ -98,6 +98,28 @@ def test_get_newest(store):
     assert store.get("r", 1).step == 1
 
 
+def test_read_newest(store_spec, store):
+    """The newest step read as read() reads it: no walking back (that is get's), None for
+    an empty run, a large checkpoint as whole as a small one."""
+    assert store.read_newest("r") is None
+    for s in (3, 1, 2):
+        store.put("r", s, state_for(s), meta={"s": s}, parent=s - 1)
+    ck = store.read_newest("r")
+    assert (ck.step, ck.parent, ck.meta) == (3, 2, {"s": 3}) and ck.ref == store.ref("r", 3)
+    assert_state(ck, 3)
+    big = {"x": np.random.default_rng(0).standard_normal(1 << 19)}     # 4 MiB: past the one-statement read
+    store.put("r", 9, big)
+    assert np.array_equal(store.read_newest("r").state["x"], big["x"])
+    store.delete("r", 9)
+    assert store.read_newest("r").step == 3
+    corrupt_payload(store_spec, store, "r", 3)
+    with pytest.raises(CorruptCheckpointError) as e:
+        store.read_newest("r")
+    assert e.value.ref       # where the damage is (on the object stores, the object holding it)
+    with pytest.raises(InvalidRunNameError):
+        store.read_newest("../x")
+
+
 def test_overwrite(store):
     store.put("r", 5, state_for(1))
     store.put("r", 5, state_for(2))

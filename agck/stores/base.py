@@ -23,7 +23,7 @@ from typing import ClassVar, Protocol
 
 from .. import checkpoint, format
 from ..checkpoint import Checkpoint
-from ..errors import CorruptCheckpointError, StaleEpochError, UsageError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StaleEpochError, UsageError
 from ..names import check_run, check_step
 from .content import (DEFAULT_VERIFY_REUSED, QuarantinedChunk, ScrubReport, WriteCache, WriteCaches, cannot_confirm,
                       check_verify_reused)
@@ -282,6 +282,24 @@ class Store(ABC):
         on anything that fails verification, CheckpointNotFoundError if absent.
         ``verify`` may be a :class:`agck.chunking.CheckedChunks` shared by several
         reads: each chunk is then checked against its address once for all."""
+
+    def read_newest(self, run: str, *, verify: bool = True, map_location=None) -> Checkpoint | None:
+        """The checkpoint at the run's newest step, read and verified as :meth:`read`
+        reads it (a damaged one raises; :meth:`get` walks back past it instead), or
+        None when the run has no step. One round trip on Postgres; elsewhere
+        :meth:`steps` then :meth:`read`, again if the step was deleted in between."""
+        check_run(run)
+        tries = 0
+        while True:
+            last = self.steps(run, last=1)
+            if not last:
+                return None
+            try:
+                return self.read(run, last[0], verify=verify, map_location=map_location)
+            except CheckpointNotFoundError:
+                tries += 1
+                if tries == 8:     # deleted under it again and again: say so
+                    raise
 
     @abstractmethod
     def ref(self, run: str, step: int) -> str:

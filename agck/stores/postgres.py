@@ -671,15 +671,29 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
 
     def read(self, run: str, step: int, *, verify: bool = True, map_location=None) -> Checkpoint:
         step = check_step(step)
-        ref = self.ref(run, step)
+        return self._read(check_run(run), step, verify=verify, map_location=map_location)
+
+    def read_newest(self, run: str, *, verify: bool = True, map_location=None) -> Checkpoint | None:
+        """The newest step's checkpoint (see :meth:`Store.read_newest`): a small one in one
+        statement, its step found by the same index scan that reads it."""
+        check_run(run)
+        for tries in range(8):
+            try:
+                return self._read(run, None, verify=verify, map_location=map_location)
+            except CheckpointNotFoundError:    # a large one, deleted between its two statements
+                if tries == 7:
+                    raise
+        return None
+
+    def _read(self, run: str, step: int | None, *, verify, map_location) -> Checkpoint | None:
+        """(run, step), or with ``step=None`` the run's newest step (None if it has none)."""
         map_location = codec.check_map_location(map_location)
         n = self.names
-        chunk_ref = lambda i: self._chunk_ref(run, step, i)  # noqa: E731
-        layout = (f"SELECT m.size, m.checksum, m.nchunks, c.idxs, c.lens{{data}} FROM {n.manifest} m "
+        layout = (f"SELECT m.step, m.size, m.checksum, m.nchunks, c.idxs, c.lens{{data}} FROM {n.manifest} m "
                   f"LEFT JOIN LATERAL (SELECT array_agg(idx ORDER BY idx) AS idxs, "
                   f"array_agg(octet_length(data) ORDER BY idx) AS lens{{agg}} FROM {n.chunks} "
-                  f"WHERE run = m.run AND step = m.step) c ON true "
-                  f"WHERE m.run = %s AND m.step = %s")
+                  f"WHERE run = m.run AND step = m.step) c ON true ")
+        at = "WHERE m.run = %s AND m.step = %s"
         with self._cursor() as cur:
             try:
                 # A small standalone container comes with its manifest row, in one statement
@@ -687,16 +701,22 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
                 # listing found there, is read below in one transaction.
                 cur.execute(layout.format(
                     data=", c.data", agg=", string_agg(data, ''::bytea ORDER BY idx) FILTER "
-                                         "(WHERE m.size <= %s AND m.listing IS NOT TRUE) AS data"),
-                    (SMALL_READ_MAX, run, step))
+                                         "(WHERE m.size <= %s AND m.listing IS NOT TRUE) AS data")
+                            + (at if step is not None else "WHERE m.run = %s ORDER BY m.step DESC LIMIT 1"),
+                            (SMALL_READ_MAX, run) + ((step,) if step is not None else ()))
                 row = cur.fetchone()
             except psycopg2.Error as e:
                 self._abort(cur)
-                raise self._db_error(e, "read failed", ref, conn=cur.connection) from None
+                raise self._db_error(e, "read failed", self.ref(run, step) if step is not None else n.where,
+                                     conn=cur.connection) from None
         if row is None:
-            raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref,
+            if step is None:
+                return None
+            raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=self.ref(run, step),
                                           hint=f"store.steps({run!r}) lists the steps")
-        size, checksum, nchunks, idxs, lens, data = row
+        step, size, checksum, nchunks, idxs, lens, data = row
+        ref = self.ref(run, step)
+        chunk_ref = lambda i: self._chunk_ref(run, step, i)  # noqa: E731
         chunk_plan(size, nchunks, idxs or [], lens or [], manifest_ref=ref, chunk_ref=chunk_ref)
         if data is not None:
             if len(data) != size:   # chunk_plan has checked each row's length in this snapshot
@@ -716,7 +736,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
             if row is None:
                 raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref,
                                               hint=f"store.steps({run!r}) lists the steps")
-            size, checksum, nchunks, idxs, lens = row
+            _, size, checksum, nchunks, idxs, lens = row
             expected = chunk_plan(size, nchunks, idxs or [], lens or [], manifest_ref=ref, chunk_ref=chunk_ref)
             # Populate the buffer's pages on another core while the server starts the COPY.
             pending = _Background(new_buffer, size)
@@ -733,7 +753,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
         # One snapshot for the manifest, the chunk layout, the data and the objects held in the
         # database; objects in an object store are read after, each straight into its place.
         buf, addresses, found = self._transaction(
-            "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; " + layout.format(data="", agg=""), (run, step),
+            "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; " + layout.format(data="", agg="") + at, (run, step),
             streamed, "read failed", ref)
         outside = {} if self._objects is None or addresses is None else \
             {"fetch_into": self._fetch_into(found), "fetch_threads": REQUESTS}

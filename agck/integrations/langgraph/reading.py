@@ -49,6 +49,7 @@ from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (BaseCheckpointSaver, CheckpointTuple, DeltaChannelHistory, get_checkpoint_id,
                                        writes_sort_key)
 
+from ...checkpoint import Checkpoint
 from ...errors import AgckError, CheckpointNotFoundError, CorruptCheckpointError, MalformedCheckpointError, UsageError
 from ...recovery import Candidate, Unsuitable, store_candidates, walk_back
 from ...stores import Store
@@ -86,6 +87,18 @@ class _Damage(Exception):
     def __init__(self, part: str, cause: BaseException, ref: str | None):
         super().__init__(part)
         self.part, self.cause, self.ref = part, cause, ref
+
+
+def _record_places(rec: Any) -> tuple[dict, dict | None]:
+    """A record's ``where`` (each channel's place) and the small values it holds
+    itself (None in a record written before they moved into it); raises ValueError
+    for a malformed record."""
+    where = rec["where"]
+    inline = rec.get("values")
+    if not (isinstance(where, dict) and all(_is_place(e) for e in where.values())
+            and (inline is None or isinstance(inline, dict))):
+        raise ValueError("fields of the wrong types")
+    return where, inline
 
 
 class _CheckpointReader(BaseCheckpointSaver[int]):
@@ -145,17 +158,20 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
 
     # -- reading ----------------------------------------------------------------------
     def _load(self, runs: _Runs, key: int, expect_id: str | None = None,
-              expect: tuple[str, str] | None = None) -> CheckpointTuple | None:
-        """The checkpoint at ``key``, or None if there is none (or it is another id or
-        another thread's). Raises _Damage for a damaged part."""
-        try:
-            ck = self.store.read(runs.records, key)
-        except CheckpointNotFoundError:
-            return None
-        except AgckError as e:
-            if e.verdict:
-                raise _Damage("its record", e, self.store.ref(runs.records, key)) from None
-            raise
+              expect: tuple[str, str] | None = None, record: Checkpoint | None = None) -> CheckpointTuple | None:
+        """The checkpoint at ``key`` (its record already read: ``record``), or None if there
+        is none (or it is another id or another thread's). Raises _Damage for a damaged part."""
+        if record is not None:
+            ck = record
+        else:
+            try:
+                ck = self.store.read(runs.records, key)
+            except CheckpointNotFoundError:
+                return None
+            except AgckError as e:
+                if e.verdict:
+                    raise _Damage("its record", e, self.store.ref(runs.records, key)) from None
+                raise
         m = ck.meta
         try:
             thread_id, ns, cid = m["thread_id"], m["checkpoint_ns"], m["checkpoint_id"]
@@ -171,15 +187,14 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
             rec = ck.state
             body = self._values.decode(rec["checkpoint"])
             metadata = self._values.decode(rec["metadata"])
-            where = rec["where"]
-            if not (isinstance(body, dict) and isinstance(metadata, dict) and isinstance(where, dict)
-                    and all(_is_place(e) for e in where.values())):
+            where, inline = _record_places(rec)
+            if not (isinstance(body, dict) and isinstance(metadata, dict)):
                 raise ValueError("fields of the wrong types")
         except Exception as e:
             raise _Damage("its record", MalformedCheckpointError(f"unexpected record: {e}", ref=ck.ref),
                           self.store.ref(runs.records, key)) from None
         self._remember(runs.records, key, cid, body.get("channel_versions") or {}, where)
-        body["channel_values"] = self._channel_values(runs, where, None)
+        body["channel_values"] = self._channel_values(runs, where, None, key, inline)
         pending = self._pending_writes(runs, key)
         return CheckpointTuple(
             config=self._config(thread_id, ns, cid),
@@ -189,31 +204,63 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
             pending_writes=pending,
         )
 
-    def _channel_values(self, runs: _Runs, where: dict, channels: set | None) -> dict:
+    def _channel_values(self, runs: _Runs, where: dict, channels: set | None, key: int | None = None,
+                        inline: dict | None = None) -> dict:
+        """The values of ``channels`` (all when None) of the checkpoint whose record at
+        ``key`` holds ``where`` and its own small values ``inline``."""
+        out: dict[str, Any] = {}
         by_entry: dict[tuple[str, int], list[str]] = {}
         for c, e in where.items():
-            if e is not None and (channels is None or c in channels):
-                place = (runs.own(c), e[0]) if type(e) is list else (runs.values, e)
-                by_entry.setdefault(place, []).append(c)
-        out = {}
+            if e is None or (channels is not None and c not in channels):
+                continue
+            if type(e) is list:
+                by_entry.setdefault((runs.own(c), e[0]), []).append(c)
+            elif e == key and inline is not None and c in inline:
+                out[c] = self._value(inline, c, self.store.ref(runs.records, key))
+            else:
+                by_entry.setdefault((runs.values, e), []).append(c)
         for (run, e), chans in sorted(by_entry.items()):
             what = "the value of channel " + ", ".join(repr(c) for c in sorted(chans))
-            ref = self.store.ref(run, e)
-            try:
-                entry = self.store.read(run, e).state
-            except CheckpointNotFoundError as err:
-                raise _Damage(what + " (its stored entry is missing)", err, ref) from None
-            except AgckError as err:
-                if err.verdict:
-                    raise _Damage(what, err, ref) from None
-                raise
+            entry, ref = self._stored_values(runs, run, e, chans, what)
             for c in chans:
-                try:
-                    out[c] = self._values.decode(entry[c])
-                except Exception as err:
-                    raise _Damage(f"the value of channel {c!r}",
-                                  MalformedCheckpointError(f"cannot rebuild it: {err}", ref=ref), ref) from None
+                out[c] = self._value(entry, c, ref)
         return out
+
+    def _stored_values(self, runs: _Runs, run: str, e: int, chans: list[str], what: str) -> tuple[Any, str]:
+        """The entry holding ``chans`` at key ``e`` of ``run`` and its ref. The small values
+        of checkpoint ``e`` are in its record, or (written by an older version, or kept
+        when the record was deleted) in the values run."""
+        damage = None
+        if run == runs.values:
+            ref = self.store.ref(runs.records, e)
+            try:
+                values = self.store.read(runs.records, e).state.get("values")
+                if isinstance(values, dict) and all(c in values for c in chans):
+                    return values, ref
+            except CheckpointNotFoundError:
+                pass
+            except AgckError as err:
+                if not err.verdict:
+                    raise
+                damage = _Damage(what, err, ref)     # unless the values run has them
+            except Exception as err:
+                damage = _Damage(what, MalformedCheckpointError(f"unexpected record: {err}", ref=ref), ref)
+        ref = self.store.ref(run, e)
+        try:
+            return self.store.read(run, e).state, ref
+        except CheckpointNotFoundError as err:
+            raise damage or _Damage(what + " (its stored entry is missing)", err, ref) from None
+        except AgckError as err:
+            if err.verdict:
+                raise damage or _Damage(what, err, ref) from None
+            raise
+
+    def _value(self, entry: Any, c: str, ref: str) -> Any:
+        try:
+            return self._values.decode(entry[c])
+        except Exception as err:
+            raise _Damage(f"the value of channel {c!r}",
+                          MalformedCheckpointError(f"cannot rebuild it: {err}", ref=ref), ref) from None
 
     def _pending_writes(self, runs: _Runs, key: int) -> list:
         run = runs.writes(key)
@@ -309,9 +356,19 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
                 return self._load(runs, key, expect_id=cid, expect=(thread_id, ns))
             except _Damage as d:
                 raise self._damaged(runs, key, thread_id, ns, cid, d) from None
-        for key in self._newest_first(runs.records):
+        try:
+            newest = self.store.read_newest(runs.records)   # the record almost always wanted, in one read
+        except AgckError as e:
+            if not e.verdict:
+                raise
+            newest = None    # damaged: judged below, where its key is known
+        else:
+            if newest is None:
+                return None
+        for key in self._newest_first(runs.records, newest):
             try:
-                t = self._load(runs, key, expect=(thread_id, ns))
+                t = self._load(runs, key, expect=(thread_id, ns),
+                               record=newest if newest is not None and key == newest.step else None)
             except _Damage as d:
                 err = self._damaged(runs, key, thread_id, ns, None, d)
                 if self.on_damaged == "previous" and err.previous is not None:
@@ -323,14 +380,14 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
                 return t
         return None
 
-    def _newest_first(self, run: str) -> Iterator[int]:
-        """The run's steps, newest first: the newest asked for alone (the one almost
-        always wanted: a long thread's get costs no more than a short one's), the rest
-        only if the caller goes on."""
-        newest = self.store.steps(run, last=1)
-        yield from newest
-        if newest:
-            yield from (s for s in reversed(self.store.steps(run)) if s < newest[0])
+    def _newest_first(self, run: str, newest: Checkpoint | None = None) -> Iterator[int]:
+        """The run's steps, newest first: the newest alone (``newest``, already read, or
+        asked for: the one almost always wanted, so a long thread's get costs no more
+        than a short one's), the rest only if the caller goes on."""
+        last = [newest.step] if newest is not None else self.store.steps(run, last=1)
+        yield from last
+        if last:
+            yield from (s for s in reversed(self.store.steps(run)) if s < last[0])
 
     def list(self, config: RunnableConfig | None, *, filter: dict[str, Any] | None = None,
              before: RunnableConfig | None = None, limit: int | None = None) -> Iterator[CheckpointTuple]:
@@ -421,13 +478,14 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
                 ck = self.store.read(runs.records, key)
                 if not isinstance(ck.meta, dict) or ck.meta.get("checkpoint_id") != cursor:
                     break
-                where = ck.state["where"] if isinstance(ck.state, dict) else None
-                if not isinstance(where, dict) or not all(_is_place(e) for e in where.values()):
+                try:
+                    where, inline = _record_places(ck.state)
+                except Exception:
                     raise _Damage("its record", MalformedCheckpointError("unexpected record", ref=ck.ref),
-                                  self.store.ref(runs.records, key))
+                                  self.store.ref(runs.records, key)) from None
                 writes = self._pending_writes(runs, key)
                 found = {c for c in remaining if where.get(c) is not None}
-                values = self._channel_values(runs, where, found)
+                values = self._channel_values(runs, where, found, key, inline)
             except CheckpointNotFoundError:
                 break
             except _Damage as d:

@@ -203,6 +203,8 @@ class AgckSaver(_CheckpointReader):
             "metadata": self._encode(full_metadata, f"checkpoint {cid} of {where_txt}: metadata", ref),
             "where": where,
         }
+        if grouped:    # the small values it changed travel in the record: one store entry, one row
+            record["values"] = grouped
         proj, full = _metadata_projection(full_metadata)
         meta = {"lg": _FORMAT, "thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": cid,
                 "parent_checkpoint_id": parent_id if isinstance(parent_id, str) else None,
@@ -210,8 +212,6 @@ class AgckSaver(_CheckpointReader):
         vmeta = {"lg": _FORMAT, "thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": cid}
         entries = [PutEntry(runs.own(c), key, {c: tree}, {**vmeta, "channel": c}, overwrite=False)
                    for c, tree in own.items()]
-        if grouped:
-            entries.append(PutEntry(runs.values, key, grouped, vmeta, overwrite=False))
         entries.append(PutEntry(runs.records, key, record, meta, parent=parent_key, overwrite=False))  # the commit
         try:
             self.store.put_many(entries)   # one transaction on the SQL stores; the record last on any
@@ -219,7 +219,10 @@ class AgckSaver(_CheckpointReader):
             for e in entries:
                 self._put_entry(e.run, key, e.state, e.meta, runs, cid, where_txt, parent=e.parent)
         except EncodeError as e:           # agck's codec refused a value (an object array): say whose
-            raise EncodeError(f"checkpoint {cid} of {where_txt}: channel value {e.reason}",
+            reason = e.reason              # the path in the record's small values is the channel's
+            if reason.startswith("state['values']"):
+                reason = "state" + reason[len("state['values']"):]
+            raise EncodeError(f"checkpoint {cid} of {where_txt}: channel value {reason}",
                               ref=e.ref or ref, hint=e.hint) from None
         self._remember(runs.records, key, cid, versions, where)
         return self._config(thread_id, ns, cid)
@@ -402,10 +405,48 @@ class AgckSaver(_CheckpointReader):
                 self._delete_checkpoints(runs, doomed, all_runs)
 
     def _delete_checkpoints(self, runs: _Runs, keys: list[int], all_runs: list[str]) -> None:
+        self._move_values(runs, set(keys))
         for k in keys:
             self._delete_steps(runs.records, [k])
             self._delete_steps(runs.writes(k))
         self._collect_values(runs, all_runs)
+
+    def _move_values(self, runs: _Runs, doomed: set[int]) -> None:
+        """Before records in ``doomed`` are deleted: the small values a record holds that
+        a remaining record uses (an unchanged channel) are written to the values run at
+        the same key, where reading looks when the record is gone. All of a doomed
+        record's values are moved when a remaining record cannot be read (what it uses
+        is unknown); those no record uses are collected later."""
+        needed: set[int] | None = set()
+        for s in self.store.steps(runs.records):
+            if s in doomed:
+                continue
+            try:
+                where = self.store.read(runs.records, s).state["where"]
+                needed |= {e for e in where.values() if type(e) is int and e in doomed}
+            except CheckpointNotFoundError:
+                continue
+            except Exception as e:
+                if isinstance(e, AgckError) and not e.verdict:
+                    raise
+                needed = None
+                break
+        for k in sorted(doomed if needed is None else needed):
+            try:
+                ck = self.store.read(runs.records, k)
+                values = ck.state.get("values")
+            except Exception as e:
+                if isinstance(e, AgckError) and not e.verdict:
+                    raise
+                continue    # gone or damaged: nothing readable to keep
+            if not isinstance(values, dict) or not values:
+                continue
+            meta = {k2: ck.meta[k2] for k2 in ("lg", "thread_id", "checkpoint_ns", "checkpoint_id")
+                    if isinstance(ck.meta, dict) and k2 in ck.meta}
+            try:
+                self.store.put(runs.values, k, values, meta=meta, overwrite=False)
+            except CheckpointExistsError:
+                pass        # moved by an earlier deletion that stopped part way
 
     def _collect_values(self, runs: _Runs, all_runs: list[str]) -> None:
         """Delete the value entries no record of the namespace refers to. Entries newer
