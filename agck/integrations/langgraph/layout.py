@@ -7,12 +7,18 @@ A thread's namespace (``thread_id``, ``checkpoint_ns``) owns these runs, where
 ``T`` and ``N`` encode the thread id and the namespace::
 
     lg.T.N.c            one store checkpoint per LangGraph checkpoint: its record
-                        (the checkpoint without channel values, its metadata, and
-                        where each channel's value is); the store's ``meta`` holds
-                        the ids and the plain-JSON part of the metadata, for listing
-    lg.T.N.v            the values of the channels a checkpoint changed
-                        (``new_versions`` of ``put``) that are smaller than 64 KiB
-                        stored, one store checkpoint per LangGraph checkpoint
+                        (the checkpoint without channel values, its metadata,
+                        where each channel's value is, and under ``values`` the
+                        values of the channels it changed (``new_versions`` of
+                        ``put``) that are smaller than 64 KiB stored); the store's
+                        ``meta`` holds the ids and the plain-JSON part of the
+                        metadata, for listing. A put of a checkpoint without large
+                        values is this one store checkpoint: one write, one row.
+    lg.T.N.v            the small values of checkpoint K, at step K, when its
+                        record is not there to hold them: kept here when the record
+                        is deleted while a remaining checkpoint still uses them (an
+                        unchanged channel), and where the first version of this
+                        layout wrote them; reading looks in the record at K first
     lg.T.N.b<C>         the values of channel C (encoded as T is, or hashed when the
                         name would pass the store's 200 characters) of 64 KiB or more
                         stored (tensors, long histories), one store checkpoint per
@@ -23,9 +29,11 @@ A thread's namespace (``thread_id``, ``checkpoint_ns``) owns these runs, where
     lg.T.N.w<key hex>   the pending writes of one checkpoint, one store checkpoint
                         per task (step: a 63-bit hash of the task id)
 
-A record refers to the entry holding each channel's value, so a channel whose
-version did not change is not written again: a large unchanged channel is
-stored once, whatever the number of super-steps after it.
+A record refers to the entry holding each channel's value (``where``: None for
+no value, K for the small values of checkpoint K, [K] for step K of the
+channel's own run), so a channel whose version did not change is not written
+again: a large unchanged channel is stored once, whatever the number of
+super-steps after it.
 
 ``T`` (and ``N``) is ``r`` followed by the string itself when it is at most 64
 characters of ``[A-Za-z0-9_-:@+=]`` (so ``thread-1`` is ``rthread-1``, the root
@@ -150,8 +158,9 @@ def checkpoint_key(checkpoint_id: Any) -> int | None:
 
 
 def _is_place(e: Any) -> bool:
-    """Where a record says a channel's value is: None (no value), a key in the shared
-    values run, or [key] in the channel's own run."""
+    """Where a record says a channel's value is: None (no value), K (among the small
+    values of checkpoint K: its record, else the values run), or [K] in the channel's
+    own run."""
     if type(e) is list and len(e) == 1:
         e = e[0]
     return e is None or (type(e) is int and 0 <= e <= _MAX_STEP)

@@ -5,14 +5,17 @@ the async form of every method (the sync one on the saver's worker threads, as
 many as the store has connections: an asyncio server's conversations wait for
 one without holding a thread each).
 
-A ``put`` writes its values entries and its record with one ``put_many`` of
-the store: on SQLite and Postgres one transaction (one commit), on the file
-store one file after another with the record last. Either way it is durable
-before ``put`` returns, and a crash leaves a checkpoint either complete or not
-there (on the file store, at worst an unreferenced values entry). Deleting
-(``delete_thread``, ``prune``, ``delete_for_runs``) removes store checkpoints,
-records before the values they use and a thread's records newest first, so a
-crash part way leaves older checkpoints whole; on an incremental store the
+A ``put`` writes its record (holding the small values it changed) and an entry
+per large value with one ``put_many`` of the store: on SQLite and Postgres one
+transaction (one commit), on the file store one file after another with the
+record last; a checkpoint without large values is one store entry. Either way it
+is durable before ``put`` returns, and a crash leaves a checkpoint either
+complete or not there (on the file store, at worst an unreferenced large value).
+Deleting (``delete_thread``, ``prune``, ``delete_for_runs``) removes store
+checkpoints, records before the values they use and a thread's records newest
+first, so a crash part way leaves older checkpoints whole; a deleted record's
+small values that a remaining checkpoint uses are first written to the values
+run (see ``layout``); on an incremental store the
 chunks they no longer use are freed by ``saver.store.collect_garbage()`` (``agck
 gc STORE``).
 """
