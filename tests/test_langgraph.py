@@ -50,6 +50,7 @@ from agck.integrations.langgraph import AgckSaver, DamagedCheckpointError, check
 from agck.stores import open_store  # noqa: E402
 
 from conftest import BACKENDS, make_spec  # noqa: E402
+from storehelpers import corrupt_payload  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -768,6 +769,62 @@ def test_interrupt_sigkill_resume(kind, request, tmp_path):
         assert latest.metadata["source"] == "loop" and latest.checkpoint["channel_values"]["approved"] == "yes"
 
 
+def test_async_methods_on_postgres_match_the_sync_ones(request, tmp_path):
+    """On Postgres the async methods read and write on the event loop; where that path
+    does not apply (a large value, a put repeated, a task's second write, a damaged
+    checkpoint) they give what the sync methods give."""
+    spec = make_spec("postgres", request, tmp_path)
+    saver = AgckSaver(spec[1], **spec[2])
+    calls = []
+    for name in ("put", "put_writes", "get_tuple"):       # the sync methods, as the fallbacks call them
+        sync = getattr(saver, name)
+        setattr(saver, name, lambda *a, _n=name, _f=sync, **k: calls.append(_n) or _f(*a, **k))
+
+    async def main():
+        cfg = None
+        for i in range(3):
+            cp = _checkpoint({"emb": np.full(64, float(i), np.float32), "n": i}, {"emb": i + 1, "n": i + 1})
+            cfg = await saver.aput(cfg or _cfg("t"), cp, {"source": "loop", "step": i, "parents": {}},
+                                   {"emb": i + 1, "n": i + 1})
+            await saver.aput_writes(cfg, [("n", i)], f"task{i}")
+        assert calls == []                                   # all on the event loop
+        t = await saver.aget_tuple(_cfg("t"))
+        assert t.checkpoint["channel_values"]["n"] == 2 and t.pending_writes == [("task2", "n", 2)]
+        assert calls == []
+        s = saver.get_tuple(_cfg("t"))
+        assert (t.config, t.metadata, t.parent_config, t.pending_writes) == \
+            (s.config, s.metadata, s.parent_config, s.pending_writes)
+        assert np.array_equal(t.checkpoint["channel_values"]["emb"], s.checkpoint["channel_values"]["emb"])
+        calls.clear()
+        # a task's second write is merged as the sync method merges it (a regular write once, an error added)
+        await saver.aput_writes(cfg, [("x", 1)], "task2")
+        await saver.aput_writes(cfg, [("__error__", "boom")], "task2")
+        t = await saver.aget_tuple(_cfg("t"))
+        assert t.pending_writes == [("task2", "__error__", "boom"), ("task2", "n", 2)]
+        # by id, and an id that is not there
+        first = (await saver.aget_tuple(_cfg("t", cid=t.parent_config["configurable"]["checkpoint_id"])))
+        assert first.checkpoint["channel_values"]["n"] == 1
+        assert await saver.aget_tuple(_cfg("t", cid=str(uuid6(clock_seq=-1)))) is None
+        assert await saver.aget_tuple(_cfg("nobody")) is None
+        # a large value (a store entry of its own) is put off the loop, and read back whole
+        big = np.random.default_rng(0).random(1 << 16)
+        cp = _checkpoint({"emb": big, "n": 3}, {"emb": 9, "n": 4})
+        cfg = await saver.aput(cfg, cp, {"source": "loop", "step": 3, "parents": {}}, {"emb": 9, "n": 4})
+        assert calls.count("put") == 1
+        assert np.array_equal((await saver.aget_tuple(_cfg("t"))).checkpoint["channel_values"]["emb"], big)
+        # a put repeated replaces nothing and fails nothing
+        assert (await saver.aput(_cfg("t"), cp, {"source": "loop", "step": 3, "parents": {}}, {"n": 4})) == cfg
+        return cfg
+
+    cfg = asyncio.run(main())
+    runs = lgmod._Runs.of("t", "")
+    corrupt_payload(spec, saver.store, runs.records, checkpoint_key(cfg["configurable"]["checkpoint_id"]))
+    with pytest.raises(DamagedCheckpointError) as e:
+        asyncio.run(saver.aget_tuple(_cfg("t")))
+    assert e.value.previous.checkpoint["channel_values"]["n"] == 2
+    saver.close()
+
+
 class _Conversation(TypedDict):
     messages: Annotated[list, add_messages]
     n: Annotated[int, operator.add]
@@ -776,8 +833,9 @@ class _Conversation(TypedDict):
 @pytest.mark.parametrize("kind", ["postgres", "file"])
 def test_many_conversations_at_once_on_one_event_loop(kind, request, tmp_path):
     """24 graphs run with ainvoke at once on one saver: every thread's history is whole
-    and in order, and the saver's calls ran on at most as many threads as the store has
-    connections (a Postgres pool of 3; 4 elsewhere)."""
+    and in order. On Postgres the saver's puts and gets ran on the event loop (the
+    store's async methods, connections awaited, no thread); elsewhere on at most 4
+    worker threads."""
     _, url, opts = make_spec(kind, request, tmp_path)
     if kind == "postgres":
         opts["pool"] = 3
@@ -806,7 +864,10 @@ def test_many_conversations_at_once_on_one_event_loop(kind, request, tmp_path):
     outs = asyncio.run(main())
     try:
         assert all(o["n"] == 6 and len(o["messages"]) == 7 for o in outs)
-        assert 1 < len(threads_used) <= (3 if kind == "postgres" else 4)
+        if kind == "postgres":
+            assert threads_used == set() and saver._workers._pool is None     # no worker thread was started
+        else:
+            assert 1 < len(threads_used) <= 4
         for i in range(24):
             history = list(saver.list(_cfg(f"conv-{i}")))
             assert [t.checkpoint["channel_values"].get("n", 0) for t in history] == list(range(6, -1, -1)) + [0]

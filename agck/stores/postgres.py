@@ -68,6 +68,7 @@ from .dsn import dsn_secrets, dsn_without_password, redact_dsn
 from .objchunks import REQUESTS, ObjectChunks
 from .objclient import parse_url
 from .pgcopy import COPY_IO_SIZE, CopyIn, CopyOut
+from .pgasync import AsyncConnections, AsyncMethods
 from .pgobjects import Refused, SharedObjects
 from .pgpool import DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT, ConnectionPool
 from .pgschema import SCHEMA_VERSION, XACT_LOCK, XACT_LOCK_SHARED, Names
@@ -80,6 +81,7 @@ PUT_RETRIES = 1
 
 SMALL_READ_MAX = 256 << 10   # a standalone container up to this size is read in one statement
 SMALL_PUT_MAX = 256 << 10    # standalone containers up to this size in all are written in one statement
+_LARGE = object()            # a read's first statement did not bring the container: stream it
 
 T = TypeVar("T")
 
@@ -105,10 +107,8 @@ def _scrub(text: str, secrets: list[str]) -> str:
     return " ".join(ln for ln in lines if ln and not ln.startswith("LINE ") and set(ln) != {"^"})
 
 
-def _connect(dsn: str, secrets: list[str], url: str, connect_timeout: int):
-    """A new autocommit connection (a module function: the pool holds no reference to
-    its store, so a store dropped without close() is freed, and its connections closed,
-    at once)."""
+def _connect_args(dsn: str, secrets: list[str], url: str, connect_timeout: int) -> tuple[str, dict]:
+    """``psycopg2.connect``'s arguments: the DSN, and agck's defaults where it sets none."""
     extra = {"application_name": "agck"}
     try:
         given = psycopg2.extensions.parse_dsn(dsn)
@@ -116,8 +116,16 @@ def _connect(dsn: str, secrets: list[str], url: str, connect_timeout: int):
         raise StoreConnectionError(f"invalid Postgres URL: {_scrub(str(e), secrets)}", ref=url) from None
     if "connect_timeout" not in given:
         extra["connect_timeout"] = connect_timeout
+    return dsn, {k: v for k, v in extra.items() if k not in given}
+
+
+def _connect(dsn: str, secrets: list[str], url: str, connect_timeout: int):
+    """A new autocommit connection (a module function: the pool holds no reference to
+    its store, so a store dropped without close() is freed, and its connections closed,
+    at once)."""
+    dsn, kwargs = _connect_args(dsn, secrets, url, connect_timeout)
     try:
-        conn = psycopg2.connect(dsn, **{k: v for k, v in extra.items() if k not in given})
+        conn = psycopg2.connect(dsn, **kwargs)
     except psycopg2.Error as e:
         raise StoreConnectionError(f"cannot connect to Postgres: {_scrub(str(e), secrets)}", ref=url) from None
     conn.autocommit = True   # transactions are explicit: BEGIN travels with the first statement
@@ -173,7 +181,7 @@ class _Background:
 
 # --- the store ------------------------------------------------------------------------
 
-class PostgresStore(TransactionalPuts, SharedObjects, Store):
+class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, Store):
     """Checkpoints in Postgres, through a pool of connections shared by the threads of a process.
 
     ``prefix`` names the tables, ``schema`` the Postgres schema holding them (the
@@ -213,6 +221,9 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
         self._pool = ConnectionPool(functools.partial(_connect, url, self._secrets, self.url, connect_timeout),
                                     pool, timeout=pool_timeout, where=self.url,
                                     on_broken=_weak(self._forget_objects))
+        self._aconns = AsyncConnections(functools.partial(_connect_args, url, self._secrets, self.url,
+                                                          connect_timeout),
+                                        self._pool.size, pool_timeout, self.url, _weak(self._forget_objects))
         try:
             with self._pool.connection() as conn:    # the first connection now: a bad URL or server fails here
                 self.names = Names(conn, self.prefix, self.schema, self.url)
@@ -226,6 +237,12 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
         except BaseException:
             self._pool.close()     # refused (no schema, another bucket): its connection closed now, not at a GC
             raise
+
+    # what the asyncio methods (pgasync.AsyncMethods) share with the sync ones
+    _put_retries = PUT_RETRIES
+    _refused = Refused
+    _large = _LARGE
+    _commit_unknown = staticmethod(_commit_unknown)
 
     # -- connection ------------------------------------------------------------------
     @property
@@ -342,6 +359,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
         if self._objects is not None:
             self._objects.close()
         self._pool.close()
+        self._aconns.close()
 
     # -- schema (its tables and steps: pgschema) ---------------------------------------------
     def schema_status(self) -> dict:
@@ -394,16 +412,19 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
                     break
                 except Refused as e:
                     if attempt == PUT_RETRIES:
-                        raise DurabilityError(f"the database refused the checkpoint {attempt + 1} "
-                                              f"times ({e.args[0]})", ref=puts[0].ref,
-                                              hint="another writer or a garbage collection ran alongside; "
-                                                   "put it again") from None
+                        raise self._refused_too_often(e, puts) from None
             last = puts[-1].plan
             self.last_put = last.chunks if last is not None else None
         for p in puts:
             if p.cache is not None:
                 self._caches.give(p.run, p.cache)
         failpoints.hit("pg.after_commit")
+
+    @staticmethod
+    def _refused_too_often(e: Refused, puts: list[PreparedPut]) -> DurabilityError:
+        return DurabilityError(f"the database refused the checkpoint {PUT_RETRIES + 1} times ({e.args[0]})",
+                               ref=puts[0].ref, hint="another writer or a garbage collection ran alongside; "
+                                                     "put it again")
 
     def _put_once(self, cur, puts: list[PreparedPut], epoch: int | None = None) -> None:
         """One write transaction: each container of ``puts`` as chunk rows (a standalone
@@ -447,11 +468,8 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
                 self._put_objects(cur, plans, set(found))
                 failpoints.hit("pg.after_objects")
                 begin = ""
-            row = "(%s, %s, %s, %s, %s, %s, to_timestamp(%s), %s::jsonb, %s, %s)"
-            insert = (f"INSERT INTO {n.manifest} (run, step, parent, size, checksum, nchunks, created_at, meta, "
-                      f"length, listing) VALUES " + ", ".join([row] * len(puts)))
-            if epoch is None and not plans and sum(p.total for p in puts) <= SMALL_PUT_MAX \
-                    and all(p.data is not None for p in puts):
+            insert = self._manifest_insert(len(puts))
+            if epoch is None and self._is_small(puts):
                 self._put_small(cur, puts, insert, begin, args)
                 return
             stream = CopyIn([(p.run, p.step, p.parts(), p.total) for p in puts], self.chunk_size)
@@ -507,23 +525,39 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
             if stream is not None and stream.error is not None and isinstance(e, psycopg2.Error):
                 e = stream.error   # the real cause behind psycopg2's "COPY cancelled"
             self._abort(cur)
-            if isinstance(e, AgckError):
-                raise e.at(ref)
-            if isinstance(e, psycopg2.errors.UniqueViolation):
-                if not all(p.overwrite for p in puts):
-                    raise self._exists(puts) from None
-                # a put that does not replace takes no lock: one may commit the key between
-                # this put's DELETE and INSERT; the next attempt deletes what it committed
-                raise Refused("another writer put the same step at the same time") from None
-            if isinstance(e, (psycopg2.errors.ForeignKeyViolation, psycopg2.errors.DeadlockDetected)):
-                raise Refused(_scrub(str(e).strip(), self._secrets)) from None
-            if isinstance(e, psycopg2.Error):
-                raise self._db_error(e, "write failed", ref, DurabilityError, cur.connection) from None
-            if isinstance(e, OSError):
-                raise DurabilityError(f"write failed: {e.strerror or e}", ref=ref) from e
-            raise
+            raise self._put_error(e, puts, cur.connection) from (e if isinstance(e, OSError) else None)
         finally:
             self._release_claims()      # the transaction has ended: a thread waiting for these objects looks again
+
+    def _manifest_insert(self, rows: int) -> str:
+        row = "(%s, %s, %s, %s, %s, %s, to_timestamp(%s), %s::jsonb, %s, %s)"
+        return (f"INSERT INTO {self.names.manifest} (run, step, parent, size, checksum, nchunks, created_at, meta, "
+                f"length, listing) VALUES " + ", ".join([row] * rows))
+
+    @staticmethod
+    def _is_small(puts: list[PreparedPut]) -> bool:
+        """Whether ``puts`` are standalone containers written in one statement (:meth:`_put_small`)."""
+        return all(p.plan is None and p.data is not None for p in puts) and sum(p.total for p in puts) <= SMALL_PUT_MAX
+
+    def _put_error(self, e: BaseException, puts: list[PreparedPut], conn) -> BaseException:
+        """What a put's transaction, rolled back by ``e``, raises: ``Refused`` where another
+        attempt can get past it."""
+        ref = puts[0].ref
+        if isinstance(e, AgckError):
+            return e.at(ref)
+        if isinstance(e, psycopg2.errors.UniqueViolation):
+            if not all(p.overwrite for p in puts):
+                return self._exists(puts)
+            # a put that does not replace takes no lock: one may commit the key between
+            # this put's DELETE and INSERT; the next attempt deletes what it committed
+            return Refused("another writer put the same step at the same time")
+        if isinstance(e, (psycopg2.errors.ForeignKeyViolation, psycopg2.errors.DeadlockDetected)):
+            return Refused(_scrub(str(e).strip(), self._secrets))
+        if isinstance(e, psycopg2.Error):
+            return self._db_error(e, "write failed", ref, DurabilityError, conn)
+        if isinstance(e, OSError):
+            return DurabilityError(f"write failed: {e.strerror or e}", ref=ref)
+        return e
 
     def _commit_failed(self, e: psycopg2.Error, ref: str) -> DurabilityError:
         return DurabilityError(
@@ -536,7 +570,19 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
         the locks and deletes, the manifest rows, the chunk rows (bytea parameters, not a
         COPY, which would take a second exchange) and COMMIT. A client killed at any of
         its fail points has sent nothing."""
-        n = self.names
+        sql, params = self._small_put_sql(puts, insert, begin, args)
+        try:
+            cur.execute(sql, params)
+        except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
+            if _commit_unknown(e, cur):
+                raise self._commit_failed(e, puts[0].ref) from None
+            raise       # the server's verdict (a lock or statement timeout, disk full): rolled back
+
+    def _small_put_sql(self, puts: list[PreparedPut], insert: str | None = None, begin: str | None = None,
+                       args: list | None = None) -> tuple[str, list]:
+        """:meth:`_put_small`'s one statement and its parameters, its fail points hit."""
+        if begin is None:
+            begin, args = self._begin_sql(puts)
         rows, values = [], []
         for p in puts:
             data = memoryview(p.data).cast("B")
@@ -546,13 +592,8 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
         manifest = [v for p in puts for v in p.manifest_row(nchunks_for(p.total, self.chunk_size))]
         for point in ("pg.before_copy", "pg.mid_copy", "pg.before_manifest", "pg.before_commit"):
             failpoints.hit(point)
-        sql = (f"{begin}; {insert}; INSERT INTO {n.chunks} (run, step, idx, data) VALUES {', '.join(rows)}; COMMIT")
-        try:
-            cur.execute(sql, [*args, *manifest, *values])
-        except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
-            if _commit_unknown(e, cur):
-                raise self._commit_failed(e, puts[0].ref) from None
-            raise       # the server's verdict (a lock or statement timeout, disk full): rolled back
+        return (f"{begin}; {insert or self._manifest_insert(len(puts))}; INSERT INTO {self.names.chunks} "
+                f"(run, step, idx, data) VALUES {', '.join(rows)}; COMMIT", [*args, *manifest, *values])
 
     def _begin_sql(self, puts: list[PreparedPut]) -> tuple[str, list]:
         """The statements that open a put's durable transaction: the (run, step) locks of
@@ -654,10 +695,11 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
         return [r for (r,) in self._query(f"SELECT DISTINCT run FROM {self.names.manifest} ORDER BY run")]
 
     def steps(self, run: str, *, last: int | None = None) -> list[int]:
-        check_run(run)
-        return [s for (s,) in reversed(self._query(   # LIMIT NULL: no limit
-            f"SELECT step FROM {self.names.manifest} WHERE run = %s ORDER BY step DESC LIMIT %s",
-            (run, check_last(last))))]
+        return [s for (s,) in reversed(self._query(*self._steps_sql(check_run(run), check_last(last))))]
+
+    def _steps_sql(self, run: str, last: int | None) -> tuple[str, tuple]:
+        return (f"SELECT step FROM {self.names.manifest} WHERE run = %s ORDER BY step DESC LIMIT %s",   # NULL: all
+                (run, last))
 
     def list(self, run: str | None = None) -> list[CheckpointInfo]:
         n = self.names
@@ -688,27 +730,42 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
     def _read(self, run: str, step: int | None, *, verify, map_location) -> Checkpoint | None:
         """(run, step), or with ``step=None`` the run's newest step (None if it has none)."""
         map_location = codec.check_map_location(map_location)
-        n = self.names
-        layout = (f"SELECT m.step, m.size, m.checksum, m.nchunks, c.idxs, c.lens{{data}} FROM {n.manifest} m "
-                  f"LEFT JOIN LATERAL (SELECT array_agg(idx ORDER BY idx) AS idxs, "
-                  f"array_agg(octet_length(data) ORDER BY idx) AS lens{{agg}} FROM {n.chunks} "
-                  f"WHERE run = m.run AND step = m.step) c ON true ")
-        at = "WHERE m.run = %s AND m.step = %s"
+        sql, params = self._read_sql(run, step)
         with self._cursor() as cur:
             try:
-                # A small standalone container comes with its manifest row, in one statement
-                # (one snapshot, no transaction to end): one round trip. Anything else, or a
-                # listing found there, is read below in one transaction.
-                cur.execute(layout.format(
-                    data=", c.data", agg=", string_agg(data, ''::bytea ORDER BY idx) FILTER "
-                                         "(WHERE m.size <= %s AND m.listing IS NOT TRUE) AS data")
-                            + (at if step is not None else "WHERE m.run = %s ORDER BY m.step DESC LIMIT 1"),
-                            (SMALL_READ_MAX, run) + ((step,) if step is not None else ()))
+                cur.execute(sql, params)
                 row = cur.fetchone()
             except psycopg2.Error as e:
                 self._abort(cur)
-                raise self._db_error(e, "read failed", self.ref(run, step) if step is not None else n.where,
-                                     conn=cur.connection) from None
+                raise self._read_error(e, run, step, cur.connection) from None
+        got = self._read_row(row, run, step, verify, map_location)
+        return self._read_streamed(run, row[0], verify, map_location) if got is _LARGE else got
+
+    def _read_sql(self, run: str, step: int | None) -> tuple[str, tuple]:
+        """The statement that reads (run, step), or the run's newest step: a small
+        standalone container comes with its manifest row, in one statement (one
+        snapshot, no transaction to end): one round trip. Anything else, or a listing
+        found there, is read by :meth:`_read_streamed`."""
+        return (self._layout_sql(", c.data", ", string_agg(data, ''::bytea ORDER BY idx) FILTER "
+                                             "(WHERE m.size <= %s AND m.listing IS NOT TRUE) AS data")
+                + ("WHERE m.run = %s AND m.step = %s" if step is not None
+                   else "WHERE m.run = %s ORDER BY m.step DESC LIMIT 1"),
+                (SMALL_READ_MAX, run) + ((step,) if step is not None else ()))
+
+    def _layout_sql(self, data: str = "", agg: str = "") -> str:
+        n = self.names
+        return (f"SELECT m.step, m.size, m.checksum, m.nchunks, c.idxs, c.lens{data} FROM {n.manifest} m "
+                f"LEFT JOIN LATERAL (SELECT array_agg(idx ORDER BY idx) AS idxs, "
+                f"array_agg(octet_length(data) ORDER BY idx) AS lens{agg} FROM {n.chunks} "
+                f"WHERE run = m.run AND step = m.step) c ON true ")
+
+    def _read_error(self, e: psycopg2.Error, run: str, step: int | None, conn) -> AgckError:
+        return self._db_error(e, "read failed", self.ref(run, step) if step is not None else self.names.where,
+                              conn=conn)
+
+    def _read_row(self, row, run: str, step: int | None, verify, map_location) -> "Checkpoint | None | object":
+        """The checkpoint :meth:`_read_sql`'s row holds; None when the run has no step
+        (``step=None``); ``_LARGE`` when it must be read by :meth:`_read_streamed`."""
         if row is None:
             if step is None:
                 return None
@@ -716,20 +773,28 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
                                           hint=f"store.steps({run!r}) lists the steps")
         step, size, checksum, nchunks, idxs, lens, data = row
         ref = self.ref(run, step)
+        chunk_plan(size, nchunks, idxs or [], lens or [], manifest_ref=ref,
+                   chunk_ref=lambda i: self._chunk_ref(run, step, i))
+        if data is None:
+            return _LARGE
+        if len(data) != size:   # chunk_plan has checked each row's length in this snapshot
+            raise CorruptCheckpointError(f"the chunks hold {len(data)} bytes, not the manifest's {size}",
+                                         ref=ref, section="chunks")
+        buf = new_buffer(size)
+        memoryview(buf).cast("B")[:] = memoryview(data).cast("B")
+        check_checksum(buf, checksum, ref)
+        if content.listed_addresses(buf, verify=verify, ref=ref) is not None:
+            return _LARGE
+        ck = content.decode(buf, content.fetcher({}, []), verify=verify, map_location=map_location, ref=ref)
+        check_identity(ck, run, step, ref)
+        return ck
+
+    def _read_streamed(self, run: str, step: int, verify, map_location) -> Checkpoint:
+        """(run, step) in one transaction: its manifest row, its chunks streamed by a COPY
+        and, for a listing, the objects it names."""
+        n = self.names
+        ref = self.ref(run, step)
         chunk_ref = lambda i: self._chunk_ref(run, step, i)  # noqa: E731
-        chunk_plan(size, nchunks, idxs or [], lens or [], manifest_ref=ref, chunk_ref=chunk_ref)
-        if data is not None:
-            if len(data) != size:   # chunk_plan has checked each row's length in this snapshot
-                raise CorruptCheckpointError(f"the chunks hold {len(data)} bytes, not the manifest's {size}",
-                                             ref=ref, section="chunks")
-            buf = new_buffer(size)
-            memoryview(buf).cast("B")[:] = memoryview(data).cast("B")
-            check_checksum(buf, checksum, ref)
-            data = buf if content.listed_addresses(buf, verify=verify, ref=ref) is None else None
-        if data is not None:
-            ck = content.decode(data, content.fetcher({}, []), verify=verify, map_location=map_location, ref=ref)
-            check_identity(ck, run, step, ref)
-            return ck
 
         def streamed(cur):
             row = cur.fetchone()
@@ -753,7 +818,8 @@ class PostgresStore(TransactionalPuts, SharedObjects, Store):
         # One snapshot for the manifest, the chunk layout, the data and the objects held in the
         # database; objects in an object store are read after, each straight into its place.
         buf, addresses, found = self._transaction(
-            "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; " + layout.format(data="", agg="") + at, (run, step),
+            "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; " + self._layout_sql()
+            + "WHERE m.run = %s AND m.step = %s", (run, step),
             streamed, "read failed", ref)
         outside = {} if self._objects is None or addresses is None else \
             {"fetch_into": self._fetch_into(found), "fetch_threads": REQUESTS}

@@ -43,6 +43,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from langchain_core.runnables import RunnableConfig
@@ -87,6 +88,23 @@ class _Damage(Exception):
     def __init__(self, part: str, cause: BaseException, ref: str | None):
         super().__init__(part)
         self.part, self.cause, self.ref = part, cause, ref
+
+
+_UNSURE = object()
+
+
+@dataclass(frozen=True)
+class _Read:
+    """What a reading generator asks of the store: ``read(run, step)``, or with
+    ``step=None`` ``read_newest(run)``."""
+    run: str
+    step: int | None
+
+
+@dataclass(frozen=True)
+class _Steps:
+    """What a reading generator asks of the store: ``steps(run)``."""
+    run: str
 
 
 def _record_places(rec: Any) -> tuple[dict, dict | None]:
@@ -157,15 +175,60 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
         return {"configurable": {"thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": checkpoint_id}}
 
     # -- reading ----------------------------------------------------------------------
+    # The reads below are generators that yield what they need from the store (a
+    # _Read or a _Steps) and are sent its answer, or thrown its error: one definition
+    # of how a checkpoint is read, run by the sync methods through _sync and by the
+    # async ones through _async (awaiting the store's own async reads where it has them).
+    def _sync(self, reads: Iterator) -> Any:
+        """Run ``reads`` against the store, on this thread."""
+        try:
+            ask = next(reads)
+            while True:
+                try:
+                    got = self._ask(ask)
+                except BaseException as e:
+                    ask = reads.throw(e)
+                else:
+                    ask = reads.send(got)
+        except StopIteration as done:
+            return done.value
+
+    async def _async(self, reads: Iterator) -> Any:
+        """Run ``reads`` against the store's async reads (a store that has them), awaited."""
+        try:
+            ask = next(reads)
+            while True:
+                try:
+                    if type(ask) is _Read:
+                        got = await (self.store.aread(ask.run, ask.step) if ask.step is not None
+                                     else self.store.aread_newest(ask.run))
+                    else:
+                        got = await self.store.asteps(ask.run)
+                except BaseException as e:
+                    ask = reads.throw(e)
+                else:
+                    ask = reads.send(got)
+        except StopIteration as done:
+            return done.value
+
+    def _ask(self, ask: "_Read | _Steps") -> Any:
+        if type(ask) is _Read:
+            return self.store.read(ask.run, ask.step) if ask.step is not None else self.store.read_newest(ask.run)
+        return self.store.steps(ask.run)
+
     def _load(self, runs: _Runs, key: int, expect_id: str | None = None,
               expect: tuple[str, str] | None = None, record: Checkpoint | None = None) -> CheckpointTuple | None:
+        return self._sync(self._reading(runs, key, expect_id, expect, record))
+
+    def _reading(self, runs: _Runs, key: int, expect_id: str | None = None,
+                 expect: tuple[str, str] | None = None, record: Checkpoint | None = None) -> Iterator:
         """The checkpoint at ``key`` (its record already read: ``record``), or None if there
         is none (or it is another id or another thread's). Raises _Damage for a damaged part."""
         if record is not None:
             ck = record
         else:
             try:
-                ck = self.store.read(runs.records, key)
+                ck = yield _Read(runs.records, key)
             except CheckpointNotFoundError:
                 return None
             except AgckError as e:
@@ -194,8 +257,8 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
             raise _Damage("its record", MalformedCheckpointError(f"unexpected record: {e}", ref=ck.ref),
                           self.store.ref(runs.records, key)) from None
         self._remember(runs.records, key, cid, body.get("channel_versions") or {}, where)
-        body["channel_values"] = self._channel_values(runs, where, None, key, inline)
-        pending = self._pending_writes(runs, key)
+        body["channel_values"] = yield from self._channel_values(runs, where, None, key, inline)
+        pending = yield from self._pending_writes(runs, key)
         return CheckpointTuple(
             config=self._config(thread_id, ns, cid),
             checkpoint=body,
@@ -205,7 +268,7 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
         )
 
     def _channel_values(self, runs: _Runs, where: dict, channels: set | None, key: int | None = None,
-                        inline: dict | None = None) -> dict:
+                        inline: dict | None = None) -> Iterator:
         """The values of ``channels`` (all when None) of the checkpoint whose record at
         ``key`` holds ``where`` and its own small values ``inline``."""
         out: dict[str, Any] = {}
@@ -221,12 +284,12 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
                 by_entry.setdefault((runs.values, e), []).append(c)
         for (run, e), chans in sorted(by_entry.items()):
             what = "the value of channel " + ", ".join(repr(c) for c in sorted(chans))
-            entry, ref = self._stored_values(runs, run, e, chans, what)
+            entry, ref = yield from self._stored_values(runs, run, e, chans, what)
             for c in chans:
                 out[c] = self._value(entry, c, ref)
         return out
 
-    def _stored_values(self, runs: _Runs, run: str, e: int, chans: list[str], what: str) -> tuple[Any, str]:
+    def _stored_values(self, runs: _Runs, run: str, e: int, chans: list[str], what: str) -> Iterator:
         """The entry holding ``chans`` at key ``e`` of ``run`` and its ref. The small values
         of checkpoint ``e`` are in its record, or (written by an older version, or kept
         when the record was deleted) in the values run."""
@@ -234,7 +297,7 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
         if run == runs.values:
             ref = self.store.ref(runs.records, e)
             try:
-                values = self.store.read(runs.records, e).state.get("values")
+                values = (yield _Read(runs.records, e)).state.get("values")
                 if isinstance(values, dict) and all(c in values for c in chans):
                     return values, ref
             except CheckpointNotFoundError:
@@ -247,7 +310,7 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
                 damage = _Damage(what, MalformedCheckpointError(f"unexpected record: {err}", ref=ref), ref)
         ref = self.store.ref(run, e)
         try:
-            return self.store.read(run, e).state, ref
+            return (yield _Read(run, e)).state, ref
         except CheckpointNotFoundError as err:
             raise damage or _Damage(what + " (its stored entry is missing)", err, ref) from None
         except AgckError as err:
@@ -262,13 +325,13 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
             raise _Damage(f"the value of channel {c!r}",
                           MalformedCheckpointError(f"cannot rebuild it: {err}", ref=ref), ref) from None
 
-    def _pending_writes(self, runs: _Runs, key: int) -> list:
+    def _pending_writes(self, runs: _Runs, key: int) -> Iterator:
         run = runs.writes(key)
         rows = []
-        for s in self.store.steps(run):
+        for s in (yield _Steps(run)):
             ref = self.store.ref(run, s)
             try:
-                entry = self.store.read(run, s).state
+                entry = (yield _Read(run, s)).state
             except CheckpointNotFoundError:
                 continue
             except AgckError as err:
@@ -380,6 +443,21 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
                 return t
         return None
 
+    def _reading_newest(self, runs: _Runs, expect: tuple[str, str]) -> Iterator:
+        """The namespace's newest checkpoint, when its record reads back whole and is the
+        namespace's (``_UNSURE`` otherwise: ``get_tuple`` walks back and reports); None
+        when it has none. Raises _Damage for a damaged part."""
+        try:
+            newest = yield _Read(runs.records, None)
+        except AgckError as e:
+            if e.verdict:
+                return _UNSURE
+            raise
+        if newest is None:
+            return None
+        t = yield from self._reading(runs, newest.step, expect=expect, record=newest)
+        return _UNSURE if t is None else t
+
     def _newest_first(self, run: str, newest: Checkpoint | None = None) -> Iterator[int]:
         """The run's steps, newest first: the newest alone (``newest``, already read, or
         asked for: the one almost always wanted, so a long thread's get costs no more
@@ -483,9 +561,9 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
                 except Exception:
                     raise _Damage("its record", MalformedCheckpointError("unexpected record", ref=ck.ref),
                                   self.store.ref(runs.records, key)) from None
-                writes = self._pending_writes(runs, key)
+                writes = self._sync(self._pending_writes(runs, key))
                 found = {c for c in remaining if where.get(c) is not None}
-                values = self._channel_values(runs, where, found, key, inline)
+                values = self._sync(self._channel_values(runs, where, found, key, inline))
             except CheckpointNotFoundError:
                 break
             except _Damage as d:

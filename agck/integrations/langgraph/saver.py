@@ -30,23 +30,53 @@ import logging
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.base import (WRITES_IDX_MAP, ChannelVersions, Checkpoint, CheckpointMetadata,
-                                       CheckpointTuple, DeltaChannelHistory, get_checkpoint_metadata)
+                                       CheckpointTuple, DeltaChannelHistory, get_checkpoint_id,
+                                       get_checkpoint_metadata)
 
 from ...errors import AgckError, CheckpointExistsError, CheckpointNotFoundError, EncodeError, UsageError
 from ...stores import PutEntry, Store, open_store
 from .layout import (_FORMAT, _MAX_STEP, _OWN_ENTRY_BYTES, _UNDECIDED, _is_lg_run, _is_records_run,
                      _metadata_projection, _Runs, _task_slot, _thread_prefix, checkpoint_key)
-from .reading import _CheckpointReader, _Damage
+from .reading import _UNSURE, _CheckpointReader, _Damage
 from .values import _normalize_types, _Refused, _ValueCodec
 
 logger = logging.getLogger("agck.langgraph")
 
 _END = object()   # alist's next() in a worker thread: a StopIteration cannot cross the await
+
+
+class _MustRead(Exception):
+    """A put that its async form runs on a worker thread (see ``_plan_put``)."""
+
+
+@dataclass
+class _PutPlan:
+    """A put's store entries (the record last) and what it remembers once they are written."""
+
+    runs: _Runs
+    key: int
+    cid: str
+    thread_id: str
+    ns: str
+    where_txt: str
+    ref: str
+    versions: Mapping
+    where: dict
+    entries: list
+
+    def refused(self, e: EncodeError) -> EncodeError:
+        """agck's codec refused a value (an object array): say whose."""
+        reason = e.reason              # the path in the record's small values is the channel's
+        if reason.startswith("state['values']"):
+            reason = "state" + reason[len("state['values']"):]
+        return EncodeError(f"checkpoint {self.cid} of {self.where_txt}: channel value {reason}",
+                           ref=e.ref or self.ref, hint=e.hint)
 
 
 class _Workers:
@@ -163,6 +193,20 @@ class AgckSaver(_CheckpointReader):
     # -- writing ----------------------------------------------------------------------
     def put(self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata,
             new_versions: ChannelVersions) -> RunnableConfig:
+        plan = self._plan_put(config, checkpoint, metadata, new_versions)
+        try:
+            self.store.put_many(plan.entries)   # one transaction on the SQL stores; the record last on any
+        except CheckpointExistsError:           # a put repeated, or a key taken: decided entry by entry
+            self._put_one_by_one(plan)
+        except EncodeError as e:
+            raise plan.refused(e) from None
+        return self._put_done(plan)
+
+    def _plan_put(self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata,
+                  new_versions: ChannelVersions, *, may_read: bool = True) -> "_PutPlan":
+        """The store entries of a put: every value encoded, the record last. Without
+        ``may_read``, raises _MustRead where placing an unchanged channel needs a read
+        (its parent's record is not among those this saver last wrote or read)."""
         thread_id, ns = self._thread_ns(config)
         cid = checkpoint.get("id")
         runs = _Runs.of(thread_id, ns)
@@ -194,10 +238,12 @@ class AgckSaver(_CheckpointReader):
                     grouped[c], where[c] = tree, key
             else:
                 where[c] = None    # a version without a value (an emptied channel)
+        if own and not may_read:
+            raise _MustRead   # a large value: encoded, hashed and written off the event loop
         unchanged = [c for c in versions if c not in where]
         if unchanged:
             where.update(self._locate(runs, key, parent_id, parent_key, {c: versions[c] for c in unchanged},
-                                      where_txt))
+                                      where_txt, may_read))
 
         rest = {k: v for k, v in checkpoint.items() if k != "channel_values"}
         full_metadata = get_checkpoint_metadata(config, metadata)
@@ -216,19 +262,15 @@ class AgckSaver(_CheckpointReader):
         entries = [PutEntry(runs.own(c), key, {c: tree}, {**vmeta, "channel": c}, overwrite=False)
                    for c, tree in own.items()]
         entries.append(PutEntry(runs.records, key, record, meta, parent=parent_key, overwrite=False))  # the commit
-        try:
-            self.store.put_many(entries)   # one transaction on the SQL stores; the record last on any
-        except CheckpointExistsError:      # a put repeated, or a key taken: decided entry by entry
-            for e in entries:
-                self._put_entry(e.run, key, e.state, e.meta, runs, cid, where_txt, parent=e.parent)
-        except EncodeError as e:           # agck's codec refused a value (an object array): say whose
-            reason = e.reason              # the path in the record's small values is the channel's
-            if reason.startswith("state['values']"):
-                reason = "state" + reason[len("state['values']"):]
-            raise EncodeError(f"checkpoint {cid} of {where_txt}: channel value {reason}",
-                              ref=e.ref or ref, hint=e.hint) from None
-        self._remember(runs.records, key, cid, versions, where)
-        return self._config(thread_id, ns, cid)
+        return _PutPlan(runs, key, cid, thread_id, ns, where_txt, ref, versions, where, entries)
+
+    def _put_one_by_one(self, plan: "_PutPlan") -> None:
+        for e in plan.entries:
+            self._put_entry(e.run, plan.key, e.state, e.meta, plan.runs, plan.cid, plan.where_txt, parent=e.parent)
+
+    def _put_done(self, plan: "_PutPlan") -> RunnableConfig:
+        self._remember(plan.runs.records, plan.key, plan.cid, plan.versions, plan.where)
+        return self._config(plan.thread_id, plan.ns, plan.cid)
 
     def _same_checkpoint(self, runs: _Runs, key: int, cid: str, where_txt: str) -> None:
         """Whether (run, key) may be replaced by checkpoint ``cid``: it holds ``cid`` (a put
@@ -249,7 +291,7 @@ class AgckSaver(_CheckpointReader):
                 hint="write each thread from one process at a time; put the checkpoint again with a new id")
 
     def _locate(self, runs: _Runs, key: int, parent_id: Any, parent_key: int | None, wanted: dict,
-                where_txt: str) -> dict:
+                where_txt: str, may_read: bool = True) -> dict:
         """Where the values of unchanged channels are: in the parent's record if it has
         them at these versions (what LangGraph does), else in the newest earlier record
         that has (two branches forked from one checkpoint can give one version two values,
@@ -268,6 +310,8 @@ class AgckSaver(_CheckpointReader):
                     del wanted[c]
             if not wanted:
                 return found
+        if not may_read:
+            raise _MustRead
 
         def older():
             yield from candidates
@@ -303,6 +347,13 @@ class AgckSaver(_CheckpointReader):
 
     def put_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str,
                    task_path: str = "") -> None:
+        plan = self._plan_writes(config, writes, task_id, task_path)
+        if plan is not None:
+            self._put_writes(*plan)
+
+    def _plan_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str,
+                     task_path: str) -> tuple | None:
+        """What ``put_writes`` stores, encoded: None when there is nothing to store."""
         thread_id, ns = self._thread_ns(config)
         cid = (config.get("configurable") or {}).get("checkpoint_id")
         key = checkpoint_key(cid)
@@ -324,8 +375,14 @@ class AgckSaver(_CheckpointReader):
             new[idx] = [c, self._encode(v, f"pending write {c!r} of task {task_id} of checkpoint {cid} "
                                            f"of {where_txt}", ref), task_path]
         if not new:
-            return
+            return None
         meta = {"lg": _FORMAT, "thread_id": thread_id, "checkpoint_ns": ns, "checkpoint_id": cid, "task_id": task_id}
+        return runs, key, run, slot, task_id, cid, where_txt, new, meta
+
+    def _put_writes(self, runs: _Runs, key: int, run: str, slot: int, task_id: str, cid: str, where_txt: str,
+                    new: dict, meta: dict) -> None:
+        thread_id, ns = meta["thread_id"], meta["checkpoint_ns"]
+        ref = self.store.ref(run, slot)
         for _ in range(64):    # probing past tasks whose ids hash to the same slot
             try:
                 self.store.put(run, slot, {"task_id": task_id, "writes": new}, meta=meta, overwrite=False)
@@ -574,7 +631,26 @@ class AgckSaver(_CheckpointReader):
         call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(self._workers.get(), call)
 
+    @property
+    def _native(self) -> bool:
+        """Whether the store reads and writes on the event loop (Postgres: pgasync)."""
+        return hasattr(self.store, "aput_many")
+
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
+        if self._native:
+            thread_id, ns = self._thread_ns(config)
+            runs = _Runs.of(thread_id, ns)
+            cid = get_checkpoint_id(config)
+            key = checkpoint_key(cid) if cid else None
+            if cid and key is None:
+                return None
+            try:
+                t = await self._async(self._reading(runs, key, expect_id=cid, expect=(thread_id, ns)) if cid
+                                      else self._reading_newest(runs, (thread_id, ns)))
+            except _Damage:
+                t = _UNSURE   # judged and reported, with the previous valid checkpoint, by the sync path
+            if t is not _UNSURE:
+                return t
         return await self._off_loop(self.get_tuple, config)
 
     async def alist(self, config: RunnableConfig | None, *, filter: dict[str, Any] | None = None,
@@ -589,10 +665,39 @@ class AgckSaver(_CheckpointReader):
 
     async def aput(self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata,
                    new_versions: ChannelVersions) -> RunnableConfig:
+        if self._native:
+            try:
+                plan = self._plan_put(config, checkpoint, metadata, new_versions, may_read=False)
+            except _MustRead:
+                pass
+            else:
+                try:
+                    await self.store.aput_many(plan.entries)
+                except CheckpointExistsError:     # a put repeated, or a key taken: decided entry by entry
+                    await self._off_loop(self._put_one_by_one, plan)
+                except EncodeError as e:
+                    raise plan.refused(e) from None
+                return self._put_done(plan)
         return await self._off_loop(self.put, config, checkpoint, metadata, new_versions)
 
     async def aput_writes(self, config: RunnableConfig, writes: Sequence[tuple[str, Any]], task_id: str,
                           task_path: str = "") -> None:
+        if self._native:
+            plan = self._plan_writes(config, writes, task_id, task_path)
+            if plan is None:
+                return
+            runs, key, run, slot, task_id, cid, where_txt, new, meta = plan
+            try:
+                await self.store.aput_many([PutEntry(run, slot, {"task_id": task_id, "writes": new}, meta,
+                                                     overwrite=False)])
+                return
+            except CheckpointExistsError:   # the task wrote before, or another's hashes to the slot
+                pass
+            except EncodeError as e:
+                raise EncodeError(f"pending writes of task {task_id} of checkpoint {cid} of {where_txt}: {e.reason}",
+                                  ref=self.store.ref(run, slot), hint=e.hint) from None
+            await self._off_loop(self._put_writes, *plan)
+            return
         await self._off_loop(self.put_writes, config, writes, task_id, task_path)
 
     async def adelete_thread(self, thread_id: str) -> None:
