@@ -1,10 +1,12 @@
 """The concurrent workload of the ``pgload`` fault kind: one process, many threads, one store.
 
-    python -m crashtests.loadworker URL RUN_PREFIX PROC THREADS STEPS POOL ACKS
+    python -m crashtests.loadworker URL RUN_PREFIX PROC THREADS STEPS POOL ACKS [threads|asyncio]
 
 Each thread is a conversation: run ``{RUN_PREFIX}-p{PROC}-t{thread}``, steps 0..STEPS-1
 put in order through one Postgres store shared by the process's threads (a pool of
-POOL connections, fewer than the threads). A step's state is made from (run, step)
+POOL connections, fewer than the threads). With ``asyncio`` the conversations are
+tasks on one event loop instead, through the store's async methods (``aput_many``,
+``aread``: statements awaited on the loop, the loop's own pool of POOL connections). A step's state is made from (run, step)
 alone (:func:`state_for`): small messages, and every third step a 256 KiB array the
 run's steps share (chunk objects reused across puts) beside a part of its own.
 Every fourth step the thread reads back one of its earlier steps and compares it.
@@ -57,22 +59,32 @@ class _Failed(Exception):
     pass
 
 
+class _Patience:
+    """How long to wait after a failure before trying again, for at most GIVE_UP seconds of failures."""
+
+    def __init__(self, what: str):
+        self.what, self.deadline = what, None
+
+    def after(self, e: Exception) -> float:
+        now = time.monotonic()
+        self.deadline = self.deadline or now + GIVE_UP
+        if now > self.deadline:
+            raise _Failed(f"{self.what}: failing for {GIVE_UP:.0f} s, last: {e}") from None
+        return random.uniform(0.02, 0.2)
+
+
 def _retrying(what: str, fn):
     """``fn()`` until it returns; an agck error (server gone, connection dropped) waits and
-    tries again, for at most GIVE_UP seconds of failures."""
+    tries again (:class:`_Patience`); a step found there or not there is the caller's."""
     from agck.errors import AgckError, CheckpointExistsError, CheckpointNotFoundError
-    deadline = None
+    patience = _Patience(what)
     while True:
         try:
             return fn()
         except (CheckpointExistsError, CheckpointNotFoundError):
             raise
         except AgckError as e:
-            now = time.monotonic()
-            deadline = deadline or now + GIVE_UP
-            if now > deadline:
-                raise _Failed(f"{what}: failing for {GIVE_UP:.0f} s, last: {e}") from None
-            time.sleep(random.uniform(0.02, 0.2))
+            time.sleep(patience.after(e))
 
 
 def conversation(store, run: str, steps: int, ack) -> None:
@@ -94,8 +106,45 @@ def conversation(store, run: str, steps: int, ack) -> None:
                 raise SystemExit(f"{run} step {old}: read back a different state")
 
 
+async def _aretrying(what: str, fn):
+    """:func:`_retrying` for a coroutine function ``fn``."""
+    import asyncio
+
+    from agck.errors import AgckError, CheckpointExistsError, CheckpointNotFoundError
+    patience = _Patience(what)
+    while True:
+        try:
+            return await fn()
+        except (CheckpointExistsError, CheckpointNotFoundError):
+            raise
+        except AgckError as e:
+            await asyncio.sleep(patience.after(e))
+
+
+async def aconversation(store, run: str, steps: int, ack) -> None:
+    """:func:`conversation` through the store's async methods."""
+    from agck.errors import CheckpointExistsError
+    from agck.stores import PutEntry
+    rng = random.Random(run)
+    for step in range(steps):
+        state = state_for(run, step)
+        try:
+            await _aretrying(f"put {run} {step}",
+                             lambda: store.aput_many([PutEntry(run, step, state, overwrite=False)]))
+        except CheckpointExistsError:
+            back = (await _aretrying(f"read {run} {step}", lambda: store.aread(run, step))).state
+            if not same(back, state):
+                raise SystemExit(f"{run} step {step}: another state is stored there")
+        ack(run, step)
+        if step % 4 == 3:
+            old = rng.randrange(step)
+            back = (await _aretrying(f"read {run} {old}", lambda: store.aread(run, old))).state
+            if not same(back, state_for(run, old)):
+                raise SystemExit(f"{run} step {old}: read back a different state")
+
+
 def main(argv: list[str]) -> int:
-    url, prefix, proc, threads, steps, pool, acks = argv
+    url, prefix, proc, threads, steps, pool, acks, *mode = argv
     threads, steps = int(threads), int(steps)
     from agck.stores import open_store
     store = open_store(f"{url}&agck_pool={int(pool)}")
@@ -112,11 +161,21 @@ def main(argv: list[str]) -> int:
         except BaseException as e:     # reported below, by exit code and stderr
             failures.append(e)
 
-    ts = [threading.Thread(target=body, args=(j,)) for j in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    if mode == ["asyncio"]:
+        import asyncio
+
+        async def tasks():
+            results = await asyncio.gather(*(aconversation(store, f"{prefix}-p{proc}-t{j}", steps, ack)
+                                             for j in range(threads)), return_exceptions=True)
+            failures.extend(r for r in results if isinstance(r, BaseException))
+
+        asyncio.run(tasks())
+    else:
+        ts = [threading.Thread(target=body, args=(j,)) for j in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
     store.close()
     for e in failures:
         print(f"{type(e).__name__}: {e}", file=sys.stderr)

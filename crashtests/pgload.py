@@ -3,7 +3,8 @@ killed under them and their connections dropped.
 
 A trial starts :data:`PROCS` workload processes (:mod:`crashtests.loadworker`), each
 running :data:`THREADS` conversations on one store object whose pool has fewer
-connections than it has threads, against the campaign's private cluster (every
+connections than it has threads (the first process's as asyncio tasks on one event
+loop, through the store's async methods), against the campaign's private cluster (every
 COMMIT held there by ``commit_delay``, so many are in flight at once). While they
 run, the harness drops every one of their connections (``pg_terminate_backend``)
 one to three times, then kills the server (SIGKILL to its processes or ``pg_ctl
@@ -62,8 +63,9 @@ def trial(c: Campaign, t: Trial, i: int) -> None:
     procs = []
     for k in range(PROCS):       # a directory each, for its stderr
         os.makedirs(os.path.join(d, str(k)))
+        mode = "asyncio" if k == 0 else "threads"     # one process's conversations on an event loop
         procs.append(c._spawn([sys.executable, "-m", "crashtests.loadworker", t.url, t.run, str(k), str(THREADS),
-                               str(STEPS), str(POOL), acks], os.path.join(d, str(k))))
+                               str(STEPS), str(POOL), acks, mode], os.path.join(d, str(k))))
     how = "immediate" if i % 2 else "sigkill"
     drops = dropped = 0
     killed = False
