@@ -487,6 +487,8 @@ def cmd_db(args) -> int:
         value = flag if flag is not None else own.get(name)
         if value is not None:
             opts[name] = value
+    if "pool" in own:
+        opts["pool"] = own["pool"]
     applied = None
     with PostgresStore(dsn, check_schema=False, **opts) as store:
         if args.action == "init":
@@ -511,7 +513,9 @@ def _format_schema(status: dict, applied: list | None) -> str:
              f"  version         {version} (this agck uses {status.get('expected')})",
              f"  prefix          {status.get('prefix')}",
              f"  schema          {status.get('schema') or '(the search_path)'}",
-             f"  missing tables  {', '.join(status.get('missing_tables') or []) or 'none'}"]
+             f"  missing tables  {', '.join(status.get('missing_tables') or []) or 'none'}",
+             f"  chunks in       {status.get('objects') or 'the database (no object store bound)'}",
+             f"  pool            at most {status.get('pool')} connections per process (agck_pool)"]
     if applied is not None:
         lines.append("  migrated        " + (f"to version {', '.join(map(str, applied))}" if applied else
                                               "nothing to do"))

@@ -560,6 +560,9 @@ def test_db_prints_readable_lines_and_json(pg_dsn, pg_schema, capsys):
     assert code == 0 and "migrated        nothing to do" in out
     code, out, _ = run_cli(capsys, "db", "status", url, "--json")
     assert json.loads(out)["state"] == "current" and json.loads(out)["missing_tables"] == []
+    assert json.loads(out)["pool"] == 4 and json.loads(out)["objects"] is None
+    code, out, _ = run_cli(capsys, "db", "status", url + "&agck_pool=9")
+    assert "chunks in       the database" in out and "pool            at most 9 connections" in out
 
 
 @pytest.mark.postgres

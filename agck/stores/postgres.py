@@ -371,8 +371,13 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, Store):
             except psycopg2.Error as e:
                 raise self._db_error(e, "cannot read the schema version", self.names.where, conn=cur.connection) \
                     from None
-        return {"state": pgschema.state(version, missing, self.names), "version": version, "expected": SCHEMA_VERSION,
-                "prefix": self.prefix, "schema": self.schema, "missing_tables": missing, "url": self.url}
+        state = pgschema.state(version, missing, self.names)
+        objects = None
+        if state == "current":      # the bucket the catalog's chunks are bound to, if any (agck_objects)
+            (objects,) = self._query(f"SELECT objects FROM {self.names.gc}")[0]
+        return {"state": state, "version": version, "expected": SCHEMA_VERSION,
+                "prefix": self.prefix, "schema": self.schema, "missing_tables": missing, "url": self.url,
+                "pool": self.pool_size, "objects": objects}
 
     def _check_schema(self) -> None:
         pgschema.require_current(self.schema_status(), self.names, self._db_hint)
