@@ -270,6 +270,13 @@ class FileSystem:
     def open_new(self, path: str) -> int:
         return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
 
+    def open_append(self, path: str) -> int:
+        """An append-only log, created if missing (its directory entry is the caller's to fsync)."""
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+    def truncate(self, fd: int, length: int) -> None:
+        os.ftruncate(fd, length)
+
     def write(self, fd: int, data) -> int:
         return os.write(fd, data)
 

@@ -301,6 +301,25 @@ class Store(ABC):
                 if tries == 8:     # deleted under it again and again: say so
                     raise
 
+    # -- journal logs (agck.journal) -----------------------------------------------
+    def log_append(self, run: str, records: Sequence[bytes], *, sync: bool = True) -> tuple[int, int]:
+        """Append journal records (:mod:`agck.journalrec`, each framed and checksummed by
+        itself) to the run's log, whole and in order, after every record appended
+        before; with ``sync`` they are durable when it returns. Returns the positions
+        (as :meth:`log_read` takes them) where they start and end."""
+        raise UsageError(f"{type(self).__name__} keeps no step journal yet", ref=self.url,
+                         hint="use a file store (a directory) for agck.Journal")
+
+    def log_read(self, run: str, start: int = 0) -> tuple[bytes, int]:
+        """The records appended to the run's log from position ``start`` (0: the
+        beginning), as bytes, and the position to read on from."""
+        raise UsageError(f"{type(self).__name__} keeps no step journal yet", ref=self.url,
+                         hint="use a file store (a directory) for agck.Journal")
+
+    def log_ref(self, run: str) -> str:
+        """Where the run's journal log is, for humans."""
+        return f"{self.url} journal of {run}"
+
     @abstractmethod
     def ref(self, run: str, step: int) -> str:
         """A human-readable location of (run, step)."""

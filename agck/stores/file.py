@@ -27,7 +27,7 @@ import os
 import re
 import shlex
 from contextlib import contextmanager
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Sequence
 
 from .. import checkpoint, durable, format
 from ..checkpoint import Checkpoint
@@ -37,6 +37,7 @@ from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError,
 from ..names import MAX_STEP, is_run_name
 from . import content
 from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
+from .filelog import LOG_NAME, FileLogs
 from .objectdir import ObjectDir
 
 SUFFIX = ".agck"
@@ -68,6 +69,9 @@ class FileStore(Store):
         self.url = self.root
         self.fs = fs or durable.REAL
         self.objects = ObjectDir(self.root, self.fs)
+        self._logs = FileLogs(self.fs)
+        self._logs_durable: set[str] = set()
+        self._log_paths: dict[str, str] = {}
         if not os.path.isdir(self.root):
             if not create:
                 raise StoreConnectionError("no such store directory", ref=self.root,
@@ -86,6 +90,32 @@ class FileStore(Store):
             if not os.path.isdir(self.root):
                 raise StoreConnectionError("not a checkpoint directory: a file is in the way", ref=self.root,
                                            hint="pass a directory path")
+
+    # -- journal logs (agck.journal; stores/filelog.py) ---------------------------
+    def log_ref(self, run: str) -> str:
+        path = self._log_paths.get(run)
+        if path is None:
+            path = self._log_paths[run] = os.path.join(self._run_dir(run), LOG_NAME)
+        return path
+
+    def log_append(self, run: str, records: Sequence[bytes], *, sync: bool = True) -> tuple[int, int]:
+        """Append journal records to the run's log (see :meth:`Store.log_append`)."""
+        path = self.log_ref(run)
+        d = os.path.dirname(path)
+        durable.make_dir(self.fs, d, self.root, "run directory")
+        where = self._logs.append(path, records, sync)
+        if sync and path not in self._logs_durable:   # the log's own entry in the run directory, once
+            try:
+                self.fs.fsync_dir(d)
+            except OSError as e:
+                raise DurabilityError(f"fsync of the run directory failed: {e.strerror}", ref=d) from None
+            self._logs_durable.add(path)
+        return where
+
+    def log_read(self, run: str, start: int = 0) -> tuple[bytes, int]:
+        """The run's log from ``start`` and where it was read to (see :meth:`Store.log_read`)."""
+        data = self._logs.read(self.log_ref(run), start)
+        return data, start + len(data)
 
     def _open_parts(self, create: bool) -> "FileStore | None":
         path = os.path.join(self.root, ".parts")   # not a run name: never listed as a run

@@ -1,0 +1,89 @@
+"""The file store's journal logs: one append-only file per run, ``<root>/<run>/journal.agjl``.
+
+Records (:mod:`agck.journalrec`: each framed and checksummed by itself) are appended
+in batches: one ``write`` of the batch and one ``fdatasync`` when the caller asks for
+durability, so a journal pays one flush per batch, not per record, and the file grows
+by what the records hold (no page per record: the page-size floor of one file per
+entry is what this avoids).
+
+Appends take an exclusive ``flock`` on the file, so the processes of one machine that
+share a run append whole batches one after another. A crash during an append leaves
+a torn tail: bytes after the last whole record, never acknowledged (the flush had not
+returned). The next append, under the lock, finds it (scanning from where this
+process last saw the log end) and truncates it before writing, so a torn tail never
+ends up between records. Readers take no lock: a batch being written is, to them,
+a torn tail they stop before.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from collections.abc import Sequence
+
+from .. import durable, journalrec
+from ..errors import DurabilityError, StoreConnectionError
+
+LOG_NAME = "journal.agjl"
+
+
+class FileLogs:
+    """The logs of one file store (see the module's docstring)."""
+
+    def __init__(self, fs: durable.FileSystem):
+        self.fs = fs
+        self._ends: dict[str, int] = {}     # path -> where this process last saw the valid log end
+
+    def append(self, path: str, records: Sequence[bytes], sync: bool) -> tuple[int, int]:
+        """Append ``records`` (whole, in order) to the log at ``path``; with ``sync`` they
+        are on disk when it returns. Returns where they start and end in the log."""
+        data = b"".join(records)
+        try:
+            fd = self.fs.open_append(path)
+        except OSError as e:
+            raise DurabilityError(f"cannot open the journal: {e.strerror}", ref=path) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            size = os.fstat(fd).st_size
+            known = self._ends.get(path, 0)
+            if known != size:
+                end = self._valid_end(path, min(known, size))
+                if end < size:      # a torn tail: a batch cut short, never acknowledged
+                    self.fs.truncate(fd, end)
+                    self.fs.fsync(fd)
+                size = end
+            view = memoryview(data)
+            while view.nbytes:
+                n = self.fs.write(fd, view)
+                view = view[n:]
+            if sync:
+                self.fs.fsync(fd)
+            self._ends[path] = size + len(data)
+            return size, size + len(data)
+        except OSError as e:
+            self._ends.pop(path, None)     # the file may hold part of the batch: look again next time
+            raise DurabilityError(f"journal append failed: {e.strerror}", ref=path,
+                                  hint="the records of this batch are not acknowledged; write them again") from None
+        finally:
+            self.fs.close(fd)      # closing drops the lock
+
+    def _valid_end(self, path: str, start: int) -> int:
+        """Where the whole records end, from ``start`` (a record boundary this process saw)."""
+        data = self.read(path, start)
+        return start + journalrec.scan(data).end
+
+    def read(self, path: str, start: int = 0) -> bytes:
+        """The log's bytes from ``start`` (b"" when there is no log)."""
+        try:
+            if os.stat(path).st_size <= start:    # nothing new: no open, no read
+                return b""
+            with open(path, "rb") as f:
+                f.seek(start)
+                return f.read()
+        except FileNotFoundError:
+            return b""
+        except OSError as e:
+            if e.errno == errno.ENOTDIR:
+                return b""
+            raise StoreConnectionError(f"cannot read the journal: {e.strerror}", ref=path) from None

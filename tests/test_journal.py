@@ -1,0 +1,297 @@
+"""The step journal: records (property tests, every byte damaged, torn tails),
+fingerprints, steps run once and replayed, streams, durability modes, and a process
+SIGKILLed mid-run that resumes without running an acknowledged step again."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import agck
+from agck import journalrec as jr
+from agck.errors import EncodeError, UsageError
+from agck.journal import Journal
+
+torch = pytest.importorskip("torch")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+plain = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=False)
+                     | st.text() | st.binary(),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+                     | st.tuples(inner, inner), max_leaves=12)
+
+
+# --- records -------------------------------------------------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(plain, min_size=1, max_size=5), name=st.text(min_size=1, max_size=20))
+def test_records_round_trip(values, name):
+    key = jr.fingerprint((name,), {})
+    log = b"".join(jr.record("i", name, key, i, *jr.encode_value(v)) for i, v in enumerate(values))
+    found = jr.scan(log)
+    assert found.damaged == [] and not found.torn and found.end == len(log)
+    assert [e.index for _, e in found.entries] == list(range(len(values)))
+    for (_, e), v in zip(found.entries, values):
+        assert (e.kind, e.name, e.key) == ("i", name, key)
+        assert jr.decode_value(e) == v
+
+
+def test_values_with_tensors_are_containers_and_come_back_whole():
+    value = {"emb": torch.arange(12, dtype=torch.float16).reshape(3, 4), "ids": np.arange(5), "t": (1, {2})}
+    enc, payload = jr.encode_value(value)
+    assert enc == "c" and payload[:4] == b"AGCK"
+    back = jr.decode_value(jr.Entry("r", "s", b"k" * 16, 0, enc, payload))
+    assert torch.equal(back["emb"], value["emb"]) and np.array_equal(back["ids"], value["ids"])
+    assert back["t"] == (1, {2})
+    assert jr.encode_value({"a": [1, "x"]}) == ("t", agck.codec.plain_packed({"a": [1, "x"]}))
+
+
+def test_every_damaged_byte_is_found_and_the_rest_is_read():
+    """A byte flipped anywhere in a record of the middle: that record is reported
+    damaged, every other one reads back, and nothing is taken for a torn tail."""
+    recs = [jr.record("r", f"s{i}", bytes(16), 0, *jr.encode_value({"i": i, "pad": "x" * 20})) for i in range(3)]
+    log = b"".join(recs)
+    start = len(recs[0])
+    for off in range(start, start + len(recs[1])):
+        bad = bytearray(log)
+        bad[off] ^= 0x40
+        found = jr.scan(bytes(bad))
+        assert [e.name for _, e in found.entries] == ["s0", "s2"], off
+        assert [d[0] for d in found.damaged] == [start] and not found.torn, off
+        assert found.end == len(log)
+
+
+def test_a_torn_tail_is_told_apart():
+    recs = [jr.record("r", f"s{i}", bytes(16), 0, *jr.encode_value(i)) for i in range(3)]
+    log = b"".join(recs)
+    whole = len(recs[0]) + len(recs[1])
+    for cut in range(whole + 1, len(log)):
+        found = jr.scan(log[:cut])
+        assert [e.name for _, e in found.entries] == ["s0", "s1"] and found.torn and found.end == whole
+        assert found.damaged == []
+    assert not jr.scan(log).torn and jr.scan(b"").end == 0
+
+
+def test_a_record_that_verifies_but_is_malformed_is_damage():
+    import msgpack
+    import struct
+    import xxhash
+    body = msgpack.packb(["r", "s", b"short", 0, "t", b"\xc0"])
+    head = struct.pack("<4sI", b"AGJR", len(body))
+    rec = head + body + struct.pack("<Q", xxhash.xxh3_64_intdigest(head + body))
+    found = jr.scan(rec + jr.record("r", "ok", bytes(16), 0, "t", b"\x01"))
+    assert [e.name for _, e in found.entries] == ["ok"] and "malformed" in found.damaged[0][1]
+
+
+def test_fingerprints():
+    fp = jr.fingerprint
+    assert fp((1, "a"), {"x": 2}) == fp((1, "a"), {"x": 2})
+    assert fp(({"a": 1, "b": 2},), {}) == fp(({"b": 2, "a": 1},), {})          # a dict's order does not count
+    assert fp((), {"a": 1, "b": 2}) == fp((), {"b": 2, "a": 1})
+    assert fp(([1, 2],), {}) != fp(((1, 2),), {}) != fp(({1, 2},), {})        # nor is a list a tuple or a set
+    assert fp((1,), {}) != fp((True,), {}) != fp((1.0,), {})
+    assert fp((), {"a": 1}) != fp(({"a": 1},), {})
+    a = np.arange(6, dtype=np.int64)
+    assert fp((a,), {}) == fp((a.copy(),), {}) == fp((a[::-1][::-1],), {})
+    assert fp((a,), {}) != fp((a.astype(np.int32),), {}) != fp((a.reshape(2, 3),), {})
+    b = a.copy()
+    b[3] = 99
+    assert fp((a,), {}) != fp((b,), {})
+    t = torch.arange(6)
+    assert fp((t,), {}) == fp((t.clone(),), {}) != fp((t.float(),), {})
+    assert fp((torch.zeros(0),), {}) == fp((torch.zeros(0),), {})
+    with pytest.raises(EncodeError, match=r"inputs\[1\]\[0\]: cannot fingerprint a builtins.object"):
+        fp((object(),), {})
+    with pytest.raises(EncodeError, match="array of Python objects"):
+        fp((np.array([object()]),), {})
+
+
+# --- the journal ---------------------------------------------------------------------------
+
+def test_a_step_runs_once_and_is_read_back(tmp_path):
+    calls = []
+
+    def embed(doc, scale=1.0):
+        calls.append(doc)
+        return {"doc": doc, "vec": torch.full((4,), float(len(doc)) * scale)}
+
+    with Journal(str(tmp_path), "r") as j:
+        a = j.step("embed", embed, "hello")
+        assert torch.equal(j.step("embed", embed, "hello")["vec"], a["vec"])
+        j.step("embed", embed, "hello", scale=2.0)               # other inputs: run again
+        j.step("other", embed, "hello")                          # another step's name: run again
+    assert calls == ["hello"] * 3
+    with Journal(str(tmp_path), "r") as j:                      # a new process, as after a crash
+        assert torch.equal(j.step("embed", embed, "hello")["vec"], torch.full((4,), 5.0))
+        assert j.step("embed", embed, "hello", scale=2.0)["vec"][0] == 10.0
+    assert calls == ["hello"] * 3
+
+
+def test_streams_are_recorded_as_they_come_and_replayed(tmp_path):
+    ran = []
+
+    def tokens(prompt, n):
+        for i in range(n):
+            ran.append(i)
+            yield f"{prompt}-{i}"
+
+    with Journal(str(tmp_path), "r") as j:
+        assert list(j.stream("gen", tokens, "p", 4)) == ["p-0", "p-1", "p-2", "p-3"]
+        assert list(j.stream("gen", tokens, "p", 4)) == ["p-0", "p-1", "p-2", "p-3"]
+        it = j.stream("gen", tokens, "q", 5)
+        assert [next(it), next(it)] == ["q-0", "q-1"]          # cut short: two items recorded
+    assert ran == [0, 1, 2, 3, 0, 1]
+    ran.clear()
+    with Journal(str(tmp_path), "r") as j:
+        assert list(j.stream("gen", tokens, "q", 5)) == ["q-0", "q-1", "q-2", "q-3", "q-4"]
+        assert list(j.stream("gen", tokens, "p", 4)) == ["p-0", "p-1", "p-2", "p-3"]
+    assert ran == [0, 1, 2, 3, 4]          # q ran again from its start, its first two items dropped
+
+
+def test_the_decorator(tmp_path):
+    j = Journal(str(tmp_path), "r")
+    calls = []
+
+    @j
+    def square(x):
+        calls.append(x)
+        return x * x
+
+    @j(name="count")
+    def count(n):
+        yield from range(n)
+
+    assert [square(3), square(3), square(4)] == [9, 9, 16] and calls == [3, 4]
+    assert list(count(3)) == list(count(3)) == [0, 1, 2]
+    assert square.__name__ == "square"
+    with pytest.raises(UsageError, match="generator function"):
+        j.step("g", count.__wrapped__, 3)
+    j.close()
+
+
+def test_what_cannot_be_stored_is_refused_by_name(tmp_path):
+    with Journal(str(tmp_path), "r") as j:
+        with pytest.raises(EncodeError, match=r"step 'bad': result\['x'\]: .*object"):
+            j.step("bad", lambda: {"x": object()})
+        with pytest.raises(EncodeError, match="cannot fingerprint"):
+            j.step("in", lambda o: 1, object())
+        with pytest.raises(UsageError, match="name"):
+            j.step("", lambda: 1)
+        assert j.recorded == 0
+    for bad in ({"commit": "fast"}, {"every": 0}, {"ms": -1}):
+        with pytest.raises(UsageError):
+            Journal(str(tmp_path), "r", **bad)
+    with pytest.raises(UsageError, match="keeps no step journal"):
+        Journal(agck.open_store(f"sqlite:///{tmp_path}/x.db"), "r").step("s", lambda: 1)
+
+
+def test_group_commit_acknowledges_what_is_on_disk(tmp_path):
+    store = agck.open_store(str(tmp_path))
+    j = Journal(store, "r", commit="group", every=10, ms=60_000)
+    for i in range(25):
+        j.step("s", lambda i: i, i)
+    assert j.recorded == 25 and j.last_durable == 20            # two batches of 10 flushed, 5 pending
+    data, _ = store.log_read("r")
+    assert len(jr.scan(data).entries) == 20
+    assert j.flush() == 25 and len(jr.scan(store.log_read("r")[0]).entries) == 25
+    j.close()
+    timed = Journal(store, "t", commit="group", every=1000, ms=20)
+    timed.step("s", lambda: 1)
+    import time
+    deadline = time.monotonic() + 5
+    while timed.last_durable < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert timed.last_durable == 1        # flushed by time, not by count
+    timed.close()
+
+
+def test_a_damaged_record_is_reported_and_its_step_runs_again(tmp_path, caplog):
+    calls = []
+
+    def f(x):
+        calls.append(x)
+        return x + 1
+
+    with Journal(str(tmp_path), "r") as j:
+        for x in range(3):
+            j.step("f", f, x)
+    path = agck.open_store(str(tmp_path)).log_ref("r")
+    data = bytearray(open(path, "rb").read())
+    second = jr.scan(bytes(data)).entries[1][0]
+    data[second + 12] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    with Journal(str(tmp_path), "r") as j:
+        assert [j.step("f", f, x) for x in range(3)] == [1, 2, 3]
+        assert len(j.damaged) == 1 and f"at byte {second}" in j.damaged[0]
+    assert calls == [0, 1, 2, 1] and "runs again" in caplog.text
+
+
+def test_a_torn_tail_is_cut_before_the_next_append(tmp_path):
+    store = agck.open_store(str(tmp_path))
+    with Journal(store, "r") as j:
+        j.step("a", lambda: 1)
+    path = store.log_ref("r")
+    with open(path, "ab") as f:
+        f.write(jr.record("r", "b", bytes(16), 0, "t", b"\x02")[:-3])     # a batch cut short by a crash
+    with Journal(agck.open_store(str(tmp_path)), "r") as j:
+        assert j.step("b", lambda: 2) == 2 and j.damaged == []
+        j.step("c", lambda: 3)
+    found = jr.scan(open(path, "rb").read())
+    assert [e.name for _, e in found.entries] == ["a", "b", "c"] and not found.torn and found.damaged == []
+
+
+_WORKER = textwrap.dedent("""
+    import json, os, sys, time
+    import agck
+    from agck.journal import Journal
+    root, commit = sys.argv[1], sys.argv[2]
+    ran = open(os.path.join(root, "ran.txt"), "a")
+    acked = open(os.path.join(root, "acked.txt"), "a")
+    def work(i):
+        ran.write(f"{i}\\n"); ran.flush()
+        return {"i": i, "sq": i * i}
+    j = Journal(os.path.join(root, "store"), "job", commit=commit, every=7, ms=5)
+    for i in range(400):
+        assert j.step("work", work, i) == {"i": i, "sq": i * i}
+        if commit == "sync":
+            acked.write(f"{i}\\n"); acked.flush()
+        else:
+            acked.write(f"{j.last_durable}\\n"); acked.flush()
+        time.sleep(0.001)
+    j.close()
+    print(json.dumps("done"))
+""")
+
+
+@pytest.mark.parametrize("commit", ["sync", "group"])
+def test_sigkilled_mid_run_resumes_without_running_an_acknowledged_step_again(tmp_path, commit):
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    p = subprocess.Popen([sys.executable, str(script), str(tmp_path), commit], env=env, stdout=subprocess.PIPE)
+    import time
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if (tmp_path / "acked.txt").exists() and len((tmp_path / "acked.txt").read_text().split()) > 100:
+            break
+        time.sleep(0.01)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    acked = [int(x) for x in (tmp_path / "acked.txt").read_text().split()]
+    durable = (max(acked) + 1) if commit == "sync" else max(acked)     # steps 0..durable-1 were acknowledged
+    before = len((tmp_path / "ran.txt").read_text().split())
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), commit], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and json.loads(done.stdout) == "done", done.stderr
+    rerun = [int(x) for x in (tmp_path / "ran.txt").read_text().split()[before:]]
+    assert rerun and min(rerun) >= durable          # no acknowledged step ran again
+    assert sorted(set(rerun)) == list(range(min(rerun), 400))
