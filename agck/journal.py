@@ -13,6 +13,12 @@ content), so a call with other inputs runs again. A result is anything agck's co
 stores (plain data, tuples, sets, numpy arrays, torch tensors, nested); anything
 else is refused by name at the call (:class:`agck.EncodeError`), never pickled.
 
+A journal reads its run's log when it opens. ``shared=True`` is for runs several
+processes write at once (a pool of workers over one corpus): before running a step
+it looks for a result another process recorded since (one read of the log's new
+records per step). Two processes that start the same step at the same moment may
+both run it; each journal then returns the result it recorded or found first.
+
 A generator function is a streamed step (:meth:`Journal.stream`): each item is
 recorded as it comes and replayed in order.
 
@@ -27,11 +33,12 @@ Durability (``commit``):
   :attr:`Journal.last_durable` says how many of this journal's results are on disk.
 
 Every record is checksummed. A damaged one is never returned: it is reported
-(:attr:`Journal.damaged`, and a warning) and its step runs again. Several processes
-may share a run's journal: a step first looks for a result another process recorded.
+(:attr:`Journal.damaged`, and a warning) and its step runs again.
 
-The store must keep journals: a file store (a directory) does, one append-only log
-per run (:mod:`agck.stores.filelog`).
+Where the records go: a file store keeps one append-only log per run
+(:mod:`agck.stores.filelog`: one ``write`` and one ``fdatasync`` per batch); SQLite
+and Postgres a table of records per run (``{prefix}_log``: one transaction per
+batch). Object stores keep no journal yet.
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ class Journal:
     """The step journal of ``run`` on ``store`` (a Store or a store URL; see the module's docstring)."""
 
     def __init__(self, store: Store | str, run: str, *, commit: str = "sync", every: int = 256, ms: float = 50.0,
-                 **open_options):
+                 shared: bool = False, **open_options):
         if commit not in COMMITS:
             raise UsageError(f"commit must be one of {COMMITS}, not {commit!r}")
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
@@ -71,6 +78,7 @@ class Journal:
         else:
             self.store, self._own = open_store(store, **open_options), True
         self.commit, self.every, self.ms = commit, every, float(ms)
+        self.shared = bool(shared)
         self.ref = self.store.log_ref(self.run)
         self.damaged: list[str] = []      # what was found damaged and run again, for humans
         self._results: dict[tuple[str, bytes], journalrec.Entry] = {}
@@ -94,7 +102,7 @@ class Journal:
         data, end = self.store.log_read(self.run, self._pos)
         found = journalrec.scan(data)
         for off, why in found.damaged:
-            self._report(f"{self.ref} at byte {self._pos + off}: {why}")
+            self._report(f"{self.ref}, byte {off} of the records after position {self._pos}: {why}")
         for _, e in found.entries:
             key = (e.name, e.key)
             if e.kind == "r":
@@ -145,7 +153,9 @@ class Journal:
         return result
 
     def _recorded_result(self, key) -> Any:
-        for attempt in (0, 1):
+        for look in (False, self.shared):     # shared: what other processes recorded since, too
+            if look:
+                self._catch_up()
             e = self._results.get(key)
             if e is not None:
                 ok, value = self._value(e)
@@ -153,8 +163,6 @@ class Journal:
                     return value
                 del self._results[key]     # damaged: run the step again
                 return _MISSING
-            if attempt == 0:
-                self._catch_up()
         return _MISSING
 
     def stream(self, name: str, fn: Callable[..., Iterator], *args, **kwargs) -> Iterator:
@@ -166,7 +174,8 @@ class Journal:
         self._check(name)
         key = (name, journalrec.fingerprint(args, kwargs))
         with self._lock:
-            self._catch_up()
+            if self.shared:
+                self._catch_up()
             items = dict(self._items.get(key, {}))
             end = self._ends.get(key)
         n = 0

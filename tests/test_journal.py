@@ -20,6 +20,9 @@ import agck
 from agck import journalrec as jr
 from agck.errors import EncodeError, UsageError
 from agck.journal import Journal
+from agck.stores import Store
+
+from conftest import make_spec
 
 torch = pytest.importorskip("torch")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,23 +120,53 @@ def test_fingerprints():
 
 # --- the journal ---------------------------------------------------------------------------
 
-def test_a_step_runs_once_and_is_read_back(tmp_path):
+JOURNAL_STORES = ["file", "sqlite", "postgres"]
+
+
+def _store(kind, request, tmp_path):
+    _, url, opts = make_spec(kind, request, tmp_path)
+    return agck.open_store(url, **opts)
+
+
+@pytest.mark.parametrize("kind", JOURNAL_STORES)
+def test_a_step_runs_once_and_is_read_back(kind, request, tmp_path):
     calls = []
 
     def embed(doc, scale=1.0):
         calls.append(doc)
         return {"doc": doc, "vec": torch.full((4,), float(len(doc)) * scale)}
 
-    with Journal(str(tmp_path), "r") as j:
+    store = _store(kind, request, tmp_path)
+    with Journal(store, "r") as j:
         a = j.step("embed", embed, "hello")
         assert torch.equal(j.step("embed", embed, "hello")["vec"], a["vec"])
         j.step("embed", embed, "hello", scale=2.0)               # other inputs: run again
         j.step("other", embed, "hello")                          # another step's name: run again
     assert calls == ["hello"] * 3
-    with Journal(str(tmp_path), "r") as j:                      # a new process, as after a crash
+    with Journal(store, "r") as j:                              # a new journal, as after a crash
         assert torch.equal(j.step("embed", embed, "hello")["vec"], torch.full((4,), 5.0))
         assert j.step("embed", embed, "hello", scale=2.0)["vec"][0] == 10.0
     assert calls == ["hello"] * 3
+    with Journal(store, "other-run") as j:                      # runs keep journals of their own
+        j.step("embed", embed, "hello")
+    assert calls == ["hello"] * 4
+    store.close()
+
+
+@pytest.mark.parametrize("kind", JOURNAL_STORES)
+def test_shared_journals_see_each_others_results(kind, request, tmp_path):
+    store = _store(kind, request, tmp_path)
+    a, b = Journal(store, "r", shared=True), Journal(store, "r", shared=True)
+    calls = []
+    f = lambda x: calls.append(x) or x * 2      # noqa: E731
+    assert a.step("f", f, 1) == 2 and b.step("f", f, 1) == 2 and calls == [1]
+    lone = Journal(store, "r")                  # not shared: reads the log when it opens
+    assert lone.step("f", f, 1) == 2 and calls == [1]
+    b.step("f", f, 2)
+    assert a.step("f", f, 2) == 4 and calls == [1, 2]
+    for j in (a, b, lone):
+        j.close()
+    store.close()
 
 
 def test_streams_are_recorded_as_they_come_and_replayed(tmp_path):
@@ -190,12 +223,13 @@ def test_what_cannot_be_stored_is_refused_by_name(tmp_path):
     for bad in ({"commit": "fast"}, {"every": 0}, {"ms": -1}):
         with pytest.raises(UsageError):
             Journal(str(tmp_path), "r", **bad)
-    with pytest.raises(UsageError, match="keeps no step journal"):
-        Journal(agck.open_store(f"sqlite:///{tmp_path}/x.db"), "r").step("s", lambda: 1)
+    with pytest.raises(UsageError, match="keeps no step journal"):    # a store without journals (s3:// now)
+        Store.log_read(agck.open_store(str(tmp_path)), "r")
 
 
-def test_group_commit_acknowledges_what_is_on_disk(tmp_path):
-    store = agck.open_store(str(tmp_path))
+@pytest.mark.parametrize("kind", JOURNAL_STORES)
+def test_group_commit_acknowledges_what_is_on_disk(kind, request, tmp_path):
+    store = _store(kind, request, tmp_path)
     j = Journal(store, "r", commit="group", every=10, ms=60_000)
     for i in range(25):
         j.step("s", lambda i: i, i)
@@ -231,7 +265,7 @@ def test_a_damaged_record_is_reported_and_its_step_runs_again(tmp_path, caplog):
     open(path, "wb").write(bytes(data))
     with Journal(str(tmp_path), "r") as j:
         assert [j.step("f", f, x) for x in range(3)] == [1, 2, 3]
-        assert len(j.damaged) == 1 and f"at byte {second}" in j.damaged[0]
+        assert len(j.damaged) == 1 and f"byte {second} of the records after position 0" in j.damaged[0]
     assert calls == [0, 1, 2, 1] and "runs again" in caplog.text
 
 
@@ -295,3 +329,28 @@ def test_sigkilled_mid_run_resumes_without_running_an_acknowledged_step_again(tm
     rerun = [int(x) for x in (tmp_path / "ran.txt").read_text().split()[before:]]
     assert rerun and min(rerun) >= durable          # no acknowledged step ran again
     assert sorted(set(rerun)) == list(range(min(rerun), 400))
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_a_damaged_row_is_reported_and_its_step_runs_again(kind, request, tmp_path):
+    store = _store(kind, request, tmp_path)
+    calls = []
+    f = lambda x: calls.append(x) or x + 1       # noqa: E731
+    with Journal(store, "r") as j:
+        for x in range(3):
+            j.step("f", f, x)
+    data, _ = store.log_read("r")
+    entries = jr.scan(data).entries
+    bad = bytearray(data[entries[1][0]:entries[2][0]])
+    bad[12] ^= 0xFF
+    if kind == "sqlite":
+        c = store._db()
+        c.execute(f"UPDATE {store._t_log} SET data = ? WHERE run = 'r' AND seq = 2", (bytes(bad),))
+        c.commit()
+    else:
+        with store._cursor() as cur:
+            cur.execute(f"UPDATE {store.names.log} SET data = %s WHERE run = 'r' AND seq = 2", (bytes(bad),))
+    with Journal(store, "r") as j:
+        assert [j.step("f", f, x) for x in range(3)] == [1, 2, 3] and len(j.damaged) == 1
+    assert calls == [0, 1, 2, 1]
+    store.close()

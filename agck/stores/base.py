@@ -308,13 +308,13 @@ class Store(ABC):
         before; with ``sync`` they are durable when it returns. Returns the positions
         (as :meth:`log_read` takes them) where they start and end."""
         raise UsageError(f"{type(self).__name__} keeps no step journal yet", ref=self.url,
-                         hint="use a file store (a directory) for agck.Journal")
+                         hint="use a file, SQLite or Postgres store for agck.Journal")
 
     def log_read(self, run: str, start: int = 0) -> tuple[bytes, int]:
         """The records appended to the run's log from position ``start`` (0: the
         beginning), as bytes, and the position to read on from."""
         raise UsageError(f"{type(self).__name__} keeps no step journal yet", ref=self.url,
-                         hint="use a file store (a directory) for agck.Journal")
+                         hint="use a file, SQLite or Postgres store for agck.Journal")
 
     def log_ref(self, run: str) -> str:
         """Where the run's journal log is, for humans."""

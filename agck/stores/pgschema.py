@@ -14,6 +14,8 @@ Tables (``prefix`` defaults to ``agck``, optionally inside Postgres ``schema``):
     {prefix}_epochs(run, epoch bigint)         PRIMARY KEY(run); made by the first begin_epoch (fencing)
     {prefix}_quarantine(address, size, data, detected_at, reason)   objects found damaged, moved out
                                                of objects; made by the first one found
+    {prefix}_log(run, seq, data bytea), {prefix}_log_heads(run, seq)   step journals (agck.journal):
+                                               records per run in order; made by the first append
     {prefix}_parts_*                           the same tables again: the parts of multi-rank
                                                checkpoints (FORMAT.md section 13), made by the first one
 
@@ -66,6 +68,9 @@ class Names:
         self.epochs = ident(f"{prefix}_epochs")      # made by the first begin_epoch
         self.quarantine = ident(f"{prefix}_quarantine")   # made by the first damaged object found
         self.doomed = ident(f"{prefix}_doomed")
+        self.log = ident(f"{prefix}_log")              # made by the first log_append (agck.journal)
+        self.log_heads = ident(f"{prefix}_log_heads")
+        self.log_ref = f"{dot}{prefix}_log"
         self.meta_index = sql.Identifier(f"{prefix}_manifest_meta").as_string(conn)
         self.schema_sql = sql.Identifier(schema).as_string(conn) if schema else None
         self.version_ref = f"{dot}{prefix}_schema_version"
@@ -85,6 +90,15 @@ class Names:
 def epochs_ddl(n: Names) -> str:
     """The fencing table, made by the first begin_epoch (schema_status does not look for it)."""
     return f"CREATE TABLE IF NOT EXISTS {n.epochs} (run text PRIMARY KEY, epoch bigint NOT NULL)"
+
+
+def log_ddl(n: Names) -> str:
+    """The journal logs, made by the first log_append (schema_status does not look for them):
+    a run's records in order (``seq`` from 1), and per run the last ``seq`` given, whose
+    row lock makes a run's appends commit one after another, in the order of their numbers."""
+    return (f"CREATE TABLE IF NOT EXISTS {n.log} (run text COLLATE \"C\" NOT NULL, seq bigint NOT NULL, "
+            f"data bytea NOT NULL, PRIMARY KEY (run, seq)); "
+            f"CREATE TABLE IF NOT EXISTS {n.log_heads} (run text COLLATE \"C\" PRIMARY KEY, seq bigint NOT NULL)")
 
 
 def quarantine_ddl(n: Names) -> str:

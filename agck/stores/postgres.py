@@ -655,6 +655,62 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, Store):
             lambda cur: cur.fetchone()[0], f"cannot begin a new epoch of run {run!r}", n.where, DurabilityError,
             retry=(psycopg2.errors.UniqueViolation,), retries=1)   # two first begin_epochs may race to create the table
 
+    # -- journal logs (agck.journal; pgschema.log_ddl) ----------------------------------
+    def log_ref(self, run: str) -> str:
+        return f"{self.url} (table {self.names.log_ref}, run {run!r})"
+
+    def log_append(self, run: str, records, *, sync: bool = True) -> tuple[int, int]:
+        """Append journal records to the run's log in one transaction (see
+        :meth:`Store.log_append`): the run's head row numbers them and, locked to the
+        COMMIT, makes the run's appends commit in the order of their numbers."""
+        check_run(run)
+        records = [bytes(r) for r in records]
+        n = self.names
+        k = len(records)
+        insert = (f"BEGIN; SET LOCAL synchronous_commit = {'on' if sync else 'off'}; "
+                  f"WITH h AS (INSERT INTO {n.log_heads} AS x (run, seq) VALUES (%s, %s) "
+                  f"ON CONFLICT (run) DO UPDATE SET seq = x.seq + %s RETURNING seq), "
+                  f"i AS (INSERT INTO {n.log} (run, seq, data) SELECT %s, h.seq - %s + o.i, o.d "
+                  f"FROM h, unnest(%s::bytea[]) WITH ORDINALITY AS o(d, i) RETURNING seq) SELECT max(seq) FROM i")
+        args = (run, k, k, run, k, [psycopg2.Binary(r) for r in records])
+        ref = self.log_ref(run)
+        for attempt in range(3):
+            with self._cursor() as cur:
+                try:
+                    cur.execute(insert, args)
+                    (last,) = cur.fetchone()
+                except (psycopg2.errors.UndefinedTable, psycopg2.errors.UniqueViolation):
+                    self._abort(cur)      # no journal yet (made below), or two first appends made it at once
+                except psycopg2.Error as e:
+                    self._abort(cur)
+                    raise self._db_error(e, "journal append failed", ref, DurabilityError, cur.connection) from None
+                else:
+                    try:
+                        cur.execute("COMMIT")
+                    except psycopg2.Error as e:
+                        if _commit_unknown(e, cur):
+                            raise DurabilityError(
+                                f"the connection failed during COMMIT: the journal records may or may not have "
+                                f"been written ({_scrub(str(e), self._secrets)})", ref=ref,
+                                hint="read the journal again before writing them") from None
+                        self._abort(cur)
+                        raise self._db_error(e, "journal append failed", ref, DurabilityError,
+                                             cur.connection) from None
+                    return last - k, last
+            self._transaction("BEGIN; " + pgschema.log_ddl(n), (), lambda cur: None,
+                              "cannot create the journal tables", n.where, DurabilityError,
+                              retry=(psycopg2.errors.UniqueViolation,), retries=1)
+        raise DurabilityError("journal append failed: its tables were made, then not found", ref=ref)
+
+    def log_read(self, run: str, start: int = 0) -> tuple[bytes, int]:
+        check_run(run)
+        try:
+            rows = self._query(f"SELECT seq, data FROM {self.names.log} WHERE run = %s AND seq > %s ORDER BY seq",
+                               (run, start))
+        except SchemaUninitializedError:     # no journal yet on this store (UndefinedTable)
+            return b"", start
+        return b"".join(bytes(d) for _, d in rows), (rows[-1][0] if rows else start)
+
     def _check_epoch(self, cur, run: str, epoch: int, ref: str) -> None:
         """In a write transaction, before COMMIT: refuse unless ``epoch`` is the run's
         newest. The row stays share-locked until COMMIT, so begin_epoch waits for it."""

@@ -146,6 +146,7 @@ class SqliteStore(TransactionalPuts, Store):
         self._t_version, self._t_manifest, self._t_chunks = f"{p}_schema_version", f"{p}_manifest", f"{p}_chunks"
         self._t_objects, self._t_refs = f"{p}_objects", f"{p}_refs"
         self._t_epochs = f"{p}_epochs"   # made by the first begin_epoch
+        self._t_log = f"{p}_log"         # made by the first log_append (agck.journal)
         self._t_quarantine = f"{p}_quarantine"   # made by the first damaged chunk found
         self._owner_pid = os.getpid()
         target, uri = self.path, False
@@ -350,6 +351,43 @@ class SqliteStore(TransactionalPuts, Store):
             return None
         row = c.execute(f"SELECT epoch FROM {self._t_epochs} WHERE run = ?", (run,)).fetchone()
         return None if row is None else row[0]
+
+    # -- journal logs: rows of <prefix>_log, made by the first append (agck.journal) -----
+    def log_ref(self, run: str) -> str:
+        return f"{self.path} (table {self._t_log}, run {run!r})"
+
+    def log_append(self, run: str, records, *, sync: bool = True) -> tuple[int, int]:
+        """Append journal records to the run's log in one transaction (see
+        :meth:`Store.log_append`): rows numbered on from the run's last, in order."""
+        check_run(run)
+        records = list(records)
+        with self._lock:
+            c = self._db()
+            try:
+                with _immediate(c):       # one writer at a time: the numbers follow the commits
+                    c.execute(f"CREATE TABLE IF NOT EXISTS {self._t_log} (run TEXT NOT NULL, seq INTEGER NOT NULL, "
+                              f"data BLOB NOT NULL, PRIMARY KEY (run, seq)) WITHOUT ROWID")
+                    (last,) = c.execute(f"SELECT coalesce(max(seq), 0) FROM {self._t_log} WHERE run = ?",
+                                        (run,)).fetchone()
+                    c.executemany(f"INSERT INTO {self._t_log} (run, seq, data) VALUES (?, ?, ?)",
+                                  [(run, last + 1 + i, r) for i, r in enumerate(records)])
+            except sqlite3.Error as e:
+                raise DurabilityError(f"journal append failed: {e}", ref=self.log_ref(run),
+                                      hint="the records of this batch are not acknowledged; write them again") from None
+        return last, last + len(records)
+
+    def log_read(self, run: str, start: int = 0) -> tuple[bytes, int]:
+        check_run(run)
+        with self._lock:
+            c = self._db()
+            try:
+                if not self._has_table(c, self._t_log):
+                    return b"", start
+                rows = c.execute(f"SELECT seq, data FROM {self._t_log} WHERE run = ? AND seq > ? ORDER BY seq",
+                                 (run, start)).fetchall()
+            except sqlite3.Error as e:
+                raise StoreError(f"cannot read the journal: {e}", ref=self.log_ref(run)) from None
+        return b"".join(bytes(d) for _, d in rows), (rows[-1][0] if rows else start)
 
     def _write_objects(self, c: sqlite3.Connection, plan: content.Plan, turn: int) -> None:
         """Insert the chunks the store lacks. The write transaction is open: nothing
