@@ -204,3 +204,13 @@ def test_sections_12_and_13_rules_are_cited_by_the_code_and_held_by_tests():
     # 12.6 and 12.7 are kept by agck.checkpoint and agck.export; the others by the code that checks them
     checked = set(defined) - {"12.6", "12.7"}
     assert not checked - code, f"rules no code cites: {sorted(checked - code)}"
+
+
+def test_journal_record_example_is_what_the_writer_writes_and_reads_back():
+    from agck import journalrec as jr
+    data = example_bytes("hex journal")
+    key = jr.fingerprint(("doc-1",), {})
+    assert key.hex() == "b0d22507c756900b11a7c997c4c3f905"
+    assert data == jr.record("r", "embed", key, 0, *jr.encode_value({"n": 3, "ok": True}))
+    (found,) = jr.scan(data).entries
+    assert found[1].name == "embed" and jr.decode_value(found[1]) == {"n": 3, "ok": True}
