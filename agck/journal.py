@@ -246,12 +246,12 @@ class Journal:
                                              daemon=True)
             self._flusher.start()
 
-    def _appended(self, where: tuple[int, int]) -> None:
+    def _appended(self, where: tuple[int, int] | None) -> None:
         """Records of this journal, already in its index, went to ``where``: when they
-        follow what it has read, it reads on after them instead of reading them back."""
-        start, end = where
-        if start == self._pos:
-            self._pos = end
+        follow what it has read, it reads on after them instead of reading them back
+        (where the store does not say, they are read back by the next look)."""
+        if where is not None and where[0] == self._pos:
+            self._pos = where[1]
 
     def flush(self) -> int:
         """Make every result recorded so far durable; returns :attr:`last_durable`."""

@@ -302,11 +302,12 @@ class Store(ABC):
                     raise
 
     # -- journal logs (agck.journal) -----------------------------------------------
-    def log_append(self, run: str, records: Sequence[bytes], *, sync: bool = True) -> tuple[int, int]:
+    def log_append(self, run: str, records: Sequence[bytes], *, sync: bool = True) -> tuple[int, int] | None:
         """Append journal records (:mod:`agck.journalrec`, each framed and checksummed by
         itself) to the run's log, whole and in order, after every record appended
         before; with ``sync`` they are durable when it returns. Returns the positions
-        (as :meth:`log_read` takes them) where they start and end."""
+        (as :meth:`log_read` takes them) where they start and end, where the store
+        knows them without another round trip (else None)."""
         raise UsageError(f"{type(self).__name__} keeps no step journal yet", ref=self.url,
                          hint="use a file, SQLite or Postgres store for agck.Journal")
 

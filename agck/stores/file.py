@@ -117,6 +117,10 @@ class FileStore(Store):
         data = self._logs.read(self.log_ref(run), start)
         return data, start + len(data)
 
+    def close(self) -> None:
+        super().close()
+        self._logs.close()
+
     def _open_parts(self, create: bool) -> "FileStore | None":
         path = os.path.join(self.root, ".parts")   # not a run name: never listed as a run
         if not create and not os.path.isdir(path):

@@ -6,8 +6,8 @@ durability, so a journal pays one flush per batch, not per record, and the file 
 by what the records hold (no page per record: the page-size floor of one file per
 entry is what this avoids).
 
-Appends take an exclusive ``flock`` on the file, so the processes of one machine that
-share a run append whole batches one after another. A crash during an append leaves
+Appends take an exclusive ``flock`` on the file (kept open between appends), so the
+processes of one machine that share a run append whole batches one after another. A crash during an append leaves
 a torn tail: bytes after the last whole record, never acknowledged (the flush had not
 returned). The next append, under the lock, finds it (scanning from where this
 process last saw the log end) and truncates it before writing, so a torn tail never
@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import threading
 from collections.abc import Sequence
 
 from .. import durable, journalrec
@@ -34,15 +35,37 @@ class FileLogs:
     def __init__(self, fs: durable.FileSystem):
         self.fs = fs
         self._ends: dict[str, int] = {}     # path -> where this process last saw the valid log end
+        self._fds: dict[str, int] = {}      # path -> the log, open for appending (kept between appends)
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+
+    def _fd(self, path: str) -> int:
+        if self._pid != os.getpid():     # after fork(): the parent's descriptors and what it saw are its own
+            self._fds, self._ends, self._pid = {}, {}, os.getpid()
+        fd = self._fds.get(path)
+        if fd is None:
+            try:
+                fd = self._fds[path] = self.fs.open_append(path)
+            except OSError as e:
+                raise DurabilityError(f"cannot open the journal: {e.strerror}", ref=path) from None
+        return fd
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pid == os.getpid():
+                for fd in self._fds.values():
+                    self.fs.close(fd)
+            self._fds = {}
 
     def append(self, path: str, records: Sequence[bytes], sync: bool) -> tuple[int, int]:
         """Append ``records`` (whole, in order) to the log at ``path``; with ``sync`` they
         are on disk when it returns. Returns where they start and end in the log."""
         data = b"".join(records)
-        try:
-            fd = self.fs.open_append(path)
-        except OSError as e:
-            raise DurabilityError(f"cannot open the journal: {e.strerror}", ref=path) from None
+        with self._lock:
+            fd = self._fd(path)
+            return self._append_locked(fd, path, data, sync)
+
+    def _append_locked(self, fd: int, path: str, data: bytes, sync: bool) -> tuple[int, int]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             size = os.fstat(fd).st_size
@@ -63,10 +86,15 @@ class FileLogs:
             return size, size + len(data)
         except OSError as e:
             self._ends.pop(path, None)     # the file may hold part of the batch: look again next time
+            self._fds.pop(path, None)
+            self.fs.close(fd)              # and after a failed fsync, never trust this descriptor again
             raise DurabilityError(f"journal append failed: {e.strerror}", ref=path,
                                   hint="the records of this batch are not acknowledged; write them again") from None
         finally:
-            self.fs.close(fd)      # closing drops the lock
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            except OSError:     # closed above
+                pass
 
     def _valid_end(self, path: str, start: int) -> int:
         """Where the whole records end, from ``start`` (a record boundary this process saw)."""

@@ -94,8 +94,8 @@ def epochs_ddl(n: Names) -> str:
 
 def log_ddl(n: Names) -> str:
     """The journal logs, made by the first log_append (schema_status does not look for them):
-    a run's records in order (``seq`` from 1), and per run the last ``seq`` given, whose
-    row lock makes a run's appends commit one after another, in the order of their numbers."""
+    a run's batches of records in order (``seq`` from 1), and per run the last ``seq`` given,
+    whose row lock makes a run's appends commit one after another, in the order of their numbers."""
     return (f"CREATE TABLE IF NOT EXISTS {n.log} (run text COLLATE \"C\" NOT NULL, seq bigint NOT NULL, "
             f"data bytea NOT NULL, PRIMARY KEY (run, seq)); "
             f"CREATE TABLE IF NOT EXISTS {n.log_heads} (run text COLLATE \"C\" PRIMARY KEY, seq bigint NOT NULL)")

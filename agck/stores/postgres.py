@@ -659,44 +659,35 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, Store):
     def log_ref(self, run: str) -> str:
         return f"{self.url} (table {self.names.log_ref}, run {run!r})"
 
-    def log_append(self, run: str, records, *, sync: bool = True) -> tuple[int, int]:
-        """Append journal records to the run's log in one transaction (see
-        :meth:`Store.log_append`): the run's head row numbers them and, locked to the
-        COMMIT, makes the run's appends commit in the order of their numbers."""
+    def log_append(self, run: str, records, *, sync: bool = True) -> None:
+        """Append journal records to the run's log in one transaction and one round trip
+        (see :meth:`Store.log_append`): the batch is one row, numbered by the run's head
+        row, whose lock (held to the COMMIT) makes the run's appends commit in the order
+        of their numbers. Positions are not returned (that would take a second round trip)."""
         check_run(run)
-        records = [bytes(r) for r in records]
         n = self.names
-        k = len(records)
-        insert = (f"BEGIN; SET LOCAL synchronous_commit = {'on' if sync else 'off'}; "
-                  f"WITH h AS (INSERT INTO {n.log_heads} AS x (run, seq) VALUES (%s, %s) "
-                  f"ON CONFLICT (run) DO UPDATE SET seq = x.seq + %s RETURNING seq), "
-                  f"i AS (INSERT INTO {n.log} (run, seq, data) SELECT %s, h.seq - %s + o.i, o.d "
-                  f"FROM h, unnest(%s::bytea[]) WITH ORDINALITY AS o(d, i) RETURNING seq) SELECT max(seq) FROM i")
-        args = (run, k, k, run, k, [psycopg2.Binary(r) for r in records])
+        sql = (f"BEGIN; SET LOCAL synchronous_commit = {'on' if sync else 'off'}; "
+               f"WITH h AS (INSERT INTO {n.log_heads} AS x (run, seq) VALUES (%s, 1) "
+               f"ON CONFLICT (run) DO UPDATE SET seq = x.seq + 1 RETURNING seq) "
+               f"INSERT INTO {n.log} (run, seq, data) SELECT %s, h.seq, %s FROM h; COMMIT")
+        # the batch is one row: its records delimit themselves, and a row's overhead is paid once
+        args = (run, run, psycopg2.Binary(b"".join(records)))
         ref = self.log_ref(run)
         for attempt in range(3):
             with self._cursor() as cur:
                 try:
-                    cur.execute(insert, args)
-                    (last,) = cur.fetchone()
+                    cur.execute(sql, args)
+                    return None
                 except (psycopg2.errors.UndefinedTable, psycopg2.errors.UniqueViolation):
                     self._abort(cur)      # no journal yet (made below), or two first appends made it at once
                 except psycopg2.Error as e:
+                    if isinstance(e, (psycopg2.OperationalError, psycopg2.InterfaceError)) and _commit_unknown(e, cur):
+                        raise DurabilityError(
+                            f"the connection failed during COMMIT: the journal records may or may not have been "
+                            f"written ({_scrub(str(e), self._secrets)})", ref=ref,
+                            hint="read the journal again before writing them") from None
                     self._abort(cur)
                     raise self._db_error(e, "journal append failed", ref, DurabilityError, cur.connection) from None
-                else:
-                    try:
-                        cur.execute("COMMIT")
-                    except psycopg2.Error as e:
-                        if _commit_unknown(e, cur):
-                            raise DurabilityError(
-                                f"the connection failed during COMMIT: the journal records may or may not have "
-                                f"been written ({_scrub(str(e), self._secrets)})", ref=ref,
-                                hint="read the journal again before writing them") from None
-                        self._abort(cur)
-                        raise self._db_error(e, "journal append failed", ref, DurabilityError,
-                                             cur.connection) from None
-                    return last - k, last
             self._transaction("BEGIN; " + pgschema.log_ddl(n), (), lambda cur: None,
                               "cannot create the journal tables", n.where, DurabilityError,
                               retry=(psycopg2.errors.UniqueViolation,), retries=1)

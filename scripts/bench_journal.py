@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""The step journal (agck.Journal) on the file store, SQLite and Postgres, against the
+floors beneath it, in one run.
+
+- growth: --steps (200,000) steps, each returning a record of about 200 bytes, in
+  group commit; the time of every tenth of the run, the last tenth against the first
+  (the cost of a step must not grow with the run), results per second, and the bytes
+  the journal took on disk against the bytes the steps produced (each result's
+  msgpack);
+- sync: --sync-steps (2,000) steps with commit="sync" (each result durable before
+  step returns) against the floor, alternated in rounds: the same record bytes
+  appended to a file and fdatasync'd per step (file store), one INSERT of them and
+  COMMIT per step (SQLite with agck's settings, WAL and synchronous=FULL; Postgres
+  with synchronous_commit on).
+
+    python scripts/bench_journal.py [--steps 200000] [--sync-steps 2000] [--rounds 3] [--stores file,sqlite,postgres]
+                                    [--dir /var/tmp] [--dsn postgresql://...] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchio  # noqa: E402  (puts the checkout on sys.path, before agck is imported)
+
+import msgpack  # noqa: E402
+
+import agck  # noqa: E402
+from agck import journalrec  # noqa: E402
+
+DSN = os.environ.get("AGCK_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+def result_of(i: int) -> dict:
+    return {"doc": i, "summary": f"document {i}: " + "lorem ipsum " * 14, "score": i / 7}
+
+
+def _open(kind: str, workdir: str, schema: str | None):
+    if kind == "file":
+        return agck.open_store(os.path.join(workdir, f"file-{time.monotonic_ns()}"))
+    if kind == "sqlite":
+        return agck.open_store(f"sqlite:///{workdir}/j-{time.monotonic_ns()}.db")
+    return agck.open_store(f"{DSN}{'&' if '?' in DSN else '?'}agck_schema={schema}&agck_prefix=j{time.monotonic_ns()}",
+                           init=True)
+
+
+def _disk_bytes(kind: str, store, run: str, admin_cur) -> int:
+    if kind == "file":
+        return os.path.getsize(store.log_ref(run))
+    if kind == "sqlite":
+        store._db().execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        return os.path.getsize(store.path)
+    admin_cur.execute("SELECT pg_total_relation_size(%s::regclass)", (store.names.log,))
+    return int(admin_cur.fetchone()[0])
+
+
+def growth(kind: str, steps: int, workdir: str, schema, admin_cur, log) -> dict:
+    store = _open(kind, workdir, schema)
+    before = _disk_bytes(kind, store, "grow", admin_cur) if kind == "sqlite" else 0
+    produced = 0
+    tenth = steps // 10
+    times = []
+    j = agck.Journal(store, "grow", commit="group")
+    t0 = t_start = time.perf_counter()
+    for i in range(steps):
+        r = j.step("summarize", result_of, i)
+        if i < 1000 or i % 97 == 0:     # the bytes each result is: sampled after the first thousand
+            produced_one = len(msgpack.packb(r))
+        produced += produced_one
+        if (i + 1) % tenth == 0:
+            now = time.perf_counter()
+            times.append(now - t0)
+            t0 = now
+    j.close()
+    total = time.perf_counter() - t_start
+    disk = _disk_bytes(kind, store, "grow", admin_cur) - before
+    store.close()
+    out = {"steps": steps, "seconds": total, "per_second": steps / total, "tenths": times,
+           "last_over_first": times[-1] / times[0], "produced": produced, "disk": disk, "disk_over_produced":
+           disk / produced}
+    log(f"  {kind}: {steps} steps in {total:.1f} s ({steps / total:,.0f}/s), last tenth {out['last_over_first']:.2f}x "
+        f"the first, {disk / produced:.2f}x the bytes produced on disk")
+    return out
+
+
+class _Floor:
+    """One durable write of a record per step, the plainest way for each store."""
+
+    def __init__(self, kind: str, workdir: str, schema):
+        self.kind = kind
+        if kind == "file":
+            path = os.path.join(workdir, f"floor-{time.monotonic_ns()}.log")
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            benchio.fsync_dir(workdir)
+        elif kind == "sqlite":
+            self.c = sqlite3.connect(os.path.join(workdir, f"floor-{time.monotonic_ns()}.db"), isolation_level=None)
+            self.c.execute("PRAGMA journal_mode = WAL")
+            self.c.execute("PRAGMA synchronous = FULL")
+            self.c.execute("CREATE TABLE f (run TEXT, seq INTEGER, data BLOB, PRIMARY KEY (run, seq))")
+        else:
+            import psycopg2
+            self.conn = psycopg2.connect(DSN, options=f"-c search_path={schema}")
+            self.conn.autocommit = True
+            self.cur = self.conn.cursor()
+            self.cur.execute("CREATE TABLE IF NOT EXISTS floor_log (run text, seq bigint, data bytea, "
+                             "PRIMARY KEY (run, seq))")
+        self.n = 0
+
+    def write(self, data: bytes) -> None:
+        self.n += 1
+        if self.kind == "file":
+            os.write(self.fd, data)
+            os.fdatasync(self.fd)
+        elif self.kind == "sqlite":
+            self.c.execute("BEGIN IMMEDIATE")
+            self.c.execute("INSERT INTO f VALUES ('r', ?, ?)", (self.n, data))
+            self.c.execute("COMMIT")
+        else:
+            import psycopg2
+            self.cur.execute("BEGIN; SET LOCAL synchronous_commit = on; INSERT INTO floor_log VALUES ('r', %s, %s); "
+                             "COMMIT", (self.n, psycopg2.Binary(data)))
+
+
+def sync(kind: str, steps: int, rounds: int, workdir: str, schema, log) -> dict:
+    store = _open(kind, workdir, schema)
+    floor = _Floor(kind, workdir, schema)
+    rec = journalrec.record("r", "summarize", bytes(16), 0, *journalrec.encode_value(result_of(0)))
+    agck_times, floor_times = [], []
+    base = 0
+    for r in range(rounds + 1):       # the first round warms up
+        j = agck.Journal(store, "sync")
+        t = time.perf_counter()
+        for i in range(base, base + steps):
+            j.step("summarize", result_of, i)
+        a = (time.perf_counter() - t) / steps
+        j.close()
+        t = time.perf_counter()
+        for i in range(steps):
+            floor.write(rec)
+        f = (time.perf_counter() - t) / steps
+        base += steps
+        if r:
+            agck_times.append(a)
+            floor_times.append(f)
+    store.close()
+    a, f = statistics.median(agck_times), statistics.median(floor_times)
+    what = {"file": "write + fdatasync", "sqlite": "INSERT + COMMIT", "postgres": "INSERT + COMMIT"}[kind]
+    log(f"  {kind}: sync step {a * 1e6:.0f} us, floor ({what} per step) {f * 1e6:.0f} us: {a / f:.2f}x")
+    return {"agck_us": a * 1e6, "floor_us": f * 1e6, "ratio": a / f, "floor": what}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=200_000)
+    p.add_argument("--sync-steps", type=int, default=2_000)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--stores", default="file,sqlite,postgres")
+    p.add_argument("--dir", default=None)
+    p.add_argument("--dsn", default=None, help="Postgres DSN (default: $AGCK_TEST_DSN or the local test server)")
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    global DSN
+    DSN = a.dsn or DSN
+    log = lambda m: print(m, file=sys.stderr, flush=True)   # noqa: E731
+    kinds = a.stores.split(",")
+    workdir = tempfile.mkdtemp(prefix="agck-bench-journal-", dir=a.dir)
+    results: dict = {"growth": {}, "sync": {}}
+    with benchio.scratch_schema(DSN, "bench_journal") as (schema, admin_cur):
+        log(f"growth: {a.steps} steps per store, group commit")
+        for k in kinds:
+            results["growth"][k] = growth(k, a.steps, workdir, schema, admin_cur, log)
+        log(f"sync: {a.sync_steps} steps per round, {a.rounds} rounds after one warm-up")
+        for k in kinds:
+            results["sync"][k] = sync(k, a.sync_steps, a.rounds, workdir, schema, log)
+    print(f"## The step journal: {a.steps:,} steps in group commit, {a.sync_steps:,} in sync commit\n")
+    print("| store | results/s (group) | last tenth / first | on disk / produced | sync step | floor | sync / floor |")
+    print("|---|---:|---:|---:|---:|---|---:|")
+    for k in kinds:
+        g, s = results["growth"][k], results["sync"][k]
+        print(f"| {k} | {g['per_second']:,.0f} | {g['last_over_first']:.2f}x | {g['disk_over_produced']:.2f}x | "
+              f"{s['agck_us']:.0f} us | {s['floor']} {s['floor_us']:.0f} us | {s['ratio']:.2f}x |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
