@@ -283,6 +283,11 @@ class FileSystem:
     def fsync(self, fd: int) -> None:
         os.fsync(fd)
 
+    def datasync(self, fd: int) -> None:
+        """fsync without the metadata a read does not need (times): an append's new size
+        is still flushed. A simulation that does not tell the two apart may leave this as is."""
+        getattr(os, "fdatasync", os.fsync)(fd)
+
     def start_writeback(self, fd: int, offset: int, nbytes: int) -> None:
         """Ask the kernel to start writing a range of the file to disk now, without
         waiting for it. A hint for speed, not a durability point: only fsync is.

@@ -101,10 +101,12 @@ class FileStore(Store):
     def log_append(self, run: str, records: Sequence[bytes], *, sync: bool = True) -> tuple[int, int]:
         """Append journal records to the run's log (see :meth:`Store.log_append`)."""
         path = self.log_ref(run)
+        if path in self._logs_durable:     # its directory made, its entry durable: append
+            return self._logs.append(path, records, sync)
         d = os.path.dirname(path)
         durable.make_dir(self.fs, d, self.root, "run directory")
         where = self._logs.append(path, records, sync)
-        if sync and path not in self._logs_durable:   # the log's own entry in the run directory, once
+        if sync:     # the log's own entry in the run directory, once
             try:
                 self.fs.fsync_dir(d)
             except OSError as e:

@@ -81,7 +81,7 @@ class FileLogs:
                 n = self.fs.write(fd, view)
                 view = view[n:]
             if sync:
-                self.fs.fsync(fd)
+                self.fs.datasync(fd)
             self._ends[path] = size + len(data)
             return size, size + len(data)
         except OSError as e:
