@@ -333,6 +333,33 @@ def cmd_verify(args) -> int:
     return EXIT_WALKED_BACK if rep.rejected else EXIT_OK
 
 
+def cmd_journal(args) -> int:
+    """The step journals of a store (agck.Journal): what each holds, every record verified."""
+    from .journal import inspect_journal
+    with _open(args.store) as store:
+        runs = store.log_runs()
+        if args.run is not None:
+            if args.run not in runs:
+                raise _Exit(EXIT_UNAVAILABLE, f"agck journal: no journal of run {args.run!r} in {store.url} "
+                                              f"(journals: {', '.join(runs) or 'none'})")
+            runs = [args.run]
+        reports = [inspect_journal(store, r) for r in runs]
+
+    def text():
+        if not reports:
+            return "(no journals)"
+        lines = []
+        for r in reports:
+            steps = ", ".join(f"{n} {k}" for n, k in r["steps"].items())
+            lines.append(f"{r['run']}: {_n(r['results'], 'result')} ({steps or 'none'}), {_n(r['streams'], 'stream')} "
+                         f"({r['streams_complete']} complete), {_n(r['records'], 'record')}, {_size(r['bytes'])}"
+                         + (", a torn tail (a write cut short: never acknowledged)" if r["torn_tail"] else ""))
+            lines += [f"  DAMAGED at {d['at']} of {r['ref']}: {d['reason']}" for d in r["damaged"]]
+        return "\n".join(lines)
+    _emit(args, reports, text)
+    return EXIT_WALKED_BACK if any(r["damaged"] for r in reports) else EXIT_OK
+
+
 def cmd_recover(args) -> int:
     from .recovery import recover_run
     with _open(args.store) as store:
@@ -576,6 +603,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--run", help="only this run's checkpoints (default: every run's)")
     common(sp)
     sp.set_defaults(func=cmd_ls)
+
+    sp = sub.add_parser("journal", help="what the step journals of a store hold, every record verified")
+    sp.add_argument("store", help=_STORE_HELP)
+    sp.add_argument("--run", help="only this run's journal (default: every run's)")
+    common(sp)
+    sp.set_defaults(func=cmd_journal)
 
     sp = sub.add_parser("show", help="header, metadata and tensor table of a file or a stored checkpoint")
     sp.add_argument("target", metavar="STORE_OR_FILE", help="a checkpoint file, or a store (with --run)")

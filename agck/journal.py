@@ -332,3 +332,36 @@ _MISSING = object()
 
 def _fields(e: journalrec.Entry) -> tuple:
     return e.kind, e.name, e.key, e.index, e.enc, e.payload
+
+
+def inspect_journal(store: Store, run: str) -> dict:
+    """What the run's journal holds, every record verified, for ``agck journal``:
+    its results and streams (complete or cut short), the records found damaged (and
+    where), whether it ends in a torn tail, and its size."""
+    data, _ = store.log_read(check_run(run))
+    found = journalrec.scan(data)
+    results, items, ends = set(), {}, {}
+    undecodable = []
+    for off, e in found.entries:
+        key = (e.name, e.key)
+        if e.kind == "r":
+            results.add(key)
+        elif e.kind == "i":
+            items.setdefault(key, set()).add(e.index)
+        else:
+            ends.setdefault(key, e.index)
+        if e.kind != "e":
+            try:
+                journalrec.decode_value(e, ref=store.log_ref(run))
+            except Exception as err:     # its check held but its value does not rebuild: damaged
+                if isinstance(err, AgckError) and not err.verdict:
+                    raise
+                undecodable.append({"at": off, "reason": f"step {e.name!r}: its value does not decode ({err})"})
+    names: dict[str, int] = {}
+    for name, _ in results:
+        names[name] = names.get(name, 0) + 1
+    damaged = [{"at": off, "reason": why} for off, why in found.damaged] + undecodable
+    return {"run": run, "ref": store.log_ref(run), "bytes": len(data), "records": len(found.entries),
+            "results": len(results), "steps": dict(sorted(names.items())),
+            "streams": len(set(items) | set(ends)), "streams_complete": len(ends),
+            "damaged": sorted(damaged, key=lambda d: d["at"]), "torn_tail": found.torn}

@@ -354,3 +354,31 @@ def test_a_damaged_row_is_reported_and_its_step_runs_again(kind, request, tmp_pa
         assert [j.step("f", f, x) for x in range(3)] == [1, 2, 3] and len(j.damaged) == 1
     assert calls == [0, 1, 2, 1]
     store.close()
+
+
+@pytest.mark.parametrize("kind", ["file", "sqlite"])
+def test_agck_journal_reports_what_each_journal_holds(kind, request, tmp_path, capsys):
+    from agck.cli import main
+    _, url, opts = make_spec(kind, request, tmp_path)
+    store = agck.open_store(url, **opts)
+    assert main(["journal", url]) == 0 and "(no journals)" in capsys.readouterr().out
+    with Journal(store, "embed") as j:
+        for i in range(3):
+            j.step("embed", lambda i: {"i": i}, i)
+        list(j.stream("gen", lambda n: iter(range(n)), 2))
+    assert main(["journal", url]) == 0
+    assert "embed: 3 results (embed 3), 1 stream (1 complete), 6 records" in capsys.readouterr().out
+    assert main(["journal", url, "--run", "nope"]) == 4 and "journals: embed" in capsys.readouterr().err
+    assert main(["journal", url, "--json"]) == 0
+    (rep,) = json.loads(capsys.readouterr().out)
+    assert (rep["results"], rep["streams_complete"], rep["damaged"], rep["torn_tail"]) == (3, 1, [], False)
+    if kind == "file":        # a byte flipped in the second record: reported, exit 1
+        path = store.log_ref("embed")
+        data = bytearray(open(path, "rb").read())
+        second = jr.scan(bytes(data)).entries[1][0]
+        data[second + 10] ^= 0xFF
+        open(path, "wb").write(bytes(data))
+        assert main(["journal", url]) == 1
+        out = capsys.readouterr().out
+        assert f"DAMAGED at {second} of {path}: checksum mismatch" in out and "2 results" in out
+    store.close()

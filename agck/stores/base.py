@@ -321,6 +321,10 @@ class Store(ABC):
         """Where the run's journal log is, for humans."""
         return f"{self.url} journal of {run}"
 
+    def log_runs(self) -> list[str]:
+        """The runs that have a journal log, sorted."""
+        return []
+
     @abstractmethod
     def ref(self, run: str, step: int) -> str:
         """A human-readable location of (run, step)."""

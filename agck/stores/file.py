@@ -114,6 +114,9 @@ class FileStore(Store):
             self._logs_durable.add(path)
         return where
 
+    def log_runs(self) -> list[str]:
+        return [r for r in self.runs() if os.path.isfile(os.path.join(self.root, r, LOG_NAME))]
+
     def log_read(self, run: str, start: int = 0) -> tuple[bytes, int]:
         """The run's log from ``start`` and where it was read to (see :meth:`Store.log_read`)."""
         data = self._logs.read(self.log_ref(run), start)

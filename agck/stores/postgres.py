@@ -693,6 +693,12 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, Store):
                               retry=(psycopg2.errors.UniqueViolation,), retries=1)
         raise DurabilityError("journal append failed: its tables were made, then not found", ref=ref)
 
+    def log_runs(self) -> list[str]:
+        try:
+            return [r for (r,) in self._query(f"SELECT run FROM {self.names.log_heads} ORDER BY run")]
+        except SchemaUninitializedError:     # no journal yet on this store
+            return []
+
     def log_read(self, run: str, start: int = 0) -> tuple[bytes, int]:
         check_run(run)
         try:

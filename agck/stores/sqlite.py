@@ -377,6 +377,13 @@ class SqliteStore(TransactionalPuts, Store):
                                       hint="the records of this batch are not acknowledged; write them again") from None
         return last, last + 1
 
+    def log_runs(self) -> list[str]:
+        with self._lock:
+            c = self._db()
+            if not self._has_table(c, self._t_log):
+                return []
+        return [r for (r,) in self._query(f"SELECT DISTINCT run FROM {self._t_log} ORDER BY run")]
+
     def log_read(self, run: str, start: int = 0) -> tuple[bytes, int]:
         check_run(run)
         with self._lock:
