@@ -287,13 +287,13 @@ _WORKER = textwrap.dedent("""
     import json, os, sys, time
     import agck
     from agck.journal import Journal
-    root, commit = sys.argv[1], sys.argv[2]
+    root, commit, url = sys.argv[1], sys.argv[2], sys.argv[3]
     ran = open(os.path.join(root, "ran.txt"), "a")
     acked = open(os.path.join(root, "acked.txt"), "a")
     def work(i):
         ran.write(f"{i}\\n"); ran.flush()
         return {"i": i, "sq": i * i}
-    j = Journal(os.path.join(root, "store"), "job", commit=commit, every=7, ms=5)
+    j = Journal(url, "job", commit=commit, every=7, ms=5)
     for i in range(400):
         assert j.step("work", work, i) == {"i": i, "sq": i * i}
         if commit == "sync":
@@ -306,12 +306,20 @@ _WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.parametrize("kind", JOURNAL_STORES)
 @pytest.mark.parametrize("commit", ["sync", "group"])
-def test_sigkilled_mid_run_resumes_without_running_an_acknowledged_step_again(tmp_path, commit):
+def test_sigkilled_mid_run_resumes_without_running_an_acknowledged_step_again(tmp_path, commit, kind, request):
+    """A process SIGKILLed mid-run: started again, no step whose result was acknowledged
+    (sync: returned; group: counted in last_durable) runs again, and every step after runs."""
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
     env = {**os.environ, "PYTHONPATH": ROOT}
-    p = subprocess.Popen([sys.executable, str(script), str(tmp_path), commit], env=env, stdout=subprocess.PIPE)
+    _, url, opts = make_spec(kind, request, tmp_path)
+    agck.open_store(url, **opts).close()     # made once (a Postgres store's tables)
+    if kind == "postgres":                   # the worker opens it by its URL alone
+        url += ("&" if "?" in url else "?") + f"agck_prefix={opts['prefix']}&agck_schema={opts['schema']}"
+    args = [sys.executable, str(script), str(tmp_path), commit, url]
+    p = subprocess.Popen(args, env=env, stdout=subprocess.PIPE)
     import time
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -323,8 +331,7 @@ def test_sigkilled_mid_run_resumes_without_running_an_acknowledged_step_again(tm
     acked = [int(x) for x in (tmp_path / "acked.txt").read_text().split()]
     durable = (max(acked) + 1) if commit == "sync" else max(acked)     # steps 0..durable-1 were acknowledged
     before = len((tmp_path / "ran.txt").read_text().split())
-    done = subprocess.run([sys.executable, str(script), str(tmp_path), commit], env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and json.loads(done.stdout) == "done", done.stderr
     rerun = [int(x) for x in (tmp_path / "ran.txt").read_text().split()[before:]]
     assert rerun and min(rerun) >= durable          # no acknowledged step ran again
