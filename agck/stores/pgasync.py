@@ -51,22 +51,18 @@ async def wait(conn) -> None:
         state = conn.poll()
         if state == _POLL.POLL_OK:
             return
-        fd = conn.fileno()
-        ready = loop.create_future()
         if state == _POLL.POLL_READ:
-            loop.add_reader(fd, ready.set_result, None)
-            try:
-                await ready
-            finally:
-                loop.remove_reader(fd)
+            add, remove = loop.add_reader, loop.remove_reader
         elif state == _POLL.POLL_WRITE:
-            loop.add_writer(fd, ready.set_result, None)
-            try:
-                await ready
-            finally:
-                loop.remove_writer(fd)
+            add, remove = loop.add_writer, loop.remove_writer
         else:   # pragma: no cover - psycopg2 documents no other state
             raise psycopg2.OperationalError(f"unexpected poll state {state}")
+        fd, ready = conn.fileno(), loop.create_future()
+        add(fd, ready.set_result, None)
+        try:
+            await ready
+        finally:
+            remove(fd)
 
 
 async def _rolled_back(conn) -> bool:

@@ -205,8 +205,9 @@ class AgckSaver(_CheckpointReader):
     def _plan_put(self, config: RunnableConfig, checkpoint: Checkpoint, metadata: CheckpointMetadata,
                   new_versions: ChannelVersions, *, may_read: bool = True) -> "_PutPlan":
         """The store entries of a put: every value encoded, the record last. Without
-        ``may_read``, raises _MustRead where placing an unchanged channel needs a read
-        (its parent's record is not among those this saver last wrote or read)."""
+        ``may_read``, raises _MustRead, before encoding anything, where placing an
+        unchanged channel needs a read (its parent's record is not among those this
+        saver last wrote or read)."""
         thread_id, ns = self._thread_ns(config)
         cid = checkpoint.get("id")
         runs = _Runs.of(thread_id, ns)
@@ -223,6 +224,10 @@ class AgckSaver(_CheckpointReader):
         values = checkpoint.get("channel_values") or {}
         versions = checkpoint.get("channel_versions") or {}
 
+        # where the unchanged channels are, first: a put that must read for it reads before it encodes
+        unchanged = [c for c in versions if c not in new_versions]
+        located = self._locate(runs, key, parent_id, parent_key, {c: versions[c] for c in unchanged}, where_txt,
+                               may_read) if unchanged else {}
         where: dict[str, Any] = {}
         grouped: dict[str, Any] = {}
         own: dict[str, Any] = {}
@@ -239,11 +244,8 @@ class AgckSaver(_CheckpointReader):
             else:
                 where[c] = None    # a version without a value (an emptied channel)
         if own and not may_read:
-            raise _MustRead   # a large value: encoded, hashed and written off the event loop
-        unchanged = [c for c in versions if c not in where]
-        if unchanged:
-            where.update(self._locate(runs, key, parent_id, parent_key, {c: versions[c] for c in unchanged},
-                                      where_txt, may_read))
+            raise _MustRead   # a large value: encoded, hashed and written off the event loop, by put
+        where.update(located)
 
         rest = {k: v for k, v in checkpoint.items() if k != "channel_values"}
         full_metadata = get_checkpoint_metadata(config, metadata)
