@@ -69,6 +69,7 @@ from .objchunks import REQUESTS, ObjectChunks
 from .objclient import parse_url
 from .pgcopy import COPY_IO_SIZE, CopyIn, CopyOut
 from .pgasync import AsyncConnections, AsyncMethods
+from .pglog import JournalLogs
 from .pgobjects import Refused, SharedObjects
 from .pgpool import DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT, ConnectionPool
 from .pgschema import SCHEMA_VERSION, XACT_LOCK, XACT_LOCK_SHARED, Names
@@ -181,7 +182,7 @@ class _Background:
 
 # --- the store ------------------------------------------------------------------------
 
-class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, Store):
+class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs, Store):
     """Checkpoints in Postgres, through a pool of connections shared by the threads of a process.
 
     ``prefix`` names the tables, ``schema`` the Postgres schema holding them (the
@@ -238,7 +239,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, Store):
             self._pool.close()     # refused (no schema, another bucket): its connection closed now, not at a GC
             raise
 
-    # what the asyncio methods (pgasync.AsyncMethods) share with the sync ones
+    # what the asyncio methods (pgasync.AsyncMethods) and the journal logs (pglog) share with the sync ones
     _put_retries = PUT_RETRIES
     _refused = Refused
     _large = _LARGE
@@ -564,6 +565,10 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, Store):
             return DurabilityError(f"write failed: {e.strerror or e}", ref=ref)
         return e
 
+    def _scrubbed(self, e: BaseException) -> str:
+        """An error's text without the URL's secrets."""
+        return _scrub(str(e), self._secrets)
+
     def _commit_failed(self, e: psycopg2.Error, ref: str) -> DurabilityError:
         return DurabilityError(
             f"the connection failed during COMMIT: the checkpoint may or may not have been written "
@@ -654,59 +659,6 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, Store):
             "ON CONFLICT (run) DO UPDATE SET epoch = e.epoch + 1 RETURNING epoch", (run,),
             lambda cur: cur.fetchone()[0], f"cannot begin a new epoch of run {run!r}", n.where, DurabilityError,
             retry=(psycopg2.errors.UniqueViolation,), retries=1)   # two first begin_epochs may race to create the table
-
-    # -- journal logs (agck.journal; pgschema.log_ddl) ----------------------------------
-    def log_ref(self, run: str) -> str:
-        return f"{self.url} (table {self.names.log_ref}, run {run!r})"
-
-    def log_append(self, run: str, records, *, sync: bool = True) -> None:
-        """Append journal records to the run's log in one transaction and one round trip
-        (see :meth:`Store.log_append`): the batch is one row, numbered by the run's head
-        row, whose lock (held to the COMMIT) makes the run's appends commit in the order
-        of their numbers. Positions are not returned (that would take a second round trip)."""
-        check_run(run)
-        n = self.names
-        sql = (f"BEGIN; SET LOCAL synchronous_commit = {'on' if sync else 'off'}; "
-               f"WITH h AS (INSERT INTO {n.log_heads} AS x (run, seq) VALUES (%s, 1) "
-               f"ON CONFLICT (run) DO UPDATE SET seq = x.seq + 1 RETURNING seq) "
-               f"INSERT INTO {n.log} (run, seq, data) SELECT %s, h.seq, %s FROM h; COMMIT")
-        # the batch is one row: its records delimit themselves, and a row's overhead is paid once
-        args = (run, run, psycopg2.Binary(b"".join(records)))
-        ref = self.log_ref(run)
-        for attempt in range(3):
-            with self._cursor() as cur:
-                try:
-                    cur.execute(sql, args)
-                    return None
-                except (psycopg2.errors.UndefinedTable, psycopg2.errors.UniqueViolation):
-                    self._abort(cur)      # no journal yet (made below), or two first appends made it at once
-                except psycopg2.Error as e:
-                    if isinstance(e, (psycopg2.OperationalError, psycopg2.InterfaceError)) and _commit_unknown(e, cur):
-                        raise DurabilityError(
-                            f"the connection failed during COMMIT: the journal records may or may not have been "
-                            f"written ({_scrub(str(e), self._secrets)})", ref=ref,
-                            hint="read the journal again before writing them") from None
-                    self._abort(cur)
-                    raise self._db_error(e, "journal append failed", ref, DurabilityError, cur.connection) from None
-            self._transaction("BEGIN; " + pgschema.log_ddl(n), (), lambda cur: None,
-                              "cannot create the journal tables", n.where, DurabilityError,
-                              retry=(psycopg2.errors.UniqueViolation,), retries=1)
-        raise DurabilityError("journal append failed: its tables were made, then not found", ref=ref)
-
-    def log_runs(self) -> list[str]:
-        try:
-            return [r for (r,) in self._query(f"SELECT run FROM {self.names.log_heads} ORDER BY run")]
-        except SchemaUninitializedError:     # no journal yet on this store
-            return []
-
-    def log_read(self, run: str, start: int = 0) -> tuple[bytes, int]:
-        check_run(run)
-        try:
-            rows = self._query(f"SELECT seq, data FROM {self.names.log} WHERE run = %s AND seq > %s ORDER BY seq",
-                               (run, start))
-        except SchemaUninitializedError:     # no journal yet on this store (UndefinedTable)
-            return b"", start
-        return b"".join(bytes(d) for _, d in rows), (rows[-1][0] if rows else start)
 
     def _check_epoch(self, cur, run: str, epoch: int, ref: str) -> None:
         """In a write transaction, before COMMIT: refuse unless ``epoch`` is the run's
