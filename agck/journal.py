@@ -14,10 +14,16 @@ stores (plain data, tuples, sets, numpy arrays, torch tensors, nested); anything
 else is refused by name at the call (:class:`agck.EncodeError`), never pickled.
 
 A journal reads its run's log when it opens. ``shared=True`` is for runs several
-processes write at once (a pool of workers over one corpus): before running a step
-it looks for a result another process recorded since (one read of the log's new
-records per step). Two processes that start the same step at the same moment may
-both run it; each journal then returns the result it recorded or found first.
+processes write at once (a pool of workers over one corpus): a step is run once per
+key between them. Before running a step, a shared journal claims its key
+(:meth:`Store.log_claims`: a byte-range lock on the file store and SQLite, an
+advisory lock on Postgres) and reads the log's new records; a process that finds the
+key claimed waits for the holder's result to be durable and returns it. A claim dies
+with its holder, so a killed worker's step is run by the next one that calls it
+(its result was never acknowledged). The threads of one journal run a key once too.
+On Postgres the claims live on a connection of their own: if it fails, the steps
+running under them may run a second time elsewhere (both results are recorded;
+every reader takes the first).
 
 A generator function is a streamed step (:meth:`Journal.stream`): each item is
 recorded as it comes and replayed in order.
@@ -94,6 +100,10 @@ class Journal:
         self._closed = False
         self._wake = threading.Event()
         self._flusher: threading.Thread | None = None
+        self._busy: set[tuple[str, bytes]] = set()    # keys a thread of this journal runs now
+        self._idle = threading.Condition(self._lock)    # notified when one ends
+        self._held: list[bytes] = []      # claims of pending records, released by their flush
+        self._claims = self.store.log_claims(self.run) if self.shared else None
         self._catch_up()
 
     # -- the index of what the log holds ------------------------------------------------
@@ -111,7 +121,13 @@ class Journal:
                 self._items.setdefault(key, {}).setdefault(e.index, e)
             else:
                 self._ends.setdefault(key, e.index)
-        self._pos += found.end      # a torn tail is read again next time (its writer may still be at it)
+        if found.end == len(data):
+            self._pos = end
+        elif self.store.log_positions_are_bytes:
+            self._pos += found.end      # a torn tail is read again next time (its writer may still be at it)
+        else:      # batches are whole once committed: a record cut short in one is damage
+            self._report(f"{self.ref}: the records after position {self._pos} end in a record cut short")
+            self._pos = end
 
     def _report(self, what: str) -> None:
         self.damaged.append(what)
@@ -137,33 +153,84 @@ class Journal:
                              hint="journal.stream(name, fn, ...) records its items")
         key = (name, journalrec.fingerprint(args, kwargs))
         with self._lock:
-            got = self._recorded_result(key)
-            if got is not _MISSING:
-                return got
-        result = fn(*args, **kwargs)
-        enc, payload = self._encode(result, name)
-        with self._lock:
-            if key in self._results:      # another thread of this journal recorded it meanwhile
-                ok, value = self._value(self._results[key])
-                if ok:
-                    return value
+            got = self._begin(key)
+        if got is not _MISSING:
+            return got
+        claim = _Claim(None)
+        try:
+            if self._claims is not None:
+                self._claim(key, claim)
+                with self._lock:
+                    got = self._lookup(key)       # recorded by another process before the claim was ours
+                if got is not _MISSING:
+                    return got
+            result = fn(*args, **kwargs)
+            enc, payload = self._encode(result, name)
             e = journalrec.Entry("r", name, key[1], 0, enc, payload)
-            self._append(journalrec.record(*_fields(e)))
-            self._results[key] = e
-        return result
+            with self._lock:
+                self._append(journalrec.record(*_fields(e)), claim)
+                self._results.setdefault(key, e)
+                self._end(key)
+                key = None
+            return result
+        finally:
+            if key is not None:
+                self._unclaim(key, claim)
 
-    def _recorded_result(self, key) -> Any:
-        for look in (False, self.shared):     # shared: what other processes recorded since, too
-            if look:
-                self._catch_up()
-            e = self._results.get(key)
-            if e is not None:
-                ok, value = self._value(e)
-                if ok:
-                    return value
-                del self._results[key]     # damaged: run the step again
-                return _MISSING
+    def _lookup(self, key) -> Any:
+        """The recorded result of ``key`` in this journal's index, or _MISSING (a damaged
+        one is reported and forgotten: the step runs again)."""
+        e = self._results.get(key)
+        if e is None:
+            return _MISSING
+        ok, value = self._value(e)
+        if ok:
+            return value
+        del self._results[key]
         return _MISSING
+
+    # A key runs in one thread of a journal at a time (``_busy``), and in a shared journal
+    # in one process at a time (its claim, Store.log_claims). The claim passes to the
+    # step's record when that is appended (_append) and is released once the record is
+    # durable; a step that raises, or finds a result recorded, releases it on the way out.
+    def _begin(self, key) -> Any:
+        """(Under ``_lock``.) The recorded result of ``key``; else, once no other thread
+        of this journal runs it, _MISSING with ``key`` marked as running here."""
+        while True:
+            got = self._lookup(key)
+            if got is not _MISSING or key not in self._busy:
+                break
+            self._idle.wait()
+        if got is _MISSING:
+            self._busy.add(key)
+        return got
+
+    def _end(self, key) -> None:
+        """(Under ``_lock``.) ``key`` no longer runs here."""
+        self._busy.discard(key)
+        self._idle.notify_all()
+
+    def _claim(self, key, claim: "_Claim") -> None:
+        """Take this process's claim on ``key`` (waiting while another process holds it),
+        then read what the log gained meanwhile."""
+        token = key[0].encode() + b"\0" + key[1]
+        if not self._claims.claim(token, wait=False):
+            # another process runs it: wait for its result holding no claim meanwhile (a claim of this
+            # journal kept until its batch's flush could be what that process waits for)
+            self.flush()
+            self._claims.claim(token, wait=True)
+        claim.token = token
+        with self._lock:
+            self._catch_up()
+
+    def _unclaim(self, key, claim: "_Claim") -> None:
+        """A call on ``key`` ends without appending its record (it raised, or found one)."""
+        try:
+            if claim.token is not None and not claim.passed:
+                self._claims.release([claim.token])
+        finally:
+            with self._lock:
+                self._end(key)
 
     def stream(self, name: str, fn: Callable[..., Iterator], *args, **kwargs) -> Iterator:
         """The items of ``fn(*args, **kwargs)`` (a generator), each recorded as it comes.
@@ -176,29 +243,51 @@ class Journal:
         with self._lock:
             if self.shared:
                 self._catch_up()
-            items = dict(self._items.get(key, {}))
-            end = self._ends.get(key)
-        n = 0
-        while n in items and (end is None or n < end):
-            ok, value = self._value(items[n])
+        n = yield from self._replay(key, 0)
+        if n == self._ends.get(key):
+            return
+        with self._lock:
+            while key in self._busy:      # another thread of this journal runs it
+                self._idle.wait()
+            self._busy.add(key)
+        claim = _Claim(None)
+        try:
+            if self._claims is not None:
+                self._claim(key, claim)
+            n = yield from self._replay(key, n)      # what was recorded while this call waited for the key
+            if n == self._ends.get(key):
+                return
+            for i, value in enumerate(fn(*args, **kwargs)):
+                if i < n:
+                    continue
+                e = journalrec.Entry("i", name, key[1], i, *self._encode(value, f"{name}[{i}]"))
+                with self._lock:
+                    self._append(journalrec.record(*_fields(e)))
+                    self._items.setdefault(key, {}).setdefault(i, e)
+                yield value
+                n = i + 1
+            with self._lock:
+                self._append(journalrec.record("e", name, key[1], n, "t", b"\xc0"), claim)
+                self._ends.setdefault(key, n)
+        finally:
+            self._unclaim(key, claim)
+
+    def _replay(self, key, n: int):
+        """Yield the recorded items of stream ``key`` from index ``n`` while they are there
+        and decode (never past its end); returns the index after the last one yielded."""
+        while True:
+            with self._lock:
+                e = self._items.get(key, {}).get(n)
+                end = self._ends.get(key)
+            if e is None or (end is not None and n >= end):
+                return n
+            ok, value = self._value(e)
             if not ok:
-                break
+                with self._lock:
+                    self._items[key].pop(n, None)
+                return n
             yield value
             n += 1
-        if end is not None and n == end:
-            return
-        for i, value in enumerate(fn(*args, **kwargs)):
-            if i < n:
-                continue
-            e = journalrec.Entry("i", name, key[1], i, *self._encode(value, f"{name}[{i}]"))
-            with self._lock:
-                self._append(journalrec.record(*_fields(e)))
-                self._items.setdefault(key, {}).setdefault(i, e)
-            yield value
-            n = i + 1
-        with self._lock:
-            self._append(journalrec.record("e", name, key[1], n, "t", b"\xc0"))
-            self._ends.setdefault(key, n)
 
     def __call__(self, fn: Callable | None = None, *, name: str | None = None):
         """A decorator: ``@journal`` or ``@journal(name="embed")`` makes every call of the
@@ -229,16 +318,31 @@ class Journal:
         """How many of them are on disk: never more than are (``"sync"``: all)."""
         return self._durable
 
-    def _append(self, rec: bytes) -> None:
+    def _append(self, rec: bytes, claim: "_Claim | None" = None) -> None:
+        """Record ``rec`` (under ``_lock``); ``claim``, the key's claim, passes to the
+        record: released once it is durable, or at once if the append fails."""
         self._raise_error()
+        if claim is not None and claim.token is not None:
+            claim.passed = True
+        else:
+            claim = None
         self._recorded += 1
         if self.commit == "sync":
-            self._appended(self.store.log_append(self.run, [rec], sync=True))
+            try:
+                self._appended(self.store.log_append(self.run, [rec], sync=True))
+            except BaseException:
+                self._recorded -= 1
+                raise
+            finally:
+                if claim is not None:
+                    self._claims.release([claim.token])
             self._durable = self._recorded
             return
         if not self._pending:
             self._pending_since = time.monotonic()
         self._pending.append(rec)
+        if claim is not None:
+            self._held.append(claim.token)
         if len(self._pending) >= self.every:
             self._flush_locked()
         elif self._flusher is None:
@@ -271,6 +375,9 @@ class Journal:
             self._pending = batch + self._pending     # not acknowledged: kept, tried again by the next flush
             raise
         self._durable = count
+        if self._held:     # their results are durable: the processes waiting for them read them now
+            held, self._held = self._held, []
+            self._claims.release(held)
 
     def _flush_on_time(self) -> None:
         while not self._closed:
@@ -300,6 +407,8 @@ class Journal:
             self._wake.set()
             if self._flusher is not None and self._flusher is not threading.current_thread():
                 self._flusher.join()
+            if self._claims is not None:
+                self._claims.close()
             if self._own:
                 self.store.close()
 
@@ -328,6 +437,15 @@ class Journal:
 
 
 _MISSING = object()
+
+
+class _Claim:
+    """A step's claim on its key while it runs (``token`` None: not shared), and whether
+    it passed to the step's record."""
+    __slots__ = ("token", "passed")
+
+    def __init__(self, token: bytes | None):
+        self.token, self.passed = token, False
 
 
 def _fields(e: journalrec.Entry) -> tuple:

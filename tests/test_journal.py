@@ -389,3 +389,126 @@ def test_agck_journal_reports_what_each_journal_holds(kind, request, tmp_path, c
         out = capsys.readouterr().out
         assert f"DAMAGED at {second} of {path}: checksum mismatch" in out and "2 results" in out
     store.close()
+
+
+_SHARED_WORKER = textwrap.dedent("""
+    import json, os, random, sys, time
+    from agck.journal import Journal
+    root, commit, url, me = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    ran = os.open(os.path.join(root, "ran.txt"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    rng = random.Random(me)
+    def work(i):
+        os.write(ran, f"{i} {me}\\n".encode())
+        time.sleep(rng.random() * 0.002)
+        return {"i": i, "by": me, "nonce": rng.random()}
+    keys = list(range(120))
+    rng.shuffle(keys)
+    got = {}
+    with Journal(url, "pool", commit=commit, every=5, ms=5, shared=True) as j:
+        for i in keys:
+            got[i] = j.step("work", work, i)
+    print(json.dumps(got))
+""")
+
+
+@pytest.mark.parametrize("kind", JOURNAL_STORES)
+@pytest.mark.parametrize("commit", ["sync", "group"])
+def test_workers_sharing_a_run_run_each_step_once(tmp_path, commit, kind, request):
+    """Four processes over one run's 120 keys, each in its own order: every step runs
+    once between them, and every worker gets the one recorded result of each key."""
+    script = tmp_path / "worker.py"
+    script.write_text(_SHARED_WORKER)
+    url = _worker_url(kind, request, tmp_path)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path), commit, url, str(me)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for me in range(4)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+        outs.append(json.loads(out))
+    ran = [tuple(map(int, line.split())) for line in (tmp_path / "ran.txt").read_text().splitlines()]
+    assert sorted(i for i, _ in ran) == list(range(120))          # each key ran once, in one worker
+    by = dict(ran)
+    for got in outs:
+        assert {int(k): v["by"] for k, v in got.items()} == by
+    for k in outs[0]:
+        assert len({json.dumps(got[k]) for got in outs}) == 1      # the same result everywhere
+
+
+_HOLDER = textwrap.dedent("""
+    import os, sys, time
+    from agck.journal import Journal
+    root, url, who = sys.argv[1], sys.argv[2], sys.argv[3]
+    def slow():
+        open(os.path.join(root, who + ".started"), "w").close()
+        if who == "holder":
+            time.sleep(600)
+        return who
+    with Journal(url, "pool", shared=True) as j:
+        print(j.step("slow", slow))
+""")
+
+
+@pytest.mark.parametrize("kind", JOURNAL_STORES)
+def test_a_claim_dies_with_its_holder(tmp_path, kind, request):
+    """A worker that waits for a step another runs, then sees its holder SIGKILLed,
+    runs the step itself (the holder's result was never acknowledged)."""
+    import time
+    script = tmp_path / "holder.py"
+    script.write_text(_HOLDER)
+    url = _worker_url(kind, request, tmp_path)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    holder = subprocess.Popen([sys.executable, str(script), str(tmp_path), url, "holder"], env=env)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "holder.started").exists():
+        assert time.monotonic() < deadline and holder.poll() is None
+        time.sleep(0.01)
+    waiter = subprocess.Popen([sys.executable, str(script), str(tmp_path), url, "waiter"], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    time.sleep(3)
+    assert waiter.poll() is None and not (tmp_path / "waiter.started").exists()    # it waits for the holder
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    out, _ = waiter.communicate(timeout=60)
+    assert waiter.returncode == 0 and out.strip() == "waiter"
+
+
+def test_threads_of_one_journal_run_a_step_once(tmp_path):
+    import threading
+    import time
+    calls = []
+
+    def work(i):
+        calls.append(i)
+        time.sleep(0.001)
+        return i * 3
+
+    with Journal(agck.open_store(str(tmp_path / "s")), "r", commit="group") as j:
+        got = []
+
+        def worker():
+            got.append([j.step("w", work, i % 20) for i in range(60)])
+        threads = [threading.Thread(target=worker) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert sorted(calls) == list(range(20))
+    assert all(g == [(i % 20) * 3 for i in range(60)] for g in got)
+
+
+def test_a_store_without_claims_refuses_a_shared_journal(tmp_path):
+    store = agck.open_store("sqlite:///:memory:")
+    with pytest.raises(UsageError, match="in-memory SQLite"):
+        Journal(store, "r", shared=True)
+    store.close()
+
+
+def _worker_url(kind, request, tmp_path) -> str:
+    """The store's URL as a worker process opens it (made once here)."""
+    _, url, opts = make_spec(kind, request, tmp_path)
+    agck.open_store(url, **opts).close()
+    if kind == "postgres":
+        url += ("&" if "?" in url else "?") + f"agck_prefix={opts['prefix']}&agck_schema={opts['schema']}"
+    return url

@@ -95,6 +95,7 @@ class Store(ABC):
     full_every: int | None = None
     min_chunked = MIN_CHUNKED
     verify_reused = DEFAULT_VERIFY_REUSED
+    log_positions_are_bytes = False     # journal logs: byte offsets, else numbers of batches (log_read)
 
     def __init__(self):
         self._lock = threading.RLock()
@@ -313,7 +314,9 @@ class Store(ABC):
 
     def log_read(self, run: str, start: int = 0) -> tuple[bytes, int]:
         """The records appended to the run's log from position ``start`` (0: the
-        beginning), as bytes, and the position to read on from."""
+        beginning), as bytes, and the position to read on from. Positions are byte
+        offsets where :attr:`log_positions_are_bytes` (a log that can end in a torn
+        tail, read again from its start), else numbers of whole appended batches."""
         raise UsageError(f"{type(self).__name__} keeps no step journal yet", ref=self.url,
                          hint="use a file, SQLite or Postgres store for agck.Journal")
 
@@ -324,6 +327,13 @@ class Store(ABC):
     def log_runs(self) -> list[str]:
         """The runs that have a journal log, sorted."""
         return []
+
+    def log_claims(self, run: str):
+        """Claims on the run's journal steps, for the processes that share the run
+        (:class:`agck.stores.logclaims.LogClaims`): each held until released or until
+        its holder dies."""
+        raise UsageError(f"{type(self).__name__} cannot share a journal between processes", ref=self.url,
+                         hint="use a file, SQLite or Postgres store for Journal(..., shared=True)")
 
     @abstractmethod
     def ref(self, run: str, step: int) -> str:

@@ -37,7 +37,8 @@ from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError,
 from ..names import MAX_STEP, is_run_name
 from . import content
 from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
-from .filelog import LOG_NAME, FileLogs
+from .filelog import CLAIMS_NAME, LOG_NAME, FileLogs
+from .logclaims import FileClaims
 from .objectdir import ObjectDir
 
 SUFFIX = ".agck"
@@ -60,6 +61,8 @@ def parse_step_filename(name: str) -> int | None:
 
 
 class FileStore(Store):
+    log_positions_are_bytes = True     # one append-only file per run, which can end in a torn tail
+
     def __init__(self, root: str | os.PathLike, *, create: bool = True, fs: durable.FileSystem | None = None,
                  incremental: bool = True, full_every: int | None = None, min_chunked: int = MIN_CHUNKED,
                  verify_reused: str = content.DEFAULT_VERIFY_REUSED):
@@ -116,6 +119,11 @@ class FileStore(Store):
 
     def log_runs(self) -> list[str]:
         return [r for r in self.runs() if os.path.isfile(os.path.join(self.root, r, LOG_NAME))]
+
+    def log_claims(self, run: str) -> FileClaims:
+        d = self._run_dir(run)
+        durable.make_dir(self.fs, d, self.root, "run directory")
+        return FileClaims(os.path.join(d, CLAIMS_NAME), run)
 
     def log_read(self, run: str, start: int = 0) -> tuple[bytes, int]:
         """The run's log from ``start`` and where it was read to (see :meth:`Store.log_read`)."""

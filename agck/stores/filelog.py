@@ -27,6 +27,7 @@ from .. import durable, journalrec
 from ..errors import DurabilityError, StoreConnectionError
 
 LOG_NAME = "journal.agjl"
+CLAIMS_NAME = "journal.claims"     # the lock file of shared journals (agck.stores.logclaims)
 
 
 class FileLogs:

@@ -1,5 +1,5 @@
 """The Postgres store's step-journal logs (:mod:`agck.journal`): ``log_append``,
-``log_read``, ``log_runs`` and ``log_ref`` of
+``log_read``, ``log_runs``, ``log_claims`` and ``log_ref`` of
 :class:`~agck.stores.postgres.PostgresStore`.
 
 Two tables, made by the first append (:func:`pgschema.log_ddl`; the schema
@@ -7,16 +7,28 @@ version does not change): ``{prefix}_log(run, seq, data)``, one row per appended
 batch of records (:mod:`agck.journalrec`: they delimit and check themselves), and
 ``{prefix}_log_heads(run, seq)``, the last number given per run, whose row lock,
 held to the COMMIT, makes a run's appends commit in the order of their numbers.
+
+Claims on steps (:class:`PgClaims`, for journals shared between processes) are
+session advisory locks taken on a connection of their own: the server drops them
+when the holder's connection ends, a killed holder's included.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
+import time
+
 import psycopg2
 import psycopg2.errors
 
-from ..errors import DurabilityError, SchemaUninitializedError
+from ..errors import DurabilityError, SchemaUninitializedError, StoreConnectionError
 from ..names import check_run
 from . import pgschema
+from .logclaims import LogClaims, claim_number
+
+log = logging.getLogger("agck.journal")
 
 
 class JournalLogs:
@@ -60,6 +72,10 @@ class JournalLogs:
                               retry=(psycopg2.errors.UniqueViolation,), retries=1)
         raise DurabilityError("journal append failed: its tables were made, then not found", ref=ref)
 
+    def log_claims(self, run: str) -> "PgClaims":
+        return PgClaims(self._connect_one, f"{self.names.where}\0{check_run(run)}", self.log_ref(run),
+                        self._scrubbed)
+
     def log_runs(self) -> list[str]:
         try:
             return [r for (r,) in self._query(f"SELECT run FROM {self.names.log_heads} ORDER BY run")]
@@ -75,3 +91,80 @@ class JournalLogs:
             return b"", start
         return b"".join(bytes(d) for _, d in rows), (rows[-1][0] if rows else start)
 
+
+
+class PgClaims(LogClaims):
+    """Claims as session advisory locks (``pg_try_advisory_lock(bigint)``) on a
+    connection of their own. A claim that is taken waits by trying again (1 ms,
+    doubling to 50 ms), so that the connection is never held by one waiting statement
+    while another thread of the journal has a claim to take or to release.
+
+    If that connection fails, the server has dropped every claim it held: the steps
+    running under them may then run a second time in another process (each result
+    is recorded; every reader takes the first). That is logged; the next claim opens
+    a new connection."""
+
+    def __init__(self, connect, scope: str, ref: str, scrub):
+        self.scope, self.ref = scope, ref
+        self._connect, self._scrub = connect, scrub
+        self._conn = None
+        self._pid = os.getpid()
+        self._mine: set[int] = set()
+        self._lock = threading.Lock()
+
+    def _run(self, sql: str, args) -> list:
+        if self._pid != os.getpid():     # after fork(): the parent's connection and claims are its own
+            self._conn, self._mine, self._pid = None, set(), os.getpid()
+        if self._conn is None:
+            self._conn = self._connect()
+        try:
+            with self._conn.cursor() as cur:
+                cur.execute(sql, args)
+                return cur.fetchall()
+        except psycopg2.Error as e:
+            conn, self._conn = self._conn, None
+            try:
+                conn.close()
+            except psycopg2.Error:
+                pass
+            if self._mine:
+                log.warning("journal %s: the connection holding %d step claim(s) failed; the server dropped them",
+                            self.ref, len(self._mine))
+                self._mine = set()
+            raise StoreConnectionError(f"claiming a journal step failed: {self._scrub(e)}", ref=self.ref,
+                                       hint="the step was not run; call it again") from None
+
+    def claim(self, key: bytes, *, wait: bool) -> bool:
+        n = claim_number(self.scope, key)
+        delay = 0.001
+        while True:
+            with self._lock:
+                ((got,),) = self._run("SELECT pg_try_advisory_lock(%s)", (n,))
+                if got:
+                    self._mine.add(n)
+                    return True
+            if not wait:
+                return False
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def release(self, keys) -> None:
+        with self._lock:
+            mine = [n for n in {claim_number(self.scope, k) for k in keys} if n in self._mine]
+            if not mine:
+                return
+            self._mine.difference_update(mine)
+            try:
+                self._run("SELECT pg_advisory_unlock(k) FROM unnest(%s::bigint[]) AS k", (mine,))
+            except StoreConnectionError:
+                pass       # the connection is gone, and with it every claim it held
+
+    def close(self) -> None:
+        with self._lock:
+            conn, self._conn = self._conn, None
+            self._mine = set()
+            if conn is not None and self._pid == os.getpid():
+                try:
+                    conn.close()      # the server drops the session's claims
+                except psycopg2.Error:
+                    pass

@@ -219,8 +219,8 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
         self._claims: dict[bytes, threading.Event] = {}    # objects a thread of this store object is sending
         self._claimed = threading.local()                   # this thread's claims (pgobjects)
         # a connection dropped broken: a failover or a restore may have lost what this store object saw committed
-        self._pool = ConnectionPool(functools.partial(_connect, url, self._secrets, self.url, connect_timeout),
-                                    pool, timeout=pool_timeout, where=self.url,
+        self._connect_one = functools.partial(_connect, url, self._secrets, self.url, connect_timeout)
+        self._pool = ConnectionPool(self._connect_one, pool, timeout=pool_timeout, where=self.url,
                                     on_broken=_weak(self._forget_objects))
         self._aconns = AsyncConnections(functools.partial(_connect_args, url, self._secrets, self.url,
                                                           connect_timeout),

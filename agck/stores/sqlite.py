@@ -67,6 +67,7 @@ from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError,
 from ..memory import new_buffer
 from . import content
 from .base import MIN_CHUNKED, CheckpointInfo, Store, check_last, check_run, check_step
+from .logclaims import FileClaims
 from .sqlrows import (decode_read, DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalPuts, batches, check_checksum, check_chunk_size,
                       check_identifier, chunk_plan, parts_prefix, split_chunks, sql_row)
 
@@ -383,6 +384,13 @@ class SqliteStore(TransactionalPuts, Store):
             if not self._has_table(c, self._t_log):
                 return []
         return [r for (r,) in self._query(f"SELECT DISTINCT run FROM {self._t_log} ORDER BY run")]
+
+    def log_claims(self, run: str) -> FileClaims:
+        if self.path == ":memory:":
+            raise UsageError("an in-memory SQLite database cannot be shared between processes", ref=self.path,
+                             hint="give the store a file path")
+        # one lock file beside the database for every run and prefix: the key's hash covers both
+        return FileClaims(self.path + "-agck-claims", f"{self._t_log}\0{check_run(run)}")
 
     def log_read(self, run: str, start: int = 0) -> tuple[bytes, int]:
         check_run(run)
