@@ -71,10 +71,12 @@ def _stateful(x) -> bool:
             and not isinstance(x, (dict, list, tuple)))
 
 
-def capture(x: Any) -> Any:
+def capture(x: Any, segments: list | None = None) -> Any:
     """The user's state as a tree the codec takes: objects with state_dict()
     (modules, optimizers, schedulers, GradScaler) become tagged dicts of their
-    state_dict; RNG generators become tagged dicts of their state. Plain data
+    state_dict; RNG generators become tagged dicts of their state; an
+    :class:`agck.AppendLog` becomes a reference, the segment of its new items going
+    to ``segments`` (a snapshotter's, to be written before the checkpoint). Plain data
     (what msgpack packs as is) is returned as it is, checked in C, not walked."""
     t = type(x)
     if t in ATOMS or t is np.ndarray or t in _TENSOR_TYPES:
@@ -85,11 +87,13 @@ def capture(x: Any) -> Any:
         if t is list and all(map(_PASSED.__contains__, map(type, x))):   # a list of tensors, checked in C
             return x
     if isinstance(x, dict):
-        return {k: capture(v) for k, v in x.items()}
+        return {k: capture(v, segments) for k, v in x.items()}
     if t is list:
-        return [capture(v) for v in x]
+        return [capture(v, segments) for v in x]
     if type(x) is tuple:
-        return tuple(capture(v) for v in x)
+        return tuple(capture(v, segments) for v in x)
+    if getattr(t, "_agck_log", False):
+        return x._capture(segments)
     if isinstance(x, np.random.Generator):
         return {TAG: "np.Generator", "state": x.bit_generator.state}
     if isinstance(x, random.Random):

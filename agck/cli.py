@@ -352,7 +352,9 @@ def cmd_journal(args) -> int:
         for r in reports:
             steps = ", ".join(f"{n} {k}" for n, k in r["steps"].items())
             lines.append(f"{r['run']}: {_n(r['results'], 'result')} ({steps or 'none'}), {_n(r['streams'], 'stream')} "
-                         f"({r['streams_complete']} complete), {_n(r['records'], 'record')}, {_size(r['bytes'])}"
+                         f"({r['streams_complete']} complete), "
+                         + "".join(f"AppendLog {n} in {_n(k, 'segment')}, " for n, k in r["log_segments"].items())
+                         + f"{_n(r['records'], 'record')}, {_size(r['bytes'])}"
                          + (", a torn tail (a write cut short: never acknowledged)" if r["torn_tail"] else ""))
             lines += [f"  DAMAGED at {d['at']} of {r['ref']}: {d['reason']}" for d in r["damaged"]]
         return "\n".join(lines)

@@ -119,8 +119,9 @@ class Journal:
                 self._results.setdefault(key, e)      # the first recorded result is the result
             elif e.kind == "i":
                 self._items.setdefault(key, {}).setdefault(e.index, e)
-            else:
+            elif e.kind == "e":
                 self._ends.setdefault(key, e.index)
+            # "s": a segment of an AppendLog (agck.applog), not a step
         if found.end == len(data):
             self._pos = end
         elif self.store.log_positions_are_bytes:
@@ -454,11 +455,13 @@ def _fields(e: journalrec.Entry) -> tuple:
 
 def inspect_journal(store: Store, run: str) -> dict:
     """What the run's journal holds, every record verified, for ``agck journal``:
-    its results and streams (complete or cut short), the records found damaged (and
+    its results and streams (complete or cut short), the segments of AppendLogs
+    snapshotted in the run, the records found damaged (and
     where), whether it ends in a torn tail, and its size."""
     data, _ = store.log_read(check_run(run))
     found = journalrec.scan(data)
     results, items, ends = set(), {}, {}
+    segments: dict[str, int] = {}      # AppendLog name -> its segments (agck.applog)
     undecodable = []
     for off, e in found.entries:
         key = (e.name, e.key)
@@ -466,8 +469,10 @@ def inspect_journal(store: Store, run: str) -> dict:
             results.add(key)
         elif e.kind == "i":
             items.setdefault(key, set()).add(e.index)
-        else:
+        elif e.kind == "e":
             ends.setdefault(key, e.index)
+        else:
+            segments[e.name] = segments.get(e.name, 0) + 1
         if e.kind != "e":
             try:
                 journalrec.decode_value(e, ref=store.log_ref(run))
@@ -482,4 +487,5 @@ def inspect_journal(store: Store, run: str) -> dict:
     return {"run": run, "ref": store.log_ref(run), "bytes": len(data), "records": len(found.entries),
             "results": len(results), "steps": dict(sorted(names.items())),
             "streams": len(set(items) | set(ends)), "streams_complete": len(ends),
+            "log_segments": dict(sorted(segments.items())),
             "damaged": sorted(damaged, key=lambda d: d["at"]), "torn_tail": found.torn}

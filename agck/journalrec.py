@@ -9,7 +9,9 @@ A record is::
     check  u64 little-endian            XXH3-64 of magic, length and body
 
 ``kind`` is ``"r"`` (the result of a step), ``"i"`` (item ``index`` of a streamed
-step) or ``"e"`` (the end of a streamed step: ``index`` items); ``name`` the step's
+step), ``"e"`` (the end of a streamed step: ``index`` items) or ``"s"`` (a segment
+of an :class:`agck.AppendLog`: its items from ``index`` on, as a list; ``name`` the
+log's name, ``key`` its writer's generation); ``name`` the step's
 name; ``key`` the 16-byte fingerprint of its inputs (:func:`fingerprint`);
 ``payload`` the value, encoded as ``enc`` says: ``"t"`` a codec tree without
 tensors (plain msgpack for plain data), ``"c"`` a whole AGCK container (a value
@@ -43,7 +45,7 @@ _CHECK = struct.Struct("<Q")
 HEAD_SIZE = _HEAD.size                  # 8
 OVERHEAD = HEAD_SIZE + _CHECK.size      # 16 bytes per record besides its body
 MAX_BODY = (1 << 32) - 1
-KINDS = ("r", "i", "e")
+KINDS = ("r", "i", "e", "s")
 
 
 @dataclass(frozen=True)

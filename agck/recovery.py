@@ -149,18 +149,24 @@ def read_verified(store, run: str, step: int, *, map_location=None, verify=True)
 
 
 def recover_run(store, run: str, *, map_location=None, strict: bool = False,
-                on_candidate: Callable[[int], None] | None = None) -> Recovery:
+                on_candidate: Callable[[int], None] | None = None,
+                complete: Callable[[Checkpoint], None] | None = None) -> Recovery:
     """Recover one run: the newest checkpoint that verifies (``.checkpoint``, a
     :class:`agck.checkpoint.Checkpoint`). With ``strict``, raise
     NoValidCheckpointError when the run holds checkpoints but none verifies (the
-    error carries the report)."""
+    error carries the report). ``complete(ck)`` finishes a checkpoint that verified
+    with what it refers to outside itself (a snapshot's AppendLogs); a verdict it
+    raises rejects the checkpoint like a damaged one."""
     check_run(run)
     steps = store.steps(run)
 
     def judge(c: Candidate) -> Checkpoint:
         if on_candidate:
             on_candidate(c.step)
-        return read_verified(store, run, c.step, map_location=map_location)
+        ck = read_verified(store, run, c.step, map_location=map_location)
+        if complete is not None:
+            complete(ck)
+        return ck
 
     rec = walk_back(run, store_candidates(store, run, steps), judge, orphans=store.orphans(run), count=len(steps))
     if rec.checkpoint is not None:

@@ -69,7 +69,7 @@ try:
 except ImportError:  # pragma: no cover (not on Windows)
     resource = None
 
-from . import durable, failpoints
+from . import applog, durable, failpoints
 # capture's names are agck.snapshot's too (crashtests, tests and user code import them from here)
 from .capture import TAG, capture, fingerprint, restore_into, rng_state, set_rng_state  # noqa: F401
 from .codec import encode_plain
@@ -434,9 +434,14 @@ class Snapshotter:
         t0 = time.perf_counter()
         # the step first: what changes at every checkpoint sits together, before the
         # state, not between the end of a growing list and the RNG states (chunking)
-        tree = {"step": step, "state": capture(state)}
-        if self.capture_rng:
-            tree["rng"] = rng_state()
+        segments: list = []      # of AppendLogs: their new items, written before the checkpoint
+        try:
+            tree = {"step": step, "state": capture(state, segments)}
+            if self.capture_rng:
+                tree["rng"] = rng_state()
+        except BaseException:
+            applog.not_written(segments)
+            raise
         if self._fingerprint is None:
             self._fingerprint = fingerprint()
         meta = {"fingerprint": self._fingerprint, "user": self.meta, "snapshot": True}
@@ -444,13 +449,17 @@ class Snapshotter:
             self._async = has_cuda(tree)
         if not self._async:
             self.blocked_seconds.append(0.0)
-            ref = self._persist(step, tree, meta, self.last_durable_step)
+            ref = self._persist(step, tree, meta, self.last_durable_step, segments=segments)
             self._taken = step
             self.blocked_seconds[-1] = time.perf_counter() - t0
             self._acknowledge(step, ref)
             return
         self._start_worker()
-        stager = self._free_stagers.get()          # backpressure: waits while max_in_flight are pending
+        try:
+            stager = self._free_stagers.get()          # backpressure: waits while max_in_flight are pending
+        except BaseException:
+            applog.not_written(segments)
+            raise
         try:     # any failure from here gives the stager back: the next snapshot would wait for it forever
             self.raise_pending()
             # ({} still notes this staging's tensors, for the snapshot after it)
@@ -465,16 +474,18 @@ class Snapshotter:
             failpoints.hit("snapshot.after_stage")
         except BaseException:
             self._free_stagers.put(stager)
+            applog.not_written(segments)
             raise
         with self._cv:
             self._pending += 1
-        self._queue.put((step, staged, meta, stager, self._raised))
+        self._queue.put((step, staged, meta, stager, self._raised, segments))
         self._taken = step
         self.blocked_seconds.append(time.perf_counter() - t0)
 
-    def _persist(self, step, tree, meta, parent, stager: Stager | None = None) -> str:
+    def _persist(self, step, tree, meta, parent, stager: Stager | None = None, segments=()) -> str:
         t0, (u0, s0) = time.perf_counter(), _thread_cpu()
         referenced = stager.referenced if stager is not None else ()
+        self._target.write_segments(segments)      # durable before the checkpoint that counts their items
         ref = self._target.write(step, tree, meta=meta, parent=parent, epoch=self.epoch, expect_unchanged=referenced)
         u1, s1 = _thread_cpu()
         self.write_stats.append({"step": step, "thread": threading.current_thread().name, "start": t0,
@@ -553,16 +564,17 @@ class Snapshotter:
                 for stager, _ in item.jobs:
                     self._free_stagers.put(stager)
                 continue
-            step, staged, meta, stager, raised = item
+            step, staged, meta, stager, raised, segments = item
             try:
                 # written unless a write failed that the pipeline had not been told of when it
                 # queued this one: decided by the queue's order alone, so ranks of one job,
                 # whose writes fail together, write (or skip) the same steps
                 if self._failed == raised:
-                    ref = self._persist(step, staged, meta, self.last_durable_step, stager)
+                    ref = self._persist(step, staged, meta, self.last_durable_step, stager, segments)
                     self._seen = stager.now
                     self._acknowledge(step, ref)
                 else:            # queued behind a failure, not written: said with it
+                    applog.not_written(segments)
                     self._skipped.append(step)
             except ContentChangedError as e:
                 # A tensor taken uncopied changed without its version counter saying so, or

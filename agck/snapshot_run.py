@@ -21,6 +21,7 @@ import logging
 from abc import ABC, abstractmethod
 from typing import Any, Collection
 
+from . import applog
 from .distributed import Group, ShardedRun, active as dist_active
 from .errors import UsageError
 from .recovery import Recovery, recover_run
@@ -57,6 +58,13 @@ class SnapshotRun(ABC):
               expect_unchanged: Collection[int]) -> str:
         """Make ``step`` durable; its ref."""
 
+    def write_segments(self, segments) -> None:
+        """Make the segments of a snapshot's AppendLogs durable (:mod:`agck.applog`)."""
+        if segments:
+            applog.not_written(segments)
+            raise UsageError("an AppendLog cannot be snapshotted under torch.distributed yet",
+                             hint="keep the items in a list, or snapshot the log from one process")
+
     @abstractmethod
     def can_confirm_unchanged(self, epoch: int) -> bool:
         """Whether a write may pass tensors uncopied for the store to confirm."""
@@ -75,8 +83,15 @@ class SingleRankRun(SnapshotRun):
         return self.store.begin_epoch(self.run)
 
     def find(self) -> tuple[Recovery, Any]:
-        recovery = recover_run(self.store, self.run)
+        recovery = recover_run(self.store, self.run, complete=self._complete)
         return recovery, recovery.checkpoint
+
+    def _complete(self, ck) -> None:
+        if isinstance(ck.state, dict) and "state" in ck.state:
+            applog.resolve(self.store, self.run, ck.state, ck.ref)
+
+    def write_segments(self, segments) -> None:
+        applog.write_segments(self.store, self.run, segments)
 
     def check_restorable(self, ck) -> None:
         if ck is not None and is_commit(ck):

@@ -58,6 +58,7 @@ FLOORS = [
     (4, ["agck.stores"]),
     (5, ["agck.recovery", "agck.sharded", "agck.journal"]),
     (6, ["agck.distributed", "agck.snapshot", "agck.snapshot_run", "agck.capture", "agck.staging", "agck.dcp",
+         "agck.applog",
          "agck.integrations"]),
     (7, ["agck.cli"]),
     (8, ["agck"]),

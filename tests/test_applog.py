@@ -1,0 +1,174 @@
+"""AppendLog: results accumulated in a snapshotted state, stored once per segment:
+resume after a SIGKILL equal to an uninterrupted run on every journal store, a
+checkpoint's size independent of the run's length, a damaged segment rejected with
+a walk back, a failed segment written again, and what cannot be stored refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import agck
+from agck import journalrec as jr
+from agck.errors import EncodeError, UsageError
+
+from conftest import make_spec
+
+torch = pytest.importorskip("torch")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_PIPELINE = textwrap.dedent("""
+    import json, os, sys
+    import numpy as np
+    import agck
+    url, mode, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    rng = np.random.default_rng(0)
+    state = {"done": 0, "rng": rng, "results": agck.AppendLog(name="results")}
+    with agck.Snapshotter(url, "sum", every=25, mode=mode, max_in_flight=3) as snap:
+        state = snap.restore(state)
+        for i in snap.steps(300):
+            state["results"].append({"i": i, "draw": float(state["rng"].random()), "v": np.arange(i % 3)})
+            state["done"] = i + 1
+            if i == kill_at:
+                os.kill(os.getpid(), 9)
+    print(json.dumps([[r["i"], r["draw"], r["v"].tolist()] for r in state["results"]]))
+""")
+
+
+def _url(kind, request, tmp_path) -> str:
+    _, url, opts = make_spec(kind, request, tmp_path)
+    agck.open_store(url, **opts).close()
+    if kind == "postgres":
+        url += ("&" if "?" in url else "?") + f"agck_prefix={opts['prefix']}&agck_schema={opts['schema']}"
+    return url
+
+
+@pytest.mark.parametrize("kind", ["file", "sqlite", "postgres"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_sigkilled_pipeline_resumes_equal_to_an_uninterrupted_one(tmp_path, kind, mode, request):
+    script = tmp_path / "pipeline.py"
+    script.write_text(_PIPELINE)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+
+    def run(url, kill_at):
+        return subprocess.run([sys.executable, str(script), url, mode, str(kill_at)], env=env, capture_output=True,
+                              text=True, timeout=180)
+
+    whole = run(str(tmp_path / "alone"), -1)
+    assert whole.returncode == 0, whole.stderr
+    url = _url(kind, request, tmp_path)
+    for kill_at in (60, 61, 187):        # killed twice, once right after a checkpoint
+        assert run(url, kill_at).returncode == -9
+    resumed = run(url, -1)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(resumed.stdout) == json.loads(whole.stdout)
+
+
+def test_a_checkpoint_holds_a_reference_whose_size_does_not_grow(tmp_path):
+    store = agck.open_store(str(tmp_path / "s"))
+    state = {"results": agck.AppendLog()}
+    with agck.Snapshotter(store, "r", every=100, capture_rng=False) as snap:
+        state = snap.restore(state)
+        for i in snap.steps(5000):
+            state["results"].append({"i": i, "text": "y" * 100})
+    infos = {c.step: c.size for c in store.list("r")}
+    assert infos[5000] <= infos[100] + 16        # a count grows by a few bytes, nothing else does
+    data, _ = store.log_read("r")
+    found = jr.scan(data)
+    assert [e.kind for _, e in found.entries] == ["s"] * 50       # one segment per checkpoint
+    produced = sum(len(agck.codec.plain_packed({"i": i, "text": "y" * 100})) for i in range(5000))
+    assert len(data) < 1.1 * produced           # each item written once
+    back = agck.Snapshotter(store, "r", every=100)
+    restored = back.restore({"results": agck.AppendLog()})
+    assert list(restored["results"]) == [{"i": i, "text": "y" * 100} for i in range(5000)]
+    back.close()
+    store.close()
+
+
+def test_a_damaged_segment_rejects_the_checkpoints_that_count_it(tmp_path):
+    path = tmp_path / "s"
+    store = agck.open_store(str(path))
+    state = {"results": agck.AppendLog()}
+    with agck.Snapshotter(store, "r", every=10) as snap:
+        state = snap.restore(state)
+        for i in snap.steps(30):
+            state["results"].append(i)
+    log_path = store.log_ref("r")
+    data = bytearray(open(log_path, "rb").read())
+    last = jr.scan(bytes(data)).entries[-1][0]
+    data[last + 20] ^= 0xFF                      # the segment of items 20..29
+    open(log_path, "wb").write(bytes(data))
+    snap = agck.Snapshotter(store, "r", every=10)
+    restored = snap.restore({"results": agck.AppendLog()})
+    assert snap.start_step == 20 and list(restored["results"]) == list(range(20))
+    [rj] = snap.recovery.rejected
+    assert rj.step == 30 and "item 20" in rj.reason and "AppendLog" in rj.reason
+    for i in snap.steps(30):                      # the lost items are written again, in a new generation
+        restored["results"].append(i)
+    snap.close()
+    again = agck.Snapshotter(store, "r", every=10)
+    assert list(again.restore({"results": agck.AppendLog()})["results"]) == list(range(30))
+    assert again.start_step == 30
+    again.close()
+    store.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_segment_not_written_is_written_with_the_next_snapshot(tmp_path, mode, monkeypatch):
+    store = agck.open_store(str(tmp_path / "s"))
+    real = store.log_append
+    calls = {"n": 0}
+
+    def flaky(run, records, *, sync=True):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise agck.errors.DurabilityError("injected: the disk said no", ref="test")
+        return real(run, records, sync=sync)
+
+    monkeypatch.setattr(store, "log_append", flaky)
+    state = {"results": agck.AppendLog()}
+    snap = agck.Snapshotter(store, "r", every=5, mode=mode)
+    state = snap.restore(state)
+    failed = 0
+    for i in range(20):
+        state["results"].append(i)
+        try:
+            snap.completed(i + 1, state)
+            if mode == "async" and i in (9, 10, 11):
+                snap.flush()
+        except agck.AgckError as e:     # sync: the store's error; async: a SnapshotError naming the step
+            assert "injected" in str(e)
+            failed += 1
+    snap.close()
+    assert failed == 1
+    back = agck.Snapshotter(store, "r", every=5)
+    restored = back.restore({"results": agck.AppendLog()})
+    assert back.start_step == 20 and list(restored["results"]) == list(range(20))
+    back.close()
+    store.close()
+
+
+def test_items_with_tensors_and_what_cannot_be_stored(tmp_path):
+    store = agck.open_store(str(tmp_path / "s"))
+    state = {"results": agck.AppendLog([{"emb": torch.arange(4.0)}, np.ones(3, np.float16)])}
+    with agck.Snapshotter(store, "r", every=1) as snap:
+        state = snap.restore(state)
+        snap.completed(1, state)
+        state["results"].append(object())
+        with pytest.raises(EncodeError, match="AppendLog .*item"):
+            snap.completed(2, state)
+    back = agck.Snapshotter(store, "r", every=1)
+    got = back.restore({"results": agck.AppendLog()})["results"]
+    assert torch.equal(got[0]["emb"], torch.arange(4.0)) and got[1].dtype == np.float16 and len(got) == 2
+    back.close()
+    with pytest.raises(UsageError, match="snapshotter"):
+        agck.capture.capture({"x": agck.AppendLog([1])})
+    with pytest.raises(EncodeError):
+        agck.dumps({"x": agck.AppendLog([1])})      # never pickled
+    store.close()
