@@ -126,6 +126,16 @@ def make_spec(kind: str, request, tmp_path) -> tuple[str, str, dict]:
     return kind, dsn, opts
 
 
+def worker_url(kind: str, request, tmp_path) -> str:
+    """The URL another process opens the store by, alone (the store made once here)."""
+    import agck
+    _, url, opts = make_spec(kind, request, tmp_path)
+    agck.open_store(url, **opts).close()
+    if kind == "postgres":
+        url += ("&" if "?" in url else "?") + f"agck_prefix={opts['prefix']}&agck_schema={opts['schema']}"
+    return url
+
+
 @pytest.fixture(params=BACKENDS)
 def store_spec(request, tmp_path):
     return make_spec(request.param, request, tmp_path)

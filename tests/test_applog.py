@@ -18,7 +18,7 @@ import agck
 from agck import journalrec as jr
 from agck.errors import EncodeError, UsageError
 
-from conftest import make_spec
+from conftest import worker_url
 
 torch = pytest.importorskip("torch")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,14 +41,6 @@ _PIPELINE = textwrap.dedent("""
 """)
 
 
-def _url(kind, request, tmp_path) -> str:
-    _, url, opts = make_spec(kind, request, tmp_path)
-    agck.open_store(url, **opts).close()
-    if kind == "postgres":
-        url += ("&" if "?" in url else "?") + f"agck_prefix={opts['prefix']}&agck_schema={opts['schema']}"
-    return url
-
-
 @pytest.mark.parametrize("kind", ["file", "sqlite", "postgres"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_sigkilled_pipeline_resumes_equal_to_an_uninterrupted_one(tmp_path, kind, mode, request):
@@ -62,7 +54,7 @@ def test_a_sigkilled_pipeline_resumes_equal_to_an_uninterrupted_one(tmp_path, ki
 
     whole = run(str(tmp_path / "alone"), -1)
     assert whole.returncode == 0, whole.stderr
-    url = _url(kind, request, tmp_path)
+    url = worker_url(kind, request, tmp_path)
     for kill_at in (60, 61, 187):        # killed twice, once right after a checkpoint
         assert run(url, kill_at).returncode == -9
     resumed = run(url, -1)

@@ -22,7 +22,7 @@ from agck.errors import EncodeError, UsageError
 from agck.journal import Journal
 from agck.stores import Store
 
-from conftest import make_spec
+from conftest import make_spec, worker_url
 
 torch = pytest.importorskip("torch")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -418,7 +418,7 @@ def test_workers_sharing_a_run_run_each_step_once(tmp_path, commit, kind, reques
     once between them, and every worker gets the one recorded result of each key."""
     script = tmp_path / "worker.py"
     script.write_text(_SHARED_WORKER)
-    url = _worker_url(kind, request, tmp_path)
+    url = worker_url(kind, request, tmp_path)
     env = {**os.environ, "PYTHONPATH": ROOT}
     procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path), commit, url, str(me)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for me in range(4)]
@@ -457,7 +457,7 @@ def test_a_claim_dies_with_its_holder(tmp_path, kind, request):
     import time
     script = tmp_path / "holder.py"
     script.write_text(_HOLDER)
-    url = _worker_url(kind, request, tmp_path)
+    url = worker_url(kind, request, tmp_path)
     env = {**os.environ, "PYTHONPATH": ROOT}
     holder = subprocess.Popen([sys.executable, str(script), str(tmp_path), url, "holder"], env=env)
     deadline = time.monotonic() + 60
@@ -503,12 +503,3 @@ def test_a_store_without_claims_refuses_a_shared_journal(tmp_path):
     with pytest.raises(UsageError, match="in-memory SQLite"):
         Journal(store, "r", shared=True)
     store.close()
-
-
-def _worker_url(kind, request, tmp_path) -> str:
-    """The store's URL as a worker process opens it (made once here)."""
-    _, url, opts = make_spec(kind, request, tmp_path)
-    agck.open_store(url, **opts).close()
-    if kind == "postgres":
-        url += ("&" if "?" in url else "?") + f"agck_prefix={opts['prefix']}&agck_schema={opts['schema']}"
-    return url
