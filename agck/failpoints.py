@@ -28,6 +28,10 @@ POINTS = (
     "snapshot.after_stage", "snapshot.before_ack",
     "dist.after_part", "dist.before_commit", "dist.after_commit",
     "gc.pg_doomed",            # a Postgres collector between its two transactions (agck_objects)
+    # step-journal appends (agck.journal): the campaign's journal trials
+    "journal.file.before_write", "journal.file.before_sync", "journal.file.after_sync",
+    "journal.sqlite.before_commit", "journal.sqlite.after_commit",
+    "journal.pg.before_append", "journal.pg.after_append",
 )
 
 

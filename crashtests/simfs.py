@@ -4,7 +4,7 @@
 reads back what it wrote, as on a live machine) and keeps a model of what a
 power cut would leave behind:
 
-* file data written since the last ``fsync`` of that file;
+* file data written (or truncated) since the last ``fsync`` of that file;
 * directory entry changes (create, rename, link, unlink, mkdir) since the last
   ``fsync_dir`` of that directory.
 
@@ -37,7 +37,7 @@ class Crash(BaseException):
 @dataclass
 class _Op:
     seq: int
-    kind: str            # "write" | "create" | "unlink" | "rename"
+    kind: str            # "write" | "trunc" | "create" | "unlink" | "rename"
     target: object       # an inode number (write) or a directory path (entry ops)
     args: tuple
 
@@ -134,15 +134,38 @@ class SimFS(durable.FileSystem):
             self._record("create", d, name, ("f", ino))
         return fd
 
+    def open_append(self, path: str) -> int:
+        self._tick("open_append")
+        fd = super().open_append(path)
+        d, name = self._split(path)
+        entry = self.live.get(d, {}).get(name)
+        if entry is None:
+            ino = self._new_inode()
+            if self._tracked(d):
+                self.live[d][name] = ("f", ino)
+                self._record("create", d, name, ("f", ino))
+        else:
+            ino = entry[1]
+        self.fds[fd] = [ino, None]       # None: every write goes to the end (O_APPEND)
+        return fd
+
     def write(self, fd: int, data) -> int:
         self._tick("write")
+        ent = self.fds.get(fd)
+        pos = None if ent is None else (ent[1] if ent[1] is not None else os.fstat(fd).st_size)
         n = super().write(fd, data)
+        if ent is not None:
+            self._record("write", ent[0], pos, bytes(memoryview(data)[:n]))
+            if ent[1] is not None:
+                ent[1] = pos + n
+        return n
+
+    def truncate(self, fd: int, length: int) -> None:
+        self._tick("truncate")
+        super().truncate(fd, length)
         ent = self.fds.get(fd)
         if ent is not None:
-            ino, pos = ent
-            self._record("write", ino, pos, bytes(memoryview(data)[:n]))
-            ent[1] = pos + n
-        return n
+            self._record("trunc", ent[0], length)
 
     def fsync(self, fd: int) -> None:
         self._tick("fsync")
@@ -152,8 +175,8 @@ class SimFS(durable.FileSystem):
         ino = ent[0]
         keep = []
         for op in self.unsynced:
-            if op.kind == "write" and op.target == ino:
-                _apply_write(self.inodes[ino].durable, *op.args)
+            if op.kind in _DATA and op.target == ino:
+                _apply_data(self.inodes[ino].durable, op)
             else:
                 keep.append(op)
         self.unsynced = keep
@@ -230,7 +253,7 @@ class SimFS(durable.FileSystem):
             return super().fsync_dir(path)
         keep = []
         for op in self.unsynced:
-            if op.kind != "write" and op.target == p:
+            if op.kind not in _DATA and op.target == p:
                 _apply_entry(self.dirs[p].durable, op)
             else:
                 keep.append(op)
@@ -282,8 +305,8 @@ class SimFS(durable.FileSystem):
         dirs = {p: dict(d.durable) for p, d in self.dirs.items()}
         data = {ino: bytearray(i.durable) for ino, i in self.inodes.items()}
         for op in chosen:
-            if op.kind == "write":
-                _apply_write(data[op.target], *op.args)
+            if op.kind in _DATA:
+                _apply_data(data[op.target], op)
             else:
                 _apply_entry(dirs[op.target], op)
         out: dict[str, bytes | None] = {}
@@ -351,6 +374,16 @@ def materialize(tree: dict, dst: str) -> None:
             os.makedirs(os.path.dirname(p), exist_ok=True)
             with open(p, "wb") as f:
                 f.write(tree[rel])
+
+
+_DATA = ("write", "trunc")      # operations on a file's data (made durable by its fsync)
+
+
+def _apply_data(buf: bytearray, op: _Op) -> None:
+    if op.kind == "trunc":
+        del buf[op.args[0]:]
+    else:
+        _apply_write(buf, *op.args)
 
 
 def _apply_write(buf: bytearray, pos: int, data: bytes) -> None:

@@ -7,14 +7,20 @@ floors beneath it, in one run.
   (the cost of a step must not grow with the run), results per second, and the bytes
   the journal took on disk against the bytes the steps produced (each result's
   msgpack);
+- snapshot: the same --steps steps through checkpoint_every (every --every, 500,
+  steps), the records appended to an agck.AppendLog in the state: the last tenth
+  against the first, and every byte the store gained (checkpoints, chunks, the log's
+  segments; allocated blocks on the file store too) against the bytes produced; and,
+  for contrast, --list-steps (20,000) steps holding the records in a plain list;
 - sync: --sync-steps (2,000) steps with commit="sync" (each result durable before
   step returns) against the floor, alternated in rounds: the same record bytes
   appended to a file and fdatasync'd per step (file store), one INSERT of them and
   COMMIT per step (SQLite with agck's settings, WAL and synchronous=FULL; Postgres
   with synchronous_commit on).
 
-    python scripts/bench_journal.py [--steps 200000] [--sync-steps 2000] [--rounds 3] [--stores file,sqlite,postgres]
-                                    [--dir /var/tmp] [--dsn postgresql://...] [--json F]
+    python scripts/bench_journal.py [--steps 200000] [--every 500] [--list-steps 20000] [--sync-steps 2000]
+                                    [--rounds 3] [--stores file,sqlite,postgres] [--dir /var/tmp]
+                                    [--dsn postgresql://...] [--json F] [--only growth,snapshot,sync]
 """
 
 from __future__ import annotations
@@ -91,6 +97,66 @@ def growth(kind: str, steps: int, workdir: str, schema, admin_cur, log) -> dict:
     return out
 
 
+def _store_bytes(kind: str, store, admin_cur) -> tuple[int, int]:
+    """Everything the store holds: (bytes, bytes allocated on disk)."""
+    if kind == "file":
+        size = alloc = 0
+        for d, _, names in os.walk(store.root):
+            for n in names:
+                st = os.stat(os.path.join(d, n))
+                size += st.st_size
+                alloc += st.st_blocks * 512
+        return size, alloc
+    if kind == "sqlite":
+        store._db().execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        size = os.path.getsize(store.path)
+        return size, size
+    n = store.names
+    total = 0
+    for t in (n.manifest, n.chunks, n.objects, n.log, n.log_heads):
+        admin_cur.execute("SELECT coalesce(pg_total_relation_size(to_regclass(%s)), 0)", (t,))
+        total += int(admin_cur.fetchone()[0])
+    return total, total
+
+
+def snapshot(kind: str, steps: int, every: int, workdir: str, schema, admin_cur, log, *, plain_list=False) -> dict:
+    """Records accumulated in a checkpoint_every state: an AppendLog (or a plain list)."""
+    store = _open(kind, workdir, schema)
+    before, before_alloc = _store_bytes(kind, store, admin_cur)
+    produced = 0
+    tenth = steps // 10
+    times = []
+    state = {"done": 0, "results": [] if plain_list else agck.AppendLog()}
+    snap = agck.Snapshotter(store, "grow", every=every)
+    state = snap.restore(state)
+    t0 = t_start = time.perf_counter()
+    for i in snap.steps(steps):
+        r = result_of(i)
+        state["results"].append(r)
+        state["done"] = i + 1
+        if i < 1000 or i % 97 == 0:
+            produced_one = len(msgpack.packb(r))
+        produced += produced_one
+        if (i + 1) % tenth == 0:
+            now = time.perf_counter()
+            times.append(now - t0)
+            t0 = now
+    snap.close()
+    total = time.perf_counter() - t_start
+    size, alloc = _store_bytes(kind, store, admin_cur)
+    store.close()
+    disk, disk_alloc = size - before, alloc - before_alloc
+    out = {"steps": steps, "every": every, "seconds": total, "per_second": steps / total, "tenths": times,
+           "last_over_first": times[-1] / times[0], "produced": produced, "disk": disk, "disk_allocated": disk_alloc,
+           "disk_over_produced": disk / produced, "allocated_over_produced": disk_alloc / produced,
+           "checkpoints": steps // every}
+    what = "a plain list" if plain_list else "an AppendLog"
+    log(f"  {kind} ({what}): {steps} steps in {total:.1f} s ({steps / total:,.0f}/s), tenths "
+        f"{', '.join(f'{t:.2f}' for t in times)} s: last {out['last_over_first']:.2f}x the first; "
+        f"{disk / produced:.2f}x the bytes produced ({disk_alloc / produced:.2f}x allocated)")
+    return out
+
+
 class _Floor:
     """One durable write of a record per step, the plainest way for each store."""
 
@@ -160,6 +226,9 @@ def sync(kind: str, steps: int, rounds: int, workdir: str, schema, log) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=200_000)
+    p.add_argument("--every", type=int, default=500)
+    p.add_argument("--list-steps", type=int, default=20_000)
+    p.add_argument("--only", default="growth,snapshot,sync")
     p.add_argument("--sync-steps", type=int, default=2_000)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--stores", default="file,sqlite,postgres")
@@ -172,21 +241,44 @@ def main(argv=None) -> int:
     log = lambda m: print(m, file=sys.stderr, flush=True)   # noqa: E731
     kinds = a.stores.split(",")
     workdir = tempfile.mkdtemp(prefix="agck-bench-journal-", dir=a.dir)
-    results: dict = {"growth": {}, "sync": {}}
+    only = set(a.only.split(","))
+    results: dict = {"growth": {}, "snapshot": {}, "snapshot_list": {}, "sync": {}}
     with benchio.scratch_schema(DSN, "bench_journal") as (schema, admin_cur):
-        log(f"growth: {a.steps} steps per store, group commit")
+        if "growth" in only:
+            log(f"growth: {a.steps} steps per store, group commit")
+            for k in kinds:
+                results["growth"][k] = growth(k, a.steps, workdir, schema, admin_cur, log)
+        if "snapshot" in only:
+            log(f"snapshot: {a.steps} steps per store through checkpoint_every({a.every}), an AppendLog; "
+                f"{a.list_steps} holding a plain list")
+            for k in kinds:
+                results["snapshot"][k] = snapshot(k, a.steps, a.every, workdir, schema, admin_cur, log)
+                if a.list_steps:
+                    results["snapshot_list"][k] = snapshot(k, a.list_steps, a.every, workdir, schema, admin_cur,
+                                                           log, plain_list=True)
+        if "sync" in only:
+            log(f"sync: {a.sync_steps} steps per round, {a.rounds} rounds after one warm-up")
+            for k in kinds:
+                results["sync"][k] = sync(k, a.sync_steps, a.rounds, workdir, schema, log)
+    if results["growth"] and results["sync"]:
+        print(f"## The step journal: {a.steps:,} steps in group commit, {a.sync_steps:,} in sync commit\n")
+        print("| store | results/s (group) | last tenth / first | on disk / produced | sync step | floor "
+              "| sync / floor |")
+        print("|---|---:|---:|---:|---:|---|---:|")
         for k in kinds:
-            results["growth"][k] = growth(k, a.steps, workdir, schema, admin_cur, log)
-        log(f"sync: {a.sync_steps} steps per round, {a.rounds} rounds after one warm-up")
+            g, s = results["growth"][k], results["sync"][k]
+            print(f"| {k} | {g['per_second']:,.0f} | {g['last_over_first']:.2f}x | {g['disk_over_produced']:.2f}x | "
+                  f"{s['agck_us']:.0f} us | {s['floor']} {s['floor_us']:.0f} us | {s['ratio']:.2f}x |")
+    if results["snapshot"]:
+        print(f"\n## checkpoint_every({a.every}) with the records in the state: {a.steps:,} steps (AppendLog), "
+              f"{a.list_steps:,} (a plain list)\n")
+        print("| store | state | steps/s | last tenth / first | store bytes / produced | allocated / produced |")
+        print("|---|---|---:|---:|---:|---:|")
         for k in kinds:
-            results["sync"][k] = sync(k, a.sync_steps, a.rounds, workdir, schema, log)
-    print(f"## The step journal: {a.steps:,} steps in group commit, {a.sync_steps:,} in sync commit\n")
-    print("| store | results/s (group) | last tenth / first | on disk / produced | sync step | floor | sync / floor |")
-    print("|---|---:|---:|---:|---:|---|---:|")
-    for k in kinds:
-        g, s = results["growth"][k], results["sync"][k]
-        print(f"| {k} | {g['per_second']:,.0f} | {g['last_over_first']:.2f}x | {g['disk_over_produced']:.2f}x | "
-              f"{s['agck_us']:.0f} us | {s['floor']} {s['floor_us']:.0f} us | {s['ratio']:.2f}x |")
+            for label, r in (("AppendLog", results["snapshot"][k]), ("list", results["snapshot_list"].get(k))):
+                if r:
+                    print(f"| {k} | {label} | {r['per_second']:,.0f} | {r['last_over_first']:.2f}x | "
+                          f"{r['disk_over_produced']:.2f}x | {r['allocated_over_produced']:.2f}x |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -23,7 +23,7 @@ import os
 import threading
 from collections.abc import Sequence
 
-from .. import durable, journalrec
+from .. import durable, failpoints, journalrec
 from ..errors import DurabilityError, StoreConnectionError
 
 LOG_NAME = "journal.agjl"
@@ -77,12 +77,15 @@ class FileLogs:
                     self.fs.truncate(fd, end)
                     self.fs.fsync(fd)
                 size = end
+            failpoints.hit("journal.file.before_write")
             view = memoryview(data)
             while view.nbytes:
                 n = self.fs.write(fd, view)
                 view = view[n:]
             if sync:
+                failpoints.hit("journal.file.before_sync")
                 self.fs.datasync(fd)
+                failpoints.hit("journal.file.after_sync")
             self._ends[path] = size + len(data)
             return size, size + len(data)
         except OSError as e:

@@ -23,6 +23,7 @@ import time
 import psycopg2
 import psycopg2.errors
 
+from .. import failpoints
 from ..errors import DurabilityError, SchemaUninitializedError, StoreConnectionError
 from ..names import check_run
 from . import pgschema
@@ -54,7 +55,9 @@ class JournalLogs:
         for attempt in range(3):
             with self._cursor() as cur:
                 try:
+                    failpoints.hit("journal.pg.before_append")
                     cur.execute(sql, args)
+                    failpoints.hit("journal.pg.after_append")
                     return None
                 except (psycopg2.errors.UndefinedTable, psycopg2.errors.UniqueViolation):
                     self._abort(cur)      # no journal yet (made below), or two first appends made it at once

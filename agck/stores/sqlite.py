@@ -373,6 +373,8 @@ class SqliteStore(TransactionalPuts, Store):
                     # the batch is one row: its records delimit themselves, and a row's overhead is paid once
                     c.execute(f"INSERT INTO {self._t_log} (run, seq, data) VALUES (?, ?, ?)",
                               (run, last + 1, b"".join(records)))
+                    failpoints.hit("journal.sqlite.before_commit")
+                failpoints.hit("journal.sqlite.after_commit")
             except sqlite3.Error as e:
                 raise DurabilityError(f"journal append failed: {e}", ref=self.log_ref(run),
                                       hint="the records of this batch are not acknowledged; write them again") from None
