@@ -68,25 +68,36 @@ def _disk_bytes(kind: str, store, run: str, admin_cur) -> int:
     return int(admin_cur.fetchone()[0])
 
 
+class _Tally:
+    """The time of every tenth of a run, and the bytes its results are (each one's
+    msgpack: sampled after the first thousand)."""
+
+    def __init__(self, steps: int):
+        self.tenth, self.times, self.produced, self.one = steps // 10, [], 0, 0
+        self.t0 = self.start = time.perf_counter()
+
+    def add(self, i: int, result) -> None:
+        if i < 1000 or i % 97 == 0:
+            self.one = len(msgpack.packb(result))
+        self.produced += self.one
+        if (i + 1) % self.tenth == 0:
+            now = time.perf_counter()
+            self.times.append(now - self.t0)
+            self.t0 = now
+
+    def done(self) -> tuple[float, list, int]:
+        return time.perf_counter() - self.start, self.times, self.produced
+
+
 def growth(kind: str, steps: int, workdir: str, schema, admin_cur, log) -> dict:
     store = _open(kind, workdir, schema)
     before = _disk_bytes(kind, store, "grow", admin_cur) if kind == "sqlite" else 0
-    produced = 0
-    tenth = steps // 10
-    times = []
+    tally = _Tally(steps)
     j = agck.Journal(store, "grow", commit="group")
-    t0 = t_start = time.perf_counter()
     for i in range(steps):
-        r = j.step("summarize", result_of, i)
-        if i < 1000 or i % 97 == 0:     # the bytes each result is: sampled after the first thousand
-            produced_one = len(msgpack.packb(r))
-        produced += produced_one
-        if (i + 1) % tenth == 0:
-            now = time.perf_counter()
-            times.append(now - t0)
-            t0 = now
+        tally.add(i, j.step("summarize", result_of, i))
     j.close()
-    total = time.perf_counter() - t_start
+    total, times, produced = tally.done()
     disk = _disk_bytes(kind, store, "grow", admin_cur) - before
     store.close()
     out = {"steps": steps, "seconds": total, "per_second": steps / total, "tenths": times,
@@ -123,26 +134,17 @@ def snapshot(kind: str, steps: int, every: int, workdir: str, schema, admin_cur,
     """Records accumulated in a checkpoint_every state: an AppendLog (or a plain list)."""
     store = _open(kind, workdir, schema)
     before, before_alloc = _store_bytes(kind, store, admin_cur)
-    produced = 0
-    tenth = steps // 10
-    times = []
     state = {"done": 0, "results": [] if plain_list else agck.AppendLog()}
     snap = agck.Snapshotter(store, "grow", every=every)
     state = snap.restore(state)
-    t0 = t_start = time.perf_counter()
+    tally = _Tally(steps)
     for i in snap.steps(steps):
         r = result_of(i)
         state["results"].append(r)
         state["done"] = i + 1
-        if i < 1000 or i % 97 == 0:
-            produced_one = len(msgpack.packb(r))
-        produced += produced_one
-        if (i + 1) % tenth == 0:
-            now = time.perf_counter()
-            times.append(now - t0)
-            t0 = now
+        tally.add(i, r)
     snap.close()
-    total = time.perf_counter() - t_start
+    total, times, produced = tally.done()
     size, alloc = _store_bytes(kind, store, admin_cur)
     store.close()
     disk, disk_alloc = size - before, alloc - before_alloc
