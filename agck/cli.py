@@ -239,10 +239,27 @@ def cmd_show(args) -> int:
         else:
             info = checkpoint.inspect(args.target, verify=args.verify)
     else:
+        journal = _journal_only(args)
+        if journal is not None:      # a run that keeps only a journal: what it holds
+            _emit(args, journal, lambda: "\n".join([f"{journal['run']}: journal ({journal['ref']}): "
+                                                    f"{_journal_line(journal)}, {_size(journal['bytes'])}"]
+                                                   + _journal_damage(journal)))
+            return EXIT_WALKED_BACK if journal["damaged"] else EXIT_OK
         info = _stored_info(_stored_checkpoint(args, args.target, "show"), True)
     info["meta"] = _meta(info["meta"])
     _emit(args, info, lambda: _format_show(info))
     return EXIT_OK
+
+
+def _journal_only(args) -> dict | None:
+    """``show STORE --run R`` of a run with a journal and no checkpoint: the journal's report."""
+    if args.run is None or args.step is not None:
+        return None
+    from .journal import inspect_journal
+    with _open(args.target) as store:
+        if store.steps(args.run) or args.run not in store.log_runs():
+            return None
+        return inspect_journal(store, args.run)
 
 
 def _shape(shape) -> str:
@@ -277,20 +294,27 @@ def _format_show(info: dict) -> str:
 
 
 def cmd_ls(args) -> int:
+    from .journal import inspect_journal
     with _open(args.store) as store:
         infos = store.list(args.run)
         partial = sharded.partial_parts(store, args.run)
-        if args.run is not None and not infos and not partial:   # a mistyped run lists nothing, successfully
+        journals = [inspect_journal(store, r, decode=False) for r in _journal_runs(store, args.run)]
+        if args.run is not None and not infos and not partial and not journals:   # a mistyped run
             raise _unknown_run("ls", store, args.run)
     rows = [{**i.as_dict(), "meta": _meta(i.meta)} for i in infos]
     # parts of multi-rank steps that no commit record binds: never resumed, listed apart
     rows += [{"run": p.run, "step": p.step, "partial": p.as_dict()} for p in partial]
+    # step journals (agck.Journal, and the segments of snapshotted AppendLogs): a row per run
+    rows += [{"run": j["run"], "step": None, "journal": j} for j in journals]
 
     def text():
         if not rows:
             return "(no checkpoints)"
         cells = [["run", "step", "parent", "size", "created", "meta"]]
         for r in rows:
+            if "journal" in r:
+                cells.append([r["run"], "journal", "-", _size(r["journal"]["bytes"]), "-", _journal_line(r["journal"])])
+                continue
             if "partial" in r:
                 p = r["partial"]
                 cells.append([r["run"], str(r["step"]), "-", "-", "-",
@@ -317,20 +341,28 @@ def cmd_verify(args) -> int:
             return EXIT_WALKED_BACK
         _emit(args, {"ok": 1, "corrupt": 0, "rejected": []}, lambda: f"OK {args.target}")
         return EXIT_OK
+    from .journal import inspect_journal
     with _open(args.target) as store:
-        if args.run is not None and not store.steps(args.run):
+        journal_runs = _journal_runs(store, args.run)
+        if args.run is not None and not store.steps(args.run) and not journal_runs:
             raise _unknown_run("verify", store, args.run)
         runs = [args.run] if args.run else store.runs()
         total = sum(len(store.steps(r)) for r in runs)
-        if not total:       # verified nothing: not a green result
+        if not total and not journal_runs:       # verified nothing: not a green result
             raise _nothing_stored("verify", store)
         with _progress(total, "verify", args.quiet) as bar:
             rep = verify_store(store, args.run, progress=lambda: bar.update(1))
-    lines = [f"{len(rep.ok)} ok, {len(rep.rejected)} corrupt"]
+        journals = [inspect_journal(store, r) for r in journal_runs]     # every record, every value
+    damaged = sum(len(j["damaged"]) for j in journals)
+    lines = [f"{len(rep.ok)} ok, {len(rep.rejected)} corrupt"
+             + (f"; {_n(len(journals), 'journal')}: {sum(j['records'] for j in journals)} records ok, "
+                f"{damaged} damaged" if journals else "")]
     lines += [f"  CORRUPT {r.run} step {r.step} ({r.ref}): {r.reason}" for r in rep.rejected]
+    for j in journals:
+        lines += _journal_damage(j)
     lines += [f"  orphan  {p}" for p in rep.orphans]
-    _emit(args, rep.as_dict(), lambda: "\n".join(lines))
-    return EXIT_WALKED_BACK if rep.rejected else EXIT_OK
+    _emit(args, {**rep.as_dict(), "journals": journals}, lambda: "\n".join(lines))
+    return EXIT_WALKED_BACK if rep.rejected or damaged else EXIT_OK
 
 
 def cmd_journal(args) -> int:
@@ -350,30 +382,52 @@ def cmd_journal(args) -> int:
             return "(no journals)"
         lines = []
         for r in reports:
-            steps = ", ".join(f"{n} {k}" for n, k in r["steps"].items())
-            lines.append(f"{r['run']}: {_n(r['results'], 'result')} ({steps or 'none'}), {_n(r['streams'], 'stream')} "
-                         f"({r['streams_complete']} complete), "
-                         + "".join(f"AppendLog {n} in {_n(k, 'segment')}, " for n, k in r["log_segments"].items())
-                         + f"{_n(r['records'], 'record')}, {_size(r['bytes'])}"
-                         + (", a torn tail (a write cut short: never acknowledged)" if r["torn_tail"] else ""))
-            lines += [f"  DAMAGED at {d['at']} of {r['ref']}: {d['reason']}" for d in r["damaged"]]
+            lines.append(f"{r['run']}: {_journal_line(r)}, {_size(r['bytes'])}")
+            lines += _journal_damage(r)
         return "\n".join(lines)
     _emit(args, reports, text)
     return EXIT_WALKED_BACK if any(r["damaged"] for r in reports) else EXIT_OK
 
 
+def _journal_runs(store, run: str | None) -> list[str]:
+    runs = store.log_runs()
+    return runs if run is None else [r for r in runs if r == run]
+
+
+def _journal_line(r: dict) -> str:
+    """What a journal holds (:func:`agck.journal.inspect_journal`), in one line."""
+    steps = ", ".join(f"{n} {k}" for n, k in r["steps"].items())
+    return (f"{_n(r['results'], 'result')} ({steps or 'none'}), {_n(r['streams'], 'stream')} "
+            f"({r['streams_complete']} complete), "
+            + "".join(f"AppendLog {n} in {_n(k, 'segment')}, " for n, k in r["log_segments"].items())
+            + _n(r["records"], "record")
+            + (f", {_n(len(r['damaged']), 'damaged record')}" if r["damaged"] else "")
+            + (", a torn tail (a write cut short: never acknowledged)" if r["torn_tail"] else ""))
+
+
+def _journal_damage(r: dict) -> list[str]:
+    return [f"  DAMAGED at byte {d['at']} of {r['ref']}: {d['reason']} (its step runs again)" for d in r["damaged"]]
+
+
 def cmd_recover(args) -> int:
+    from .journal import inspect_journal
     from .recovery import recover_run
     with _open(args.store) as store:
         with_parts = {r for _, r, _, _ in sharded.part_runs(store, args.run)}   # runs with multi-rank parts
-        runs = [check_run(args.run)] if args.run is not None else sorted(set(store.runs()) | with_parts)
-        if not with_parts and not any(store.steps(r) for r in runs):    # nothing to recover is not a success
+        journal_runs = _journal_runs(store, args.run)
+        runs = [check_run(args.run)] if args.run is not None else \
+            sorted(set(store.runs()) | with_parts | set(journal_runs))
+        if not with_parts and not journal_runs and not any(store.steps(r) for r in runs):
+            # nothing to recover is not a success
             raise _unknown_run("recover", store, args.run) if args.run is not None else \
                 _nothing_stored("recover", store)
         results = []
         with _progress(None, "recover", args.quiet) as bar:
             for r in runs:
                 results.append(recover_run(store, r, on_candidate=lambda s: bar.update(1)))
+        # what a journal of the run reads back when it opens: its steps whose records are
+        # damaged run again; a torn tail is cut off by the next append
+        journals = {r: inspect_journal(store, r) for r in journal_runs}
         partial = {r: sharded.partial_parts(store, r) for r in runs}
         cleaned = []
         if args.clean:
@@ -392,7 +446,9 @@ def cmd_recover(args) -> int:
         checkpoint.save(args.restore_to, ck.state, run=ck.run, step=ck.step, parent=ck.parent, meta=ck.meta)
     lines = []
     for rec in results:
-        if rec.checkpoint is None and not rec.candidates:
+        if rec.checkpoint is None and not rec.candidates and rec.run in journals:
+            pass        # a run that keeps only a journal: said below
+        elif rec.checkpoint is None and not rec.candidates:
             lines.append(f"{rec.run}: no checkpoints")
         elif rec.checkpoint is None:
             lines.append(f"{rec.run}: NOTHING VALID among {_n(rec.candidates, 'checkpoint')}")
@@ -406,14 +462,21 @@ def cmd_recover(args) -> int:
         for p in partial[rec.run]:
             state = " (removed)" if p.ref in cleaned else "" if p.removable else " (may be in flight: kept)"
             lines.append(f"  partial step {p.step}: rank {p.rank}'s part (epoch {p.epoch}), {p.reason}{state}")
+        j = journals.get(rec.run)
+        if j is not None:
+            lines.append(f"{rec.run}: journal: {_journal_line(j)}")
+            lines += _journal_damage(j)
     if args.restore_to:
         lines.append(f"restored to {args.restore_to}")
-    out = {"runs": [{**r.as_dict(), "partial": [p.as_dict() for p in partial[r.run]]} for r in results],
+    out = {"runs": [{**r.as_dict(), "partial": [p.as_dict() for p in partial[r.run]],
+                     "journal": journals.get(r.run)} for r in results],
            "cleaned": cleaned, "restored_to": args.restore_to}
     _emit(args, out, lambda: "\n".join(lines) or "(no runs)")
     if any(r.checkpoint is None and r.candidates for r in results) or not results:
         return EXIT_NOTHING_VALID
-    return EXIT_WALKED_BACK if any(r.rejected for r in results) else EXIT_OK
+    if any(r.rejected for r in results) or any(j["damaged"] for j in journals.values()):
+        return EXIT_WALKED_BACK
+    return EXIT_OK
 
 
 def cmd_prune(args) -> int:

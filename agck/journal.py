@@ -453,11 +453,12 @@ def _fields(e: journalrec.Entry) -> tuple:
     return e.kind, e.name, e.key, e.index, e.enc, e.payload
 
 
-def inspect_journal(store: Store, run: str) -> dict:
+def inspect_journal(store: Store, run: str, *, decode: bool = True) -> dict:
     """What the run's journal holds, every record verified, for ``agck journal``:
     its results and streams (complete or cut short), the segments of AppendLogs
     snapshotted in the run, the records found damaged (and
-    where), whether it ends in a torn tail, and its size."""
+    where), whether it ends in a torn tail, and its size. Without ``decode`` only
+    the records' checksums are checked (``agck ls``), not whether each value rebuilds."""
     data, _ = store.log_read(check_run(run))
     found = journalrec.scan(data)
     results, items, ends = set(), {}, {}
@@ -473,7 +474,7 @@ def inspect_journal(store: Store, run: str) -> dict:
             ends.setdefault(key, e.index)
         else:
             segments[e.name] = segments.get(e.name, 0) + 1
-        if e.kind != "e":
+        if e.kind != "e" and decode:
             try:
                 journalrec.decode_value(e, ref=store.log_ref(run))
             except Exception as err:     # its check held but its value does not rebuild: damaged

@@ -387,7 +387,53 @@ def test_agck_journal_reports_what_each_journal_holds(kind, request, tmp_path, c
         open(path, "wb").write(bytes(data))
         assert main(["journal", url]) == 1
         out = capsys.readouterr().out
-        assert f"DAMAGED at {second} of {path}: checksum mismatch" in out and "2 results" in out
+        assert f"DAMAGED at byte {second} of {path}: checksum mismatch" in out and "2 results" in out
+        assert "1 damaged record" in out
+    store.close()
+
+
+@pytest.mark.parametrize("kind", ["file", "sqlite"])
+def test_ls_show_verify_and_recover_read_journals(kind, request, tmp_path, capsys):
+    """A run that keeps only a journal is listed, shown, verified and recovered; a
+    damaged record makes verify and recover exit 1, naming where it is."""
+    from agck.cli import main
+    _, url, opts = make_spec(kind, request, tmp_path)
+    store = agck.open_store(url, **opts)
+    store.put("ckpts", 1, {"w": 1})
+    with Journal(store, "embed") as j:
+        for i in range(4):
+            j.step("embed", lambda i: {"i": i}, i)
+    state = {"results": agck.AppendLog()}
+    with agck.Snapshotter(store, "snap", every=2) as snap:
+        state = snap.restore(state)
+        for i in snap.steps(4):
+            state["results"].append(i)
+    line = "4 results (embed 4), 0 streams (0 complete), 4 records"
+    assert main(["ls", url]) == 0
+    out = capsys.readouterr().out
+    assert "embed  journal" in out and line in out and "AppendLog" in out and "ckpts" in out
+    assert main(["ls", url, "--run", "embed", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["journal"]["results"] == 4
+    assert main(["show", url, "--run", "embed"]) == 0 and line in capsys.readouterr().out
+    assert main(["verify", url]) == 0
+    assert "3 ok, 0 corrupt; 2 journals: 6 records ok, 0 damaged" in capsys.readouterr().out
+    assert main(["recover", url]) == 0
+    out = capsys.readouterr().out
+    assert f"embed: journal: {line}" in out and "ckpts: last valid step 1" in out and "embed: no checkpoints" not in out
+    # a journal-only store still has something to verify and recover
+    if kind == "file":
+        path = store.log_ref("embed")
+        data = bytearray(open(path, "rb").read())
+        second = jr.scan(bytes(data)).entries[1][0]
+        data[second + 12] ^= 0x01
+        open(path, "wb").write(bytes(data))
+        assert main(["verify", url, "--run", "embed"]) == 1
+        assert f"DAMAGED at byte {second} of {path}" in capsys.readouterr().out
+        assert main(["recover", url, "--run", "embed", "--json"]) == 1
+        (r,) = json.loads(capsys.readouterr().out)["runs"]
+        assert r["journal"]["damaged"][0]["at"] == second and r["step"] is None
+        assert main(["show", url, "--run", "embed"]) == 1
     store.close()
 
 
