@@ -32,6 +32,7 @@ POINTS = (
     "journal.file.before_write", "journal.file.before_sync", "journal.file.after_sync",
     "journal.sqlite.before_commit", "journal.sqlite.after_commit",
     "journal.pg.before_append", "journal.pg.after_append",
+    "journal.s3.before_put", "journal.s3.after_put",
 )
 
 

@@ -4,7 +4,7 @@ The workload is :mod:`crashtests.journalwork` (results, streamed steps, in sync 
 group commit, drawn per trial). Each trial crashes it one way, drawn in turn from
 what its store can suffer:
 
-* ``kill``       SIGKILL at a random instant of the run (file, SQLite, Postgres);
+* ``kill``       SIGKILL at a random instant of the run (every journal store);
 * ``failpoint``  killed at a fail point of the journal's append path, on its N-th hit
                  (``journal.<store>.*`` in :data:`agck.failpoints.POINTS`);
 * ``pgkill``     the private Postgres server killed (SIGKILL or an immediate stop) at a
@@ -21,7 +21,7 @@ then runs the workload again to the end on what survived. A trial is judged:
   from an uninterrupted run's, or the journal at the end does not hold every step.
 
 Contract: :func:`trials` runs ``cfg.n(store, "journal")`` trials per journal store
-(file, sqlite, postgres; object stores keep no journal), the subprocess ones
+(file, sqlite, postgres, s3; pgs3 keeps its journals in Postgres, as postgres), the subprocess ones
 ``cfg.jobs`` at a time, the Postgres server kills one after another. Each trial's
 counts go to ``Trial.load`` (judged by :func:`crashtests.checker.classify` as a
 ``pgload`` trial is).
@@ -41,12 +41,13 @@ from . import journalwork
 from .campaign import Campaign, _log
 from .checker import Trial
 
-STORES = ("file", "sqlite", "postgres")
+STORES = ("file", "sqlite", "postgres", "s3")
 KINDS = {"file": ("kill", "failpoint", "powerloss"), "sqlite": ("kill", "failpoint"),
-         "postgres": ("kill", "failpoint", "pgkill")}
+         "postgres": ("kill", "failpoint", "pgkill"), "s3": ("kill", "failpoint")}
 POINTS = {"file": ("journal.file.before_write", "journal.file.before_sync", "journal.file.after_sync"),
           "sqlite": ("journal.sqlite.before_commit", "journal.sqlite.after_commit"),
-          "postgres": ("journal.pg.before_append", "journal.pg.after_append")}
+          "postgres": ("journal.pg.before_append", "journal.pg.after_append"),
+          "s3": ("journal.s3.before_put", "journal.s3.after_put")}
 STEPS = 40
 SLEEP = 0.02
 

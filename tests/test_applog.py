@@ -41,12 +41,13 @@ _PIPELINE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("kind", ["file", "sqlite", "postgres"])
+@pytest.mark.parametrize("kind", ["file", "sqlite", "postgres", "s3"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_sigkilled_pipeline_resumes_equal_to_an_uninterrupted_one(tmp_path, kind, mode, request):
     script = tmp_path / "pipeline.py"
     script.write_text(_PIPELINE)
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    url = worker_url(kind, request, tmp_path)
+    env = {**os.environ, "PYTHONPATH": ROOT}       # (after the store's server set its credentials)
 
     def run(url, kill_at):
         return subprocess.run([sys.executable, str(script), url, mode, str(kill_at)], env=env, capture_output=True,
@@ -54,9 +55,9 @@ def test_a_sigkilled_pipeline_resumes_equal_to_an_uninterrupted_one(tmp_path, ki
 
     whole = run(str(tmp_path / "alone"), -1)
     assert whole.returncode == 0, whole.stderr
-    url = worker_url(kind, request, tmp_path)
     for kill_at in (60, 61, 187):        # killed twice, once right after a checkpoint
-        assert run(url, kill_at).returncode == -9
+        killed = run(url, kill_at)
+        assert killed.returncode == -9, killed.stderr
     resumed = run(url, -1)
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads(resumed.stdout) == json.loads(whole.stdout)

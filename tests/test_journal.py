@@ -120,7 +120,8 @@ def test_fingerprints():
 
 # --- the journal ---------------------------------------------------------------------------
 
-JOURNAL_STORES = ["file", "sqlite", "postgres"]
+JOURNAL_STORES = ["file", "sqlite", "postgres", "s3"]
+SHARED_STORES = ["file", "sqlite", "postgres"]      # claims on steps (an object store has none)
 
 
 def _store(kind, request, tmp_path):
@@ -153,7 +154,7 @@ def test_a_step_runs_once_and_is_read_back(kind, request, tmp_path):
     store.close()
 
 
-@pytest.mark.parametrize("kind", JOURNAL_STORES)
+@pytest.mark.parametrize("kind", SHARED_STORES)
 def test_shared_journals_see_each_others_results(kind, request, tmp_path):
     store = _store(kind, request, tmp_path)
     a, b = Journal(store, "r", shared=True), Journal(store, "r", shared=True)
@@ -457,7 +458,7 @@ _SHARED_WORKER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("kind", JOURNAL_STORES)
+@pytest.mark.parametrize("kind", SHARED_STORES)
 @pytest.mark.parametrize("commit", ["sync", "group"])
 def test_workers_sharing_a_run_run_each_step_once(tmp_path, commit, kind, request):
     """Four processes over one run's 120 keys, each in its own order: every step runs
@@ -496,7 +497,7 @@ _HOLDER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("kind", JOURNAL_STORES)
+@pytest.mark.parametrize("kind", SHARED_STORES)
 def test_a_claim_dies_with_its_holder(tmp_path, kind, request):
     """A worker that waits for a step another runs, then sees its holder SIGKILLed,
     runs the step itself (the holder's result was never acknowledged)."""
@@ -544,8 +545,12 @@ def test_threads_of_one_journal_run_a_step_once(tmp_path):
     assert all(g == [(i % 20) * 3 for i in range(60)] for g in got)
 
 
-def test_a_store_without_claims_refuses_a_shared_journal(tmp_path):
+def test_a_store_without_claims_refuses_a_shared_journal(tmp_path, request):
     store = agck.open_store("sqlite:///:memory:")
     with pytest.raises(UsageError, match="in-memory SQLite"):
+        Journal(store, "r", shared=True)
+    store.close()
+    store = _store("s3", request, tmp_path)
+    with pytest.raises(UsageError, match="cannot share a journal between processes"):
         Journal(store, "r", shared=True)
     store.close()

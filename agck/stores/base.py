@@ -310,7 +310,7 @@ class Store(ABC):
         (as :meth:`log_read` takes them) where they start and end, where the store
         knows them without another round trip (else None)."""
         raise UsageError(f"{type(self).__name__} keeps no step journal yet", ref=self.url,
-                         hint="use a file, SQLite or Postgres store for agck.Journal")
+                         hint="use a file, SQLite, Postgres or s3:// store for agck.Journal")
 
     def log_read(self, run: str, start: int = 0) -> tuple[bytes, int]:
         """The records appended to the run's log from position ``start`` (0: the
@@ -318,7 +318,7 @@ class Store(ABC):
         offsets where :attr:`log_positions_are_bytes` (a log that can end in a torn
         tail, read again from its start), else numbers of whole appended batches."""
         raise UsageError(f"{type(self).__name__} keeps no step journal yet", ref=self.url,
-                         hint="use a file, SQLite or Postgres store for agck.Journal")
+                         hint="use a file, SQLite, Postgres or s3:// store for agck.Journal")
 
     def log_ref(self, run: str) -> str:
         """Where the run's journal log is, for humans."""

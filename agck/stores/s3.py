@@ -4,6 +4,7 @@
     <prefix>/runs/<run>/log/<seq:020d>           the run's commit records, create-only (s3log.py)
     <prefix>/runs/<run>/snap/<seq:020d>          the fold of the records up to seq, now and then
     <prefix>/runs/<run>/data/<step:020d>-<token>.agck   a container too large for its record
+    <prefix>/runs/<run>/journal/<seq:020d>       the run's step journal, a batch per object (s3journal.py)
     <prefix>/chunks/<2 hex>/<62 hex>             chunks shared by the checkpoints, by BLAKE3 address
     <prefix>/locks/<w|want|gc>-<ns>-<token>.<host>.<pid>   writers' and the collector's locks
     <prefix>/generation                          changed by whatever deletes or replaces chunks
@@ -51,6 +52,7 @@ from ..names import is_run_name
 from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
 from .objchunks import CATALOG_MARKER, STORE_MARKER, address_of, chunk_key
 from .objclient import ObjectClient, ObjectExists, ObjectInfo
+from .s3journal import JournalLogs
 
 log = logging.getLogger("agck")
 
@@ -71,7 +73,7 @@ def _token() -> str:
     return uuid.uuid4().hex[:16]
 
 
-class S3Store(Store):
+class S3Store(JournalLogs, Store):
     """``open_store("s3://bucket/prefix")``: see the module docstring for the layout."""
 
     def __init__(self, url: str, *, create: bool = True, incremental: bool = True, full_every: int | None = None,
@@ -91,6 +93,8 @@ class S3Store(Store):
         self.grace = float(grace)      # an unlisted data object younger than this may be a put in flight
         self._states: dict[str, s3log.RunState] = {}
         self._states_lock = threading.Lock()
+        self._journal_lock = threading.Lock()
+        self._journal_heads: dict[str, int] = {}     # run -> the last journal batch this object saw
         self._known: set[bytes] = set()           # chunks known stored, while the generation holds
         self._generation: bytes | None = None
         self._pool: ThreadPoolExecutor | None = None
