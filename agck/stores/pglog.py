@@ -4,9 +4,11 @@
 
 Two tables, made by the first append (:func:`pgschema.log_ddl`; the schema
 version does not change): ``{prefix}_log(run, seq, data)``, one row per appended
-batch of records (:mod:`agck.journalrec`: they delimit and check themselves), and
-``{prefix}_log_heads(run, seq)``, the last number given per run, whose row lock,
-held to the COMMIT, makes a run's appends commit in the order of their numbers.
+batch of records (:mod:`agck.journalrec`: they delimit and check themselves),
+numbered 1, 2, ... per run, the primary key deciding between writers, and
+``{prefix}_log_heads(run, seq)``, a row per run that keeps a journal, which
+lists them (``seq`` is written 0 and not kept up: a row updated at every append
+cost each sync append a third of its time).
 
 Claims on steps (:class:`PgClaims`, for journals shared between processes) are
 session advisory locks taken on a connection of their own: the server drops them
@@ -31,6 +33,8 @@ from .logclaims import LogClaims, claim_number
 
 log = logging.getLogger("agck.journal")
 
+_APPEND_TRIES = 1000       # numbers taken by other writers of the run, one after another
+
 
 class JournalLogs:
     """The journal-log methods of :class:`~agck.stores.postgres.PostgresStore`."""
@@ -38,29 +42,43 @@ class JournalLogs:
     def log_ref(self, run: str) -> str:
         return f"{self.url} (table {self.names.log_ref}, run {run!r})"
 
-    def log_append(self, run: str, records, *, sync: bool = True) -> None:
+    def log_append(self, run: str, records, *, sync: bool = True) -> tuple[int, int]:
         """Append journal records to the run's log in one transaction and one round trip
-        (see :meth:`Store.log_append`): the batch is one row, numbered by the run's head
-        row, whose lock (held to the COMMIT) makes the run's appends commit in the order
-        of their numbers. Positions are not returned (that would take a second round trip)."""
+        (see :meth:`Store.log_append`): the batch is one row, numbered one past the last
+        number this store object knows. The primary key is the arbiter: a number another
+        writer took makes the INSERT wait for that writer's transaction, then fail once it
+        commits, and the append reads the last number and tries the next. So the numbers
+        are dense and commit in order: a reader that sees number n has every one before it.
+        Returns the numbers before and after the batch."""
         check_run(run)
         n = self.names
-        sql = (f"BEGIN; SET LOCAL synchronous_commit = {'on' if sync else 'off'}; "
-               f"WITH h AS (INSERT INTO {n.log_heads} AS x (run, seq) VALUES (%s, 1) "
-               f"ON CONFLICT (run) DO UPDATE SET seq = x.seq + 1 RETURNING seq) "
-               f"INSERT INTO {n.log} (run, seq, data) SELECT %s, h.seq, %s FROM h; COMMIT")
-        # the batch is one row: its records delimit themselves, and a row's overhead is paid once
-        args = (run, run, psycopg2.Binary(b"".join(records)))
+        body = psycopg2.Binary(b"".join(records))     # one row per batch: its records delimit themselves
         ref = self.log_ref(run)
-        for attempt in range(3):
+        with self._journal_lock:
+            seq = self._journal_heads.get(run)
+        sql, first = self._journal_sql(sync)
+        made = False
+        for attempt in range(_APPEND_TRIES):
+            if seq is None:
+                seq = self._journal_last(run)
+                if seq is None:      # no journal tables yet: made here, once
+                    if made:
+                        raise DurabilityError("journal append failed: its tables were made, then not found", ref=ref)
+                    self._transaction("BEGIN; " + pgschema.log_ddl(n), (), lambda cur: None,
+                                      "cannot create the journal tables", n.where, DurabilityError,
+                                      retry=(psycopg2.errors.UniqueViolation,), retries=1)
+                    made = True
+                    continue
+            known = run in self._journal_known
             with self._cursor() as cur:
                 try:
                     failpoints.hit("journal.pg.before_append")
-                    cur.execute(sql, args)
+                    cur.execute(sql if known else first, (run, seq + 1, body) if known else (run, run, seq + 1, body))
                     failpoints.hit("journal.pg.after_append")
-                    return None
-                except (psycopg2.errors.UndefinedTable, psycopg2.errors.UniqueViolation):
-                    self._abort(cur)      # no journal yet (made below), or two first appends made it at once
+                except (psycopg2.errors.UniqueViolation, psycopg2.errors.UndefinedTable):
+                    self._abort(cur)      # the number was taken (or the tables are gone): read the last again
+                    seq = None
+                    continue
                 except psycopg2.Error as e:
                     lost = isinstance(e, (psycopg2.OperationalError, psycopg2.InterfaceError))
                     if lost and self._commit_unknown(e, cur):
@@ -70,10 +88,35 @@ class JournalLogs:
                             hint="read the journal again before writing them") from None
                     self._abort(cur)
                     raise self._db_error(e, "journal append failed", ref, DurabilityError, cur.connection) from None
-            self._transaction("BEGIN; " + pgschema.log_ddl(n), (), lambda cur: None,
-                              "cannot create the journal tables", n.where, DurabilityError,
-                              retry=(psycopg2.errors.UniqueViolation,), retries=1)
-        raise DurabilityError("journal append failed: its tables were made, then not found", ref=ref)
+            with self._journal_lock:
+                self._journal_known.add(run)
+                if self._journal_heads.get(run, 0) < seq + 1:
+                    self._journal_heads[run] = seq + 1
+            return seq, seq + 1
+        raise DurabilityError(f"journal append failed: {_APPEND_TRIES} other writers' batches came first", ref=ref,
+                              hint="too many writers on one run; retry")
+
+    def _journal_sql(self, sync: bool) -> tuple[str, str]:
+        """The append's statement, and the one for a run's first append by this store
+        object (which also makes the run's row of the heads table)."""
+        got = self._journal_statements.get(sync)
+        if got is None:
+            n, commit = self.names, "on" if sync else "off"
+            got = self._journal_statements[sync] = (
+                f"BEGIN; SET LOCAL synchronous_commit = {commit}; "
+                f"INSERT INTO {n.log} (run, seq, data) VALUES (%s, %s, %s); COMMIT",
+                f"BEGIN; SET LOCAL synchronous_commit = {commit}; "
+                f"INSERT INTO {n.log_heads} (run, seq) VALUES (%s, 0) ON CONFLICT (run) DO NOTHING; "
+                f"INSERT INTO {n.log} (run, seq, data) VALUES (%s, %s, %s); COMMIT")
+        return got
+
+    def _journal_last(self, run: str) -> int | None:
+        """The run's last batch number (0: none yet); None when there are no journal tables."""
+        try:
+            ((last,),) = self._query(f"SELECT coalesce(max(seq), 0) FROM {self.names.log} WHERE run = %s", (run,))
+        except SchemaUninitializedError:
+            return None
+        return int(last)
 
     def log_claims(self, run: str) -> "PgClaims":
         return PgClaims(self._connect_one, f"{self.names.where}\0{check_run(run)}", self.log_ref(run),

@@ -219,6 +219,10 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
         self._claims: dict[bytes, threading.Event] = {}    # objects a thread of this store object is sending
         self._claimed = threading.local()                   # this thread's claims (pgobjects)
         # a connection dropped broken: a failover or a restore may have lost what this store object saw committed
+        self._journal_lock = threading.Lock()
+        self._journal_heads: dict[str, int] = {}     # run -> the last journal batch number this object knows
+        self._journal_known: set[str] = set()        # runs whose heads row this object has seen made
+        self._journal_statements: dict[bool, tuple[str, str]] = {}
         self._connect_one = functools.partial(_connect, url, self._secrets, self.url, connect_timeout)
         self._pool = ConnectionPool(self._connect_one, pool, timeout=pool_timeout, where=self.url,
                                     on_broken=_weak(self._forget_objects))
