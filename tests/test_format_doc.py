@@ -214,3 +214,20 @@ def test_journal_record_example_is_what_the_writer_writes_and_reads_back():
     assert data == jr.record("r", "embed", key, 0, *jr.encode_value({"n": 3, "ok": True}))
     (found,) = jr.scan(data).entries
     assert found[1].name == "embed" and jr.decode_value(found[1]) == {"n": 3, "ok": True}
+
+
+def test_append_log_segment_example_is_what_a_snapshot_writes_and_resume_reads(tmp_path):
+    import agck
+    from agck import applog
+    from agck import journalrec as jr
+    from agck.capture import TAG
+    data = example_bytes("hex segment")
+    gen = bytes(range(16))
+    assert data == jr.record("s", "results", gen, 0, *jr.encode_value([{"i": 0}, {"i": 1}]))
+    store = agck.open_store(str(tmp_path / "s"))
+    store.log_append("r", [data])
+    tree = {"state": {"results": {TAG: "log", "name": "results", "count": 2, "chain": [[gen, 0]]}}}
+    applog.resolve(store, "r", tree, "example")
+    assert isinstance(tree["state"]["results"], agck.AppendLog) and list(tree["state"]["results"]) == [
+        {"i": 0}, {"i": 1}]
+    store.close()
