@@ -608,3 +608,18 @@ def test_every_command_on_object_storage(tmp_path, capsys, kind, request):
     code, out, _ = run_cli(capsys, "export", url, "--run", "r", "--to", tmp_path / "o.npz")
     assert code == 0
     np.testing.assert_array_equal(np.load(tmp_path / "o.npz")["w"], np.arange(100_000) * 4)
+
+
+def test_recover_clean_refuses_a_directory_that_is_not_an_agck_store(tmp_path, capsys):
+    """A directory holding no checkpoint and no journal (an output directory of another
+    tool) is not a store: `recover --clean` exits 4 and removes nothing, even files
+    named as a dead writer's temp files are."""
+    d = tmp_path / "outputs"
+    (d / "run1").mkdir(parents=True)
+    mine = [d / ".model.bin.tmp.999999.ab12", d / "run1" / ".epoch=0-step=6.ckpt.tmp.999998.cd34"]
+    for p in mine:
+        p.write_bytes(b"someone else's")
+    for args in (["recover", str(d), "--clean"], ["recover", str(d), "--clean", "--run", "run1"]):
+        assert main(args) == 4
+        assert "checkpoints" in capsys.readouterr().err
+        assert all(p.exists() for p in mine)

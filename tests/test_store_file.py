@@ -5,6 +5,7 @@ I/O errors reading a checkpoint file."""
 
 from __future__ import annotations
 
+import errno
 import os
 
 import numpy as np
@@ -14,6 +15,7 @@ import agck
 
 from agck.errors import AgckError, CheckpointNotFoundError, DurabilityError, StoreConnectionError
 from agck.stores import open_store
+from agck.stores.file import FileStore
 
 from storehelpers import assert_state, state_for
 
@@ -200,3 +202,31 @@ def test_readme_fencing_example_runs(tmp_path, monkeypatch, capsys):
     exec(example, {"agck": agck})
     assert capsys.readouterr().out.startswith("refused: ")
     assert open_store(str(tmp_path / "ckpts")).steps("doc-pipeline") == [130]
+
+
+@pytest.mark.parametrize("err", [errno.EACCES, errno.EIO, errno.EROFS])
+def test_cleaning_and_collecting_on_a_refusing_disk_raise_agck_errors(tmp_path, err, monkeypatch):
+    """A file system that refuses to delete (permissions, a read-only remount, a dying
+    disk) makes clean_orphans and collect_garbage raise an AgckError naming the path,
+    never a raw OSError."""
+    import os as _os
+    store = FileStore(tmp_path / "s")
+    store.put("r", 1, {"w": np.arange(100_000)})
+    store.put("r", 2, {"w": np.arange(100_000) + 1})
+    store.delete("r", 1)                                      # its chunks are garbage now
+    leftover = tmp_path / "s" / "r" / ".000000000003.agck.tmp.999999.ab12"
+    leftover.write_bytes(b"half a checkpoint")
+
+    def refuse(path):
+        raise OSError(err, _os.strerror(err), path)
+    monkeypatch.setattr(store.fs, "unlink", refuse)
+    with pytest.raises(agck.AgckError) as e:
+        store.clean_orphans()
+    assert str(leftover) in str(e.value) and _os.strerror(err) in str(e.value)
+    with pytest.raises(agck.AgckError) as e:
+        store.collect_garbage()
+    assert ".objects" in str(e.value) and _os.strerror(err) in str(e.value)
+    monkeypatch.undo()
+    assert store.clean_orphans() == [str(leftover)]
+    assert store.collect_garbage().deleted_chunks > 0
+    assert np.array_equal(store.get("r", 2).state["w"], np.arange(100_000) + 1)

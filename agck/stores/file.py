@@ -415,6 +415,9 @@ class FileStore(Store):
                 names = os.listdir(d)
             except (FileNotFoundError, NotADirectoryError):
                 continue
+            except OSError as e:
+                raise StoreConnectionError(f"cannot list a run directory: {e.strerror}", ref=d,
+                                           hint="fix the directory's access (or the disk)") from None
             # a temp file whose writer still runs is a put in flight, not a leftover
             out += [os.path.join(d, n) for n in sorted(names)
                     if durable.is_temp_name(n) and not durable.temp_writer_alive(n)]
@@ -422,14 +425,21 @@ class FileStore(Store):
 
     def clean_orphans(self, run: str | None = None) -> list[str]:
         removed = []
-        for p in self.orphans(run):
-            try:
-                self.fs.unlink(p)
-                removed.append(p)
-            except FileNotFoundError:
-                pass
-        for d in {os.path.dirname(p) for p in removed}:
-            self.fs.fsync_dir(d)
+        try:
+            for p in self.orphans(run):
+                try:
+                    self.fs.unlink(p)
+                    removed.append(p)
+                except FileNotFoundError:
+                    pass
+            for d in {os.path.dirname(p) for p in removed}:
+                self.fs.fsync_dir(d)
+        except OSError as e:       # EACCES, EROFS, EIO: said with the path, and what was removed before it
+            done = f" ({len(removed)} removed before it)" if removed else ""
+            raise DurabilityError(f"cannot remove a leftover of an interrupted write: {e.strerror or e}{done}",
+                                  ref=e.filename or self.root,
+                                  hint="fix the file's access (or the disk) and clean again; a leftover is "
+                                       "never a checkpoint, so it may also be removed by hand") from None
         return removed
 
 

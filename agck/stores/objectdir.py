@@ -344,7 +344,17 @@ class ObjectDir:
 
     def collect(self, live: set[bytes]) -> tuple[int, int]:
         """Delete every chunk not in ``live``, and leftover temp files. The caller
-        holds the exclusive lock and computed ``live`` under it. Returns (files, bytes)."""
+        holds the exclusive lock and computed ``live`` under it. Returns (files, bytes).
+        A file system that refuses (EACCES, EROFS, EIO) is a DurabilityError naming the
+        path: what was deleted before it was no checkpoint's."""
+        try:
+            return self._collect(live)
+        except OSError as e:
+            raise DurabilityError(f"collecting garbage failed: {e.strerror or e}", ref=e.filename or self.dir,
+                                  hint="fix the store directory's access (or the disk) and collect again; "
+                                       "no chunk a checkpoint lists was deleted") from None
+
+    def _collect(self, live: set[bytes]) -> tuple[int, int]:
         files = nbytes = 0
         touched = set()
         self.new_generation()
