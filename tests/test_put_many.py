@@ -147,3 +147,30 @@ def test_readme_put_many_example_runs(tmp_path):
     s = open_store(f"sqlite:///{tmp_path}/ckpts.db")
     assert s.get("chat.values", 7).state == {"messages": ["hi", "hello"]}
     s.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgres"])
+def test_a_put_many_error_names_the_entry_that_failed_or_every_entry(kind, request, tmp_path):
+    """An error while one entry is written names that entry, not the first; one about
+    the whole transaction (its COMMIT) names every entry."""
+    _, url, opts = make_spec(kind, request, tmp_path)
+    store = open_store(url, **opts)
+    entries = [_entry("r", s, np.arange(BIG, dtype=np.float32) + s) for s in (1, 2, 3)]
+    refs = [store.ref("r", s) for s in (1, 2, 3)]
+    point = "sqlite.after_objects" if kind == "sqlite" else "pg.before_commit"
+    failpoints.configure(f"{point}=raise@{3 if kind == 'sqlite' else 1}")
+    try:
+        with pytest.raises(DurabilityError) as e:
+            store.put_many(entries)
+    finally:
+        failpoints.configure("")
+    if kind == "sqlite":       # the third entry's objects were being written
+        assert e.value.ref == refs[2], e.value
+    else:                      # the transaction's COMMIT: all three
+        assert all(r in e.value.ref for r in refs) and e.value.ref.startswith("3 checkpoints"), e.value
+    assert store.steps("r") == []                         # one transaction: nothing of it
+    store.put("r", 2, {"x": 1})
+    with pytest.raises(CheckpointExistsError) as e:       # a refused entry is named, whatever its place
+        store.put_many([_entry("r", 1, np.ones(3)), _entry("r", 2, np.ones(3), overwrite=False)])
+    assert e.value.ref == refs[1]
+    store.close()

@@ -38,7 +38,7 @@ from ..checkpoint import Checkpoint
 from ..errors import StoreConnectionError, StoreError
 from ..names import check_run, check_step
 from .base import PutEntry, check_last
-from .sqlrows import check_entries, prepare_put
+from .sqlrows import batch_ref, check_entries, prepare_put
 
 _POLL = psycopg2.extensions
 
@@ -209,7 +209,7 @@ class AsyncMethods:
                         await wait(conn)
                     except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
                         if self._commit_unknown(e, cur):
-                            raise self._commit_failed(e, puts[0].ref) from None
+                            raise self._commit_failed(e, batch_ref(puts)) from None
                         raise self._put_error(e, puts, conn) from None
                     except psycopg2.Error as e:
                         raise self._put_error(e, puts, conn) from None

@@ -73,7 +73,7 @@ from .pglog import JournalLogs
 from .pgobjects import Refused, SharedObjects
 from .pgpool import DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT, ConnectionPool
 from .pgschema import SCHEMA_VERSION, XACT_LOCK, XACT_LOCK_SHARED, Names
-from .sqlrows import (decode_read, DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalPuts, check_chunk_size, check_checksum,
+from .sqlrows import (batch_ref, decode_read, DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalPuts, check_chunk_size, check_checksum,
                       check_identifier, chunk_plan, nchunks_for, parts_prefix, sql_row)
 
 # How often a put starts over when the database refused its objects (a collector
@@ -433,7 +433,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
     @staticmethod
     def _refused_too_often(e: Refused, puts: list[PreparedPut]) -> DurabilityError:
         return DurabilityError(f"the database refused the checkpoint {PUT_RETRIES + 1} times ({e.args[0]})",
-                               ref=puts[0].ref, hint="another writer or a garbage collection ran alongside; "
+                               ref=batch_ref(puts), hint="another writer or a garbage collection ran alongside; "
                                                      "put it again")
 
     def _put_once(self, cur, puts: list[PreparedPut], epoch: int | None = None) -> None:
@@ -446,7 +446,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
         then INSERT and COMMIT); a listing's objects take two more before.
         Raises Refused when the database refused it for a reason another attempt can get past."""
         n = self.names
-        ref = puts[0].ref
+        ref = batch_ref(puts)
         stream = None
         try:
             plans = [p.plan for p in puts if p.plan is not None]
@@ -552,7 +552,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
     def _put_error(self, e: BaseException, puts: list[PreparedPut], conn) -> BaseException:
         """What a put's transaction, rolled back by ``e``, raises: ``Refused`` where another
         attempt can get past it."""
-        ref = puts[0].ref
+        ref = batch_ref(puts)
         if isinstance(e, AgckError):
             return e.at(ref)
         if isinstance(e, psycopg2.errors.UniqueViolation):
@@ -589,7 +589,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
             cur.execute(sql, params)
         except (psycopg2.OperationalError, psycopg2.InterfaceError) as e:
             if _commit_unknown(e, cur):
-                raise self._commit_failed(e, puts[0].ref) from None
+                raise self._commit_failed(e, batch_ref(puts)) from None
             raise       # the server's verdict (a lock or statement timeout, disk full): rolled back
 
     def _small_put_sql(self, puts: list[PreparedPut], insert: str | None = None, begin: str | None = None,

@@ -68,7 +68,7 @@ from ..memory import new_buffer
 from . import content
 from .base import MIN_CHUNKED, CheckpointInfo, Store, check_last, check_run, check_step
 from .logclaims import FileClaims
-from .sqlrows import (decode_read, DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalPuts, batches, check_checksum, check_chunk_size,
+from .sqlrows import (batch_ref, decode_read, DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalPuts, batches, check_checksum, check_chunk_size,
                       check_identifier, chunk_plan, parts_prefix, split_chunks, sql_row)
 
 SCHEMA_VERSION = 3
@@ -265,8 +265,9 @@ class SqliteStore(TransactionalPuts, Store):
 
     # -- writing ---------------------------------------------------------------
     def _write(self, puts: list[PreparedPut], epoch: int | None) -> None:
-        """One write transaction holding ``puts``."""
-        ref = puts[0].ref
+        """One write transaction holding ``puts``. An error names the put it concerns
+        (``ref`` follows the loop), or the whole batch."""
+        ref = batch_ref(puts)
         with self._lock:
             c = self._db()
             try:
@@ -278,15 +279,17 @@ class SqliteStore(TransactionalPuts, Store):
                     for run in dict.fromkeys(p.run for p in puts):
                         self._check_epoch(c, run, epoch, ref)
                 for p in puts:
-                    key = (p.run, p.step)
+                    key, ref = (p.run, p.step), p.ref
                     exists = c.execute(f"SELECT 1 FROM {self._t_manifest} WHERE run = ? AND step = ?",
                                        key).fetchone()
                     if exists and not p.overwrite:
                         raise CheckpointExistsError.refused(p.ref, p.step)
                     c.execute(f"DELETE FROM {self._t_chunks} WHERE run = ? AND step = ?", key)
                     c.execute(f"DELETE FROM {self._t_manifest} WHERE run = ? AND step = ?", key)
+                ref = batch_ref(puts)
                 failpoints.hit("sqlite.before_insert")
                 for p in puts:
+                    ref = p.ref
                     if p.plan is not None:
                         self._write_objects(c, p.plan, self._reread_turn())
                         failpoints.hit("sqlite.after_objects")
@@ -294,6 +297,7 @@ class SqliteStore(TransactionalPuts, Store):
                     c.execute(f"INSERT INTO {self._t_manifest} (run, step, parent, size, checksum, nchunks, "
                               f"created_at, meta, length, listing) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                               p.manifest_row(nchunks))
+                ref = batch_ref(puts)
                 failpoints.hit("sqlite.before_commit")
                 c.execute("COMMIT")
             except BaseException as e:

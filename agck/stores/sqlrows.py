@@ -138,6 +138,16 @@ class PreparedPut:
                 self.meta_text, length, self.plan is not None)
 
 
+def batch_ref(puts: list["PreparedPut"]) -> str:
+    """Where a transaction of ``puts`` writes, for an error that concerns all of them
+    (its BEGIN, its COMMIT): the one put's ref, or every put's (a put_many)."""
+    if len(puts) == 1:
+        return puts[0].ref
+    refs = [p.ref for p in puts]
+    shown = ", ".join(refs[:4]) + (f" and {len(refs) - 4} more" if len(refs) > 4 else "")
+    return f"{len(refs)} checkpoints in one transaction ({shown})"
+
+
 def prepare_put(store: "Store", run: str, step: int, state: Any, *, meta: Any, parent: int | None,
                 overwrite: bool, expect_unchanged: Collection[int] = ()) -> PreparedPut:
     """Encode (run, step) for ``store`` and, if the store chunks it, split it."""
