@@ -169,13 +169,13 @@ def _table(rows: list, right: tuple = ()) -> list[str]:
 
 def _unknown_run(command: str, store, run: str) -> _Exit:
     """A --run with no checkpoints in ``store``: exit 4, naming the runs there are."""
-    return _Exit(EXIT_UNAVAILABLE, f"agck {command}: no run {run!r} with checkpoints in {store.url} "
+    return _Exit(EXIT_UNAVAILABLE, f"agck {command}: no run {run!r} with checkpoints in {store.where} "
                                    f"(runs: {', '.join(store.runs()) or 'none'})")
 
 
 def _nothing_stored(command: str, store) -> _Exit:
     """A store with no checkpoint at all: verify and recover have nothing to judge, which is not a success."""
-    return _Exit(EXIT_UNAVAILABLE, f"agck {command}: {store.url} holds no checkpoints, so there is nothing to "
+    return _Exit(EXIT_UNAVAILABLE, f"agck {command}: {store.where} holds no checkpoints, so there is nothing to "
                                    f"{command} (check the path: an empty store, or not an agck store)")
 
 
@@ -372,7 +372,7 @@ def cmd_journal(args) -> int:
         runs = store.log_runs()
         if args.run is not None:
             if args.run not in runs:
-                raise _Exit(EXIT_UNAVAILABLE, f"agck journal: no journal of run {args.run!r} in {store.url} "
+                raise _Exit(EXIT_UNAVAILABLE, f"agck journal: no journal of run {args.run!r} in {store.where} "
                                               f"(journals: {', '.join(runs) or 'none'})")
             runs = [args.run]
         reports = [inspect_journal(store, r) for r in runs]

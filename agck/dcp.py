@@ -336,10 +336,10 @@ class StorageReader(_StoreUser, dstorage.StorageReader):
             rec = recover_run(store, self.run, map_location="cpu")
             if rec.checkpoint is None:
                 if not rec.candidates:
-                    raise CheckpointNotFoundError(f"run {self.run!r} has no checkpoints", ref=store.url,
+                    raise CheckpointNotFoundError(f"run {self.run!r} has no checkpoints", ref=store.where,
                                                   hint="check the run name (`agck ls` lists the runs)")
                 raise NoValidCheckpointError(f"none of the {rec.candidates} checkpoints of run {self.run!r} "
-                                             "verifies", ref=store.url, report=rec)
+                                             "verifies", ref=store.where, report=rec)
             ck, self.rejected = rec.checkpoint, rec.rejected
         commit = sharded.as_commit(ck)
         if commit is None:

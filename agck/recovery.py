@@ -173,7 +173,7 @@ def recover_run(store, run: str, *, map_location=None, strict: bool = False,
         rec.ref = rec.checkpoint.ref or rec.ref
     if strict and rec.checkpoint is None and steps:
         raise NoValidCheckpointError(f"none of the {len(steps)} checkpoints of run {run!r} verifies",
-                                     ref=store.url, report=rec)
+                                     ref=store.where, report=rec)
     return rec
 
 
@@ -184,7 +184,7 @@ class WalkBackPolicies:
     def newest(self, store, run: str, *, map_location=None) -> Checkpoint:
         rec = recover_run(store, run, map_location=map_location, strict=True)
         if rec.checkpoint is None:
-            raise CheckpointNotFoundError(f"run {run!r} has no checkpoints", ref=store.url,
+            raise CheckpointNotFoundError(f"run {run!r} has no checkpoints", ref=store.where,
                                           hint="check the run name (`agck ls` lists the runs)")
         return rec.checkpoint
 
@@ -237,7 +237,7 @@ def prune(store, run: str, *, keep_last: int | None = None, keep_every: int | No
     valid, _ = newest_valid(store, run)
     if valid is None:
         raise NoValidCheckpointError(f"no checkpoint of run {run!r} verifies; prune deletes nothing",
-                                     ref=store.url, hint="inspect them with `agck verify`; delete by hand "
+                                     ref=store.where, hint="inspect them with `agck verify`; delete by hand "
                                      "only what you are sure of")
     deleted = []
     for s in doomed:

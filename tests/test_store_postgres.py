@@ -467,3 +467,17 @@ def test_pg_storage_external(pg):
         (storage,) = pg._query("SELECT attstorage FROM pg_attribute WHERE attrelid = %s::regclass "
                                "AND attname = 'data'", (table,))[0]
         assert storage == "e"
+
+
+def test_errors_about_a_run_say_which_tables_were_searched(pg, pg_dsn, capsys):
+    """A store is its database and its tables (prefix, schema): "run X has no
+    checkpoints" names both, from the library and from the CLI."""
+    from agck.cli import main
+    tables = f"{pg.schema}.{pg.prefix}_*" if getattr(pg, "schema", None) else f"{pg.prefix}_*"
+    with pytest.raises(CheckpointNotFoundError) as e:
+        pg.get("nope")
+    assert tables in str(e.value), e.value
+    url = f"{pg_dsn}{'&' if '?' in pg_dsn else '?'}agck_prefix={pg.prefix}&agck_schema={pg.schema}"
+    pg.put("r", 1, {"x": 1})
+    assert main(["ls", url, "--run", "nope"]) == 4
+    assert tables in capsys.readouterr().err

@@ -103,6 +103,12 @@ class Store(ABC):
         self._parts: Store | None = None
         self._turns = itertools.count()   # the sample of reused chunks each put re-reads (content.reread)
 
+    @property
+    def where(self) -> str:
+        """Where the store's data is, for errors: its URL, and for a store that shares
+        its database with others (a table prefix, a schema), which tables are its."""
+        return self.url
+
     def _set_policy(self, incremental, full_every, min_chunked=MIN_CHUNKED,
                     verify_reused=DEFAULT_VERIFY_REUSED) -> None:
         """``incremental``: keep checkpoints as chunk listings sharing content.

@@ -249,6 +249,10 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
     _large = _LARGE
     _commit_unknown = staticmethod(_commit_unknown)
 
+    @property
+    def where(self) -> str:
+        return self.names.where       # the URL and its tables ({schema.}{prefix}_*)
+
     # -- connection ------------------------------------------------------------------
     @property
     def pool_size(self) -> int:

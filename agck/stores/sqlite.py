@@ -358,6 +358,10 @@ class SqliteStore(TransactionalPuts, Store):
         return None if row is None else row[0]
 
     # -- journal logs: rows of <prefix>_log, made by the first append (agck.journal) -----
+    @property
+    def where(self) -> str:
+        return f"{self.url} (tables {self.prefix}_*)"
+
     def log_ref(self, run: str) -> str:
         return f"{self.path} (table {self._t_log}, run {run!r})"
 
