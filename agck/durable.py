@@ -260,6 +260,27 @@ def temp_writer_alive(name: str) -> bool:
     return True
 
 
+def remove_dead_temps(directory: str) -> list[str]:
+    """Remove the temp files in ``directory`` (not below it) whose writer no longer runs:
+    writes a crash cut short, never acknowledged and never read. Returns what was
+    removed; a file that cannot be removed is left (it is reported by the scans that
+    list orphans) and never fails the caller."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if is_temp_name(name) and not temp_writer_alive(name):
+            path = os.path.join(directory, name)
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
+
+
 class FileSystem:
     """The system calls durable writes use. Subclassed by the crash harness."""
 

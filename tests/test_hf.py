@@ -293,3 +293,13 @@ def test_readme_example_trains_then_resumes_with_nothing_left(tmp_path):
     assert run_as_script("AgckCallback()", tmp_path) == ["8", "8"]
     assert sorted(os.listdir(tmp_path / "ckpts-hf")) == ["checkpoint-2", "checkpoint-4", "checkpoint-6",
                                                           "checkpoint-8"]
+
+
+def test_write_manifest_removes_a_dead_writers_manifest_temp(tmp_path):
+    d = tmp_path / "checkpoint-3"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"weights")
+    dead = d / ".agck_manifest.agck.tmp.999999.ab12cd34"
+    dead.write_bytes(b"half a manifest")
+    write_manifest(str(d))
+    assert not dead.exists()

@@ -330,3 +330,22 @@ def test_malformed_and_odd_checkpoints_are_verdicts_or_usage_errors(tmp_path):
 def test_readme_example_fits_then_resumes_at_its_last_step(tmp_path):
     from readme_examples import run_as_script
     assert run_as_script("AgckCheckpointIO()", tmp_path) == ["12", "12"]
+
+
+def test_temp_files_of_saves_a_crash_cut_short_are_removed(tmp_path):
+    """A SIGKILL during a save leaves a hidden temp file (a checkpoint's worth of disk
+    per crash): the next run's first save into the directory removes it, and so does
+    newest_valid_checkpoint; a temp file whose writer still runs is left alone."""
+    d = tmp_path / "ckpts"
+    d.mkdir()
+    dead = d / ".epoch=0-step=6.ckpt.tmp.999999.ab12cd34"
+    live = d / f".epoch=0-step=9.ckpt.tmp.{os.getpid()}.ab12cd34"
+    for p in (dead, live):
+        p.write_bytes(b"\0" * 4096)
+    io = AgckCheckpointIO()
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "epoch": 0, "global_step": 7,
+                        "pytorch-lightning_version": "2.5.0"}, str(d / "epoch=0-step=7.ckpt"))
+    assert not dead.exists() and live.exists()
+    dead.write_bytes(b"\0" * 4096)
+    assert newest_valid_checkpoint(str(d), weights_only_ok=True) == str(d / "epoch=0-step=7.ckpt")
+    assert not dead.exists() and live.exists()

@@ -185,6 +185,7 @@ def write_manifest(checkpoint_dir: str | os.PathLike, *, step: int | None = None
     if m is not None and int(m.group(1)) != step:   # verify_checkpoint would always reject it
         raise UsageError(f"step={step} but the directory is named for step {m.group(1)}", ref=d,
                          hint="leave step= out, or pass the step in the directory's name")
+    durable.remove_dead_temps(d)       # a manifest write a crash cut short (never the manifest)
     try:
         files, dirs = _walk(d)
         table = []

@@ -357,6 +357,7 @@ class AgckCheckpointIO(CheckpointIO):
     def __init__(self, *, mmap: bool = False):
         super().__init__()
         self.mmap = bool(mmap)
+        self._cleaned: set[str] = set()     # directories whose dead writers' temp files were removed
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         p = _local_path(path)
@@ -380,7 +381,12 @@ class AgckCheckpointIO(CheckpointIO):
                 "global_step": step if type(step) is int else None,
                 "version": version if type(version) is str else None}
         agck_step = step if type(step) is int and 0 <= step < 2 ** 63 else None
-        _make_dirs(os.path.dirname(p) or ".")
+        d = os.path.dirname(p) or "."
+        _make_dirs(d)
+        if d not in self._cleaned:      # a save a SIGKILL cut short left its temp file: a checkpoint's size each
+            self._cleaned.add(d)
+            for gone in durable.remove_dead_temps(d):
+                log.info("removed %s, left by a save that a crash cut short", gone)
         try:
             _agck_save(p, state, step=agck_step, meta={"lightning": info})
         except EncodeError as e:
@@ -564,14 +570,19 @@ def _judge(path: str, weights_only_ok: bool) -> None:
 
 
 def newest_valid_checkpoint(dirpath, pattern: str = "*.ckpt", *, strict: bool = True,
-                            weights_only_ok: bool = False) -> str | None:
+                            weights_only_ok: bool = False, clean: bool = True) -> str | None:
     """The path of the newest checkpoint in ``dirpath`` that fully verifies
     (:func:`scan_checkpoints`), for ``trainer.fit(model, ckpt_path=...)``.
 
     None when the directory is missing or holds no ``pattern`` file (a first run
     starts fresh). When it holds some and none verifies, raises
     :class:`agck.NoValidCheckpointError` (``.report`` is the scan), since starting
-    over would silently discard the run; ``strict=False`` returns None instead."""
+    over would silently discard the run; ``strict=False`` returns None instead.
+    With ``clean`` (the default) the temp files of saves a crash cut short, whose
+    writer no longer runs, are removed first (each logged)."""
+    if clean:
+        for gone in durable.remove_dead_temps(_local_path(dirpath)):
+            log.info("removed %s, left by a save that a crash cut short", gone)
     scan = scan_checkpoints(dirpath, pattern, weights_only_ok=weights_only_ok)
     if scan.path is None and scan.candidates and strict:
         raise NoValidCheckpointError(
