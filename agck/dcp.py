@@ -318,6 +318,7 @@ class StorageReader(_StoreUser, dstorage.StorageReader):
         self.load_id = uuid.uuid4().hex
         self.commit: sharded.Commit | None = None
         self.rejected: list = []
+        self._failed: Exception | None = None
         self._storage: dict = {}
 
     def reset(self, checkpoint_id=None) -> None:
@@ -328,6 +329,18 @@ class StorageReader(_StoreUser, dstorage.StorageReader):
     def read_metadata(self) -> dmd.Metadata:
         # No **kwargs on purpose: DCP would then retry a failed read as "rank-local
         # metadata" and load without collectives.
+        # DCP turns an exception raised here into AssertionError("metadata is None; ..."),
+        # losing the agck error: it is kept instead, an empty Metadata returned, and the
+        # error raised by set_up_storage_reader, which DCP reports as it is in
+        # CheckpointException.failures.
+        try:
+            self._failed = None
+            return self._read_metadata()
+        except Exception as e:
+            self._failed = e
+            return dmd.Metadata(state_dict_metadata={})
+
+    def _read_metadata(self) -> dmd.Metadata:
         store = self.store
         if self.step is not None:
             ck = store.read(self.run, self.step, map_location="cpu")    # a commit record holds no tensors
@@ -365,6 +378,9 @@ class StorageReader(_StoreUser, dstorage.StorageReader):
         return md
 
     def set_up_storage_reader(self, metadata: dmd.Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        failed, self._failed = self._failed, None
+        if failed is not None:      # read_metadata's error (see there)
+            raise failed
         self.rank = int(kwargs.get("rank", 0))
         self._storage = metadata.storage_data
 

@@ -313,6 +313,22 @@ def test_damaged_part_is_named_and_walked_back_from(request, tmp_path):
         assert [r.step for r in reader.rejected] == [2] and "rank 1" in reader.rejected[0].reason
 
 
+def test_loading_a_run_or_step_that_is_not_there_fails_with_the_agck_error(tmp_path, request):
+    """DCP turns an error of read_metadata into AssertionError("metadata is None ..."):
+    a missing run, a missing step or a step that is not a DCP save reach the caller as
+    the agck error, in CheckpointException.failures (a BaseException: caught by name)."""
+    kind, url, opts = make_spec("file", request, tmp_path)
+    with _open((kind, url, opts)) as store:
+        store.put("plain", 1, {"a": 1})
+        for reader, cls, text in ((StorageReader(store, "nope"), CheckpointNotFoundError, "has no checkpoints"),
+                                  (StorageReader(store, "plain", step=5), CheckpointNotFoundError, "step 5"),
+                                  (StorageReader(store, "plain", step=1), UsageError, "single-process")):
+            with pytest.raises(CheckpointException) as e:
+                dcp.load({"a": torch.zeros(2)}, storage_reader=reader, no_dist=True)
+            [(exc, _)] = e.value.failures.values()
+            assert isinstance(exc, cls) and text in str(exc), exc
+
+
 # --- 5. fencing ------------------------------------------------------------------------------------
 
 def _child_stale(rank, world, spec, epoch, out):
