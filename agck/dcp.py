@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import sys
 import uuid
 from typing import Any
 
@@ -329,14 +330,16 @@ class StorageReader(_StoreUser, dstorage.StorageReader):
     def read_metadata(self) -> dmd.Metadata:
         # No **kwargs on purpose: DCP would then retry a failed read as "rank-local
         # metadata" and load without collectives.
-        # DCP turns an exception raised here into AssertionError("metadata is None; ..."),
-        # losing the agck error: it is kept instead, an empty Metadata returned, and the
-        # error raised by set_up_storage_reader, which DCP reports as it is in
-        # CheckpointException.failures.
+        # DCP's load turns an exception raised here into AssertionError("metadata is None;
+        # ..."), losing the agck error. Called by DCP, the error is kept instead, an empty
+        # Metadata returned, and the error raised by set_up_storage_reader, which DCP
+        # reports as it is in CheckpointException.failures. Called by anyone else, it raises.
+        self._failed = None
         try:
-            self._failed = None
             return self._read_metadata()
         except Exception as e:
+            if not sys._getframe(1).f_globals.get("__name__", "").startswith("torch.distributed.checkpoint"):
+                raise
             self._failed = e
             return dmd.Metadata(state_dict_metadata={})
 
