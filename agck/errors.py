@@ -173,6 +173,11 @@ class ContentChangedError(StoreError):
 
     default_hint = "put the state again with its tensors copied (Snapshotter does so by itself)"
 
+    def __init__(self, message: str, *, ref: str | None = None, hint: str | None = None,
+                 addresses: list[int] | None = None):
+        super().__init__(message, ref=ref, hint=hint)
+        self.addresses = list(addresses or [])   # the memory addresses of the tensors found changed, where known
+
 
 class StaleEpochError(StoreError):
     """A writer of an older incarnation of a run tried to commit a checkpoint after a

@@ -298,6 +298,7 @@ class Snapshotter:
         # the large CPU tensors of the last durable async snapshot, by id: (weakref, version signature)
         self._seen: dict[int, tuple] = {}
         self.dropped_steps: list[int] = []        # snapshots not written: a tensor taken uncopied changed
+        self._untrusted: set[int] = set()         # ids of tensors caught changing behind their version counter
         self.epoch: int | None = None              # this incarnation of the run (_incarnate)
         # where checkpoints go and come from: this process's puts, or under torch.distributed
         # this rank's part of collective writes; chosen here, once, and never asked again
@@ -465,7 +466,7 @@ class Snapshotter:
             # ({} still notes this staging's tensors, for the snapshot after it)
             seen = self._seen if self._seen and self._target.can_confirm_unchanged(self.epoch) else {}
             try:
-                staged = stager.stage(tree, seen)
+                staged = stager.stage(tree, seen, self._untrusted)
             except AgckError:
                 raise
             except Exception as e:
@@ -577,13 +578,19 @@ class Snapshotter:
                     applog.not_written(segments)
                     self._skipped.append(step)
             except ContentChangedError as e:
-                # A tensor taken uncopied changed without its version counter saying so, or
-                # while it was read: this snapshot cannot hold the step's state, so it is not
-                # written; the next one copies every tensor.
+                # A tensor taken uncopied changed without its version counter saying so (an
+                # edit through .numpy() or .data, as EMA weights and hand-written optimizers
+                # make), or while it was read: this snapshot cannot hold the step's state, so
+                # it is not written. The next one copies every tensor, and the tensors caught
+                # changing are copied from then on: a run loses at most one snapshot to each.
                 self._seen = {}
+                caught = [stager.referenced_ids[a] for a in e.addresses if a in stager.referenced_ids] \
+                    or list(stager.referenced_ids.values())     # not known which: every one passed uncopied
+                self._untrusted.update(caught)
                 self.dropped_steps.append(step)
-                log.warning("agck: step %d of run %r was not checkpointed (%s); the next checkpoint copies every "
-                            "tensor", step, self.run, e)
+                log.warning("agck: step %d of run %r was not checkpointed (%s); %d tensor(s) changed behind "
+                            "their version counter and are copied at every snapshot from now on", step,
+                            self.run, e, len(caught))
             except BaseException as e:  # surfaced to the pipeline thread, never swallowed
                 self._seen = {}
                 self._failed += 1          # before _error: raise_pending reads them in the other order
@@ -644,6 +651,11 @@ class Snapshotter:
             self._target.close()
             if self._own_store:
                 self.store.close()
+            if self.dropped_steps:
+                log.warning("agck: run %r: %d snapshot(s) were not written, a tensor passed uncopied having "
+                            "changed behind its version counter (steps %s); %d tensor(s) were copied at every "
+                            "snapshot after it was caught", self.run, len(self.dropped_steps),
+                            self.dropped_steps[:10], len(self._untrusted))
 
     def __enter__(self):
         return self

@@ -61,20 +61,24 @@ class Stager:
         self.dry = False
         self.seen: dict | None = None
 
-    def stage(self, tree: Any, seen: dict | None = None) -> Any:
+    def stage(self, tree: Any, seen: dict | None = None, untrusted: set | frozenset = frozenset()) -> Any:
         """Copy ``tree``'s tensors into staging buffers. With ``seen`` (what
         :attr:`now` was at the last staging whose snapshot is durable), a CPU tensor
         of ``LARGE_PART`` bytes or more that is the same object with the same
         version counter, memory and layout as then is not copied: it goes into the
         tree as itself, its address into :attr:`referenced`, and the store confirms
-        its bytes against that snapshot while it writes (``expect_unchanged``)."""
+        its bytes against that snapshot while it writes (``expect_unchanged``).
+        ``untrusted``: ids of tensors once caught changing behind their version
+        counter (edited through ``.numpy()`` or ``.data``): always copied."""
         self.memo: dict[int, Any] = {}
         self.n = 0
         self.cuda: set = set()      # the devices whose copies into pinned memory are in flight
         self.used: set = set()
         self.seen = seen
+        self.untrusted = untrusted
         self.now: dict[int, tuple] = {}
         self.referenced: set[int] = set()
+        self.referenced_ids: dict[int, int] = {}      # data address -> id of the tensor passed uncopied
         self.referenced_bytes = 0
         out = self._walk(tree)
         self.seen = None
@@ -152,7 +156,7 @@ class Stager:
                     self.missing.append((key, functools.partial(_host_tensor, tuple(x.shape), x.dtype, pin, True)))
                 self.memo[id(x)] = x
                 return x
-            if self.seen is not None and not pin and _referable(x):
+            if self.seen is not None and not pin and _referable(x) and id(x) not in self.untrusted:
                 sig = _version_signature(x)
                 if sig is not None:
                     self.now[id(x)] = (weakref.ref(x), sig)
@@ -160,6 +164,7 @@ class Stager:
                     if last is not None and last[0]() is x and last[1] == sig:
                         self.used.add(key)       # its buffer stays for when it changes
                         self.referenced.add(x.data_ptr())
+                        self.referenced_ids[x.data_ptr()] = id(x)
                         self.referenced_bytes += x.nbytes
                         self.memo[id(x)] = x
                         return x

@@ -849,6 +849,23 @@ def test_a_change_the_version_counter_misses_drops_that_snapshot_only(store):
     _assert_each_checkpoint_holds_its_step(store, at)
 
 
+def test_a_tensor_edited_behind_its_version_counter_costs_one_snapshot_not_every_other(store, caplog):
+    """EMA weights and hand-written optimizers edit a tensor through ``.numpy()`` or
+    ``.data`` at every step: the first snapshot that takes it uncopied is dropped, and
+    the tensor is copied at every snapshot after, so no other is (it was every other
+    one, for the whole run)."""
+    def ema(i, base):
+        base.numpy()[i % 1000] += 0.5          # the version counter does not move
+    with caplog.at_level("WARNING", logger="agck"):
+        snap, at = _frozen_run(store, 60, 5, ema)
+    assert len(snap.dropped_steps) == 1, snap.dropped_steps
+    assert len(store.steps("f")) == 11
+    referenced = [w["referenced_bytes"] for w in snap.write_stats]
+    assert not any(referenced), referenced     # the one write that took it uncopied was the one dropped
+    _assert_each_checkpoint_holds_its_step(store, at)
+    assert "copied at every snapshot" in caplog.text and "1 snapshot(s) were not written" in caplog.text
+
+
 def test_a_change_while_the_snapshot_is_written_is_caught(store, monkeypatch):
     """The pipeline changes the uncopied tensor right after the step boundary, before
     the writer reads it: the checkpoint would hold the next step's bytes, so it is

@@ -165,7 +165,7 @@ def test_staging_failure_is_a_snapshot_error_and_frees_the_slot(tmp_path, monkey
     snap = Snapshotter(str(tmp_path), "run", every=1, mode="async", handle_signals=False)
     snap.restore(state)
     real = snapshot_mod._Stager.stage
-    monkeypatch.setattr(snapshot_mod._Stager, "stage", lambda self, tree, seen: (_ for _ in ()).throw(
+    monkeypatch.setattr(snapshot_mod._Stager, "stage", lambda self, tree, seen, untrusted=frozenset(): (_ for _ in ()).throw(
         RuntimeError("cannot allocate pinned memory")))
     with pytest.raises(agck.SnapshotError, match="staging step 1 of run 'run' failed: RuntimeError"):
         snap.snapshot(1, state)

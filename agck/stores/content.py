@@ -229,7 +229,7 @@ def split_container(w: format.ContainerWriter, cache: WriteCache | None = None, 
                 if not unchanged[i]:
                     raise ContentChangedError(
                         f"a tensor of {buf.nbytes} bytes passed as unchanged differs from the run's last checkpoint",
-                        ref=ref)
+                        ref=ref, addresses=[addr])
                 confirmed.add(addr)
         digests.extend(d for d in ds if d is not None)
         digests_now[key] = _PieceDigests(bounds, ds)
