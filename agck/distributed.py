@@ -31,8 +31,8 @@ import msgpack
 
 from . import failpoints, sharded
 from .checkpoint import Checkpoint
-from .errors import (AgckError, CheckpointNotFoundError, ContentChangedError, SnapshotError, StaleEpochError,
-                     UsageError)
+from .errors import (AgckError, CheckpointNotFoundError, ContentChangedError, DurabilityError, SnapshotError,
+                     StaleEpochError, UsageError)
 from .recovery import Rejection, Unsuitable, store_candidates, walk_back
 
 log = logging.getLogger(__name__)
@@ -242,11 +242,23 @@ class ShardedRun:
         result = None
         if self.rank == 0:
             failpoints.hit("dist.before_commit")
+            nonces = [o["nonce"] for o in outcomes]
             try:
-                result = {"ref": sharded.commit_step(self.store, self.run, step, epoch,
-                                                     [o["nonce"] for o in outcomes], meta=meta, parent=parent)}
+                result = {"ref": sharded.commit_step(self.store, self.run, step, epoch, nonces, meta=meta,
+                                                     parent=parent)}
             except StaleEpochError as e:
                 result = {"stale": str(e)}
+            except DurabilityError as e:
+                # the commit's outcome may be unknown (the connection failed during it): the
+                # store says whether the record binding these parts is there
+                there = sharded.committed(self.store, self.run, step, epoch, nonces)
+                if there:
+                    log.info("agck: run %r step %d: the commit's outcome was unknown (%s); its record is there",
+                             self.run, step, e)
+                    result = {"ref": self.store.ref(self.run, step)}
+                else:
+                    why = "" if there is False else "; whether it committed cannot be told now"
+                    result = {"error": _describe(e) + why}
             except Exception as e:
                 result = {"error": _describe(e)}
             failpoints.hit("dist.after_commit")

@@ -118,6 +118,20 @@ def commit_step(store, run: str, step: int, epoch: int, nonces: list[str], *, ki
     return store.put(run, step, commit.state(), meta=meta, parent=parent, epoch=epoch)
 
 
+def committed(store, run: str, step: int, epoch: int, nonces: list[str]) -> bool | None:
+    """After a commit whose outcome is unknown (the connection failed during it): is
+    the step's commit record there, binding these parts in this epoch (True), or not
+    (False)? None when the store cannot say now (unreachable). Read from the store,
+    never from what this process remembers."""
+    try:
+        commit = as_commit(store.read(run, step))
+    except CheckpointNotFoundError:
+        return False
+    except AgckError as e:
+        return False if e.verdict else None
+    return commit is not None and commit.epoch == epoch and [p.nonce for p in commit.parts] == list(nonces)
+
+
 def part_meta(run: str, step: int, epoch: int, rank: int, world_size: int, nonce: str, user: Any = None) -> dict:
     """The meta a part is put with: what binds it to its step."""
     return {PART_KEY: {"run": run, "step": step, "epoch": epoch, "rank": rank, "world_size": world_size,

@@ -501,3 +501,50 @@ def test_readme_multirank_example_runs_under_torchrun_and_resumes(tmp_path):
         assert commit.world_size == 2 and commit.epoch == 1     # the second run wrote nothing
         assert store.epoch("sharded-pipeline") == 2
         assert sharded.partial_parts(store) == []
+
+
+def ambiguous_committer(rank, world, url, run, out):
+    """Rank 0's commit raises "may or may not have been written": at step 5 after the
+    record was written, at step 6 before."""
+    from agck import sharded as sharded_mod
+    from agck.distributed import Group, ShardedRun
+    from agck.errors import DurabilityError
+    real = sharded_mod.commit_step
+
+    def flaky(store, run_, step, *a, **kw):
+        if step == 5:
+            real(store, run_, step, *a, **kw)
+        raise DurabilityError("the connection failed during COMMIT: the checkpoint may or may not have been "
+                              "written", ref=store.ref(run_, step))
+    sharded_mod.commit_step = flaky
+    store = open_store(url)
+    sr = ShardedRun(store, run, Group())
+    epoch = sr.begin_epoch()
+    got = {}
+    for step in (5, 6):
+        try:
+            got[step] = ["ok", sr.write(step, {"rank": rank, "v": step}, meta=None, parent=None, epoch=epoch)]
+        except agck.AgckError as e:
+            got[step] = [type(e).__name__, str(e)]
+    sharded_mod.commit_step = real
+    try:     # step 5 committed: rewriting it in its epoch would unbind it
+        sr.write(5, {"rank": rank, "v": 9}, meta=None, parent=None, epoch=epoch)
+        got["rewrite"] = None
+    except agck.AgckError as e:
+        got["rewrite"] = str(e)
+    pathlib.Path(out, f"rank{rank}.bin").write_bytes(msgpack.packb({str(k): v for k, v in got.items()}))
+    store.close()
+
+
+def test_an_ambiguous_commit_is_judged_by_what_the_store_holds(tmp_path, out):
+    """A commit that failed with its outcome unknown is looked up in the store: the
+    record binding this step's parts is there (the step is committed, on every rank)
+    or it is not (the step failed), whatever this process remembers."""
+    url = str(tmp_path / "store")
+    assert launch(_target(ambiguous_committer), 2, (url, "r", str(out))) == [0, 0]
+    for r in _results(out, 2):
+        assert r["5"][0] == "ok", r
+        assert r["6"][0] == "SnapshotError" and "may or may not" in r["6"][1], r
+        assert "already committed in epoch 1" in r["rewrite"], r
+    with open_store(url) as store:
+        assert store.steps("r") == [5] and agck.recover(store, "r").step == 5
