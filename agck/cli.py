@@ -208,8 +208,8 @@ def _listing_in_store(path: str):
 def _load_file(path: str, *, verify: bool = True):
     """A checkpoint file: a standalone container, or a store's chunked one read through its store."""
     where = _listing_in_store(path)
-    if where is None:
-        return checkpoint.load(path, verify=verify)
+    if where is None:     # verified: read, not mapped (an I/O error is then an error, not a SIGBUS)
+        return checkpoint.load(path, verify=verify, mmap=not verify)
     from .stores import open_store
     root, run, step = where
     with open_store(root, create=False) as store:

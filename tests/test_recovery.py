@@ -153,3 +153,61 @@ def test_numpy_integers_are_steps(store):
     store.put("r", np.int64(3), {"x": 1})
     assert store.steps("r") == [3] and type(store.steps("r")[0]) is int
     assert store.get("r", np.uint8(3)).state == {"x": 1}
+
+
+_EIO_RUN = """
+import errno, mmap, os, sys
+import agck
+from agck import checkpoint
+root, bad = sys.argv[1], sys.argv[2]
+real_mmap, real_open = mmap.mmap, os.open
+
+class DyingDisk(real_mmap):
+    # the disk fails under a mapping: its pages are gone (reading one is SIGBUS)
+    def __new__(cls, fileno, length, *a, **kw):
+        m = real_mmap.__new__(cls, fileno, length, *a, **kw)
+        if os.path.realpath(f"/proc/self/fd/{fileno}") == bad:
+            os.truncate(bad, 0)
+        return m
+checkpoint._mmap.mmap = DyingDisk
+
+import builtins
+real_builtin_open = builtins.open
+class EIOFile:
+    def __init__(self, f): self._f = f
+    def __getattr__(self, k): return getattr(self._f, k)
+    def __enter__(self): return self
+    def __exit__(self, *e): self._f.close()
+    def readinto(self, b): raise OSError(errno.EIO, os.strerror(errno.EIO))
+    def read(self, *a): raise OSError(errno.EIO, os.strerror(errno.EIO))
+def failing_open(path, mode="r", *a, **kw):
+    f = real_builtin_open(path, mode, *a, **kw)
+    return EIOFile(f) if os.path.realpath(str(path)) == bad and "b" in mode else f
+checkpoint.open = failing_open
+
+store = agck.open_store(root, incremental=False)
+rec = agck.recover(store, "r")
+print(rec.step, rec.rejected[0].reason if rec.rejected else None)
+"""
+
+
+def test_recovery_survives_a_disk_that_returns_eio(tmp_path):
+    """A disk that fails under the newest checkpoint (its pages unreadable, its reads
+    EIO): recovery reads rather than maps what it judges, so it walks back past the
+    checkpoint with the I/O error as the reason instead of dying of SIGBUS."""
+    import subprocess
+    import sys
+    root = tmp_path / "s"
+    store = agck.open_store(str(root), incremental=False)
+    for step in (1, 2):
+        store.put("r", step, {"w": np.arange(1 << 20, dtype=np.float32) + step})
+    bad = os.path.realpath(store.path("r", 2))
+    store.close()
+    script = tmp_path / "recover.py"
+    script.write_text(_EIO_RUN)
+    done = subprocess.run([sys.executable, str(script), str(root), bad], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))},
+                          timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    step, reason = done.stdout.split(" ", 1)
+    assert step == "1" and "Input/output error" in reason, done.stdout

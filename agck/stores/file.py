@@ -11,8 +11,9 @@ By default (``incremental=True``) a checkpoint's file is a chunked container
 the store does not hold yet are written (:mod:`agck.stores.content`): a
 checkpoint costs what changed since the earlier ones. A container under
 ``min_chunked`` bytes (64 KiB) is written standalone all the same. With
-``incremental=False`` each file is a standalone 1.0 container, loaded mmap'd
-and zero-copy. Either way a file is written by :mod:`agck.durable` (temp
+``incremental=False`` each file is a standalone 1.0 container, read
+(mmap'd and zero-copy when ``verify=False``: a read that verifies reads the
+bytes, so that a disk's I/O error is an error, not a SIGBUS). Either way a file is written by :mod:`agck.durable` (temp
 file, fsync, rename, fsync of the directory), after every chunk it lists is
 durable; a new run directory is made durable by fsync'ing the root after
 mkdir. Temp files left by a crash are listed by :meth:`orphans`; chunks no
@@ -334,7 +335,9 @@ class FileStore(Store):
                     break
                 raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=path, hint=f"`agck ls "
                                               f"{shlex.quote(self.root)} --run {run}` lists the steps") from None
-            buf = checkpoint.read_file(path, mmap=True)
+            # a read that judges the bytes (verify) reads them: a disk's I/O error is then an
+            # error the walk back can judge, where a mapped page would kill the process (SIGBUS)
+            buf = checkpoint.read_file(path, mmap=verify is False)
             try:
                 ck = content.decode(buf, self.objects.get, verify=verify, map_location=map_location, ref=path,
                                     fetch_into=self.objects.read_into)
