@@ -889,3 +889,36 @@ def test_readme_langgraph_example_runs(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     exec(example, {"__name__": "readme_example"})
     assert capsys.readouterr().out.strip() == "{'draft': 'summary of doc-1', 'approved': True}"
+
+
+def test_thread_ids_differing_in_case_only_never_share_a_run(tmp_path, monkeypatch):
+    """On a case-insensitive file system (macOS, Windows) two run names that differ in
+    case only are one directory: no two thread ids (or namespaces) may map to such
+    names. A thread an earlier version wrote under a name with capitals is still read,
+    written on, listed, copied and deleted."""
+    from agck.integrations.langgraph import layout
+    saver = AgckSaver(str(tmp_path / "s"))
+    threads = ["Chat-42", "chat-42", "CHAT-42"]
+    for t in threads:
+        _put(saver, t, {"who": t}, {"who": 1}, {"who": 1}, ns="Sub:1")
+    runs = saver.store.runs()
+    assert len({r.lower() for r in runs}) == len(runs), runs
+    for t in threads:
+        assert saver.get_tuple(_cfg(t, "Sub:1")).checkpoint["channel_values"] == {"who": t}
+    # a thread written by an earlier version (capitals kept in its run names)
+    monkeypatch.setattr(layout, "_RAW_NAME", layout._LEGACY_RAW_NAME)
+    old = AgckSaver(str(tmp_path / "old"))
+    cfg = _put(old, "Legacy-Thread", {"n": 1}, {"n": 1}, {"n": 1}, ns="Node:1")
+    assert any("rLegacy-Thread" in r for r in old.store.runs())
+    monkeypatch.undo()
+    now = AgckSaver(str(tmp_path / "old"))
+    assert now.get_tuple(_cfg("Legacy-Thread", "Node:1")).checkpoint["channel_values"] == {"n": 1}
+    _put(now, "Legacy-Thread", {"n": 2}, {"n": 2}, {"n": 2}, parent=cfg, ns="Node:1")
+    assert not any(r.startswith("lg.h") for r in now.store.runs())            # it went on where it was
+    assert [t.checkpoint["channel_values"]["n"] for t in now.list(_cfg("Legacy-Thread", "Node:1"))] == [2, 1]
+    assert len(list(now.list({"configurable": {"thread_id": "Legacy-Thread"}}))) == 2
+    now.copy_thread("Legacy-Thread", "Copied")
+    assert now.get_tuple(_cfg("Copied", "Node:1")).checkpoint["channel_values"] == {"n": 2}
+    now.delete_thread("Legacy-Thread")
+    assert now.get_tuple(_cfg("Legacy-Thread", "Node:1")) is None
+    assert not any("Legacy" in r for r in now.store.runs())

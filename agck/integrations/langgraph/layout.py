@@ -4,7 +4,10 @@ and steps, and what a checkpoint's record holds.
 Names and numbers only: nothing here reads or writes a store or imports LangGraph.
 
 A thread's namespace (``thread_id``, ``checkpoint_ns``) owns these runs, where
-``T`` and ``N`` encode the thread id and the namespace::
+``T`` and ``N`` encode the thread id and the namespace (``r`` and the name itself
+when it is at most 64 of lowercase letters, digits and ``_-:@+=``; else ``h`` and
+its BLAKE2b-160 in hex: so no two names differ in case only, which a
+case-insensitive file system would make one directory)::
 
     lg.T.N.c            one store checkpoint per LangGraph checkpoint: its record
                         (the checkpoint without channel values, its metadata,
@@ -19,8 +22,9 @@ A thread's namespace (``thread_id``, ``checkpoint_ns``) owns these runs, where
                         is deleted while a remaining checkpoint still uses them (an
                         unchanged channel), and where the first version of this
                         layout wrote them; reading looks in the record at K first
-    lg.T.N.b<C>         the values of channel C (encoded as T is, or hashed when the
-                        name would pass the store's 200 characters) of 64 KiB or more
+    lg.T.N.b<C>         the values of channel C (encoded as T was before capitals
+                        were hashed, or hashed when the name would pass the
+                        store's 200 characters) of 64 KiB or more
                         stored (tensors, long histories), one store checkpoint per
                         version: reading a checkpoint reads the large values it
                         holds, never one another channel was stored with, and the
@@ -80,14 +84,25 @@ _OWN_ENTRY_BYTES = 64 << 10
 
 # --- names ---------------------------------------------------------------------------
 
-_RAW_NAME = re.compile(r"[A-Za-z0-9_\-:@+=]{0,64}", re.ASCII)
+# Names kept as they are, prefixed "r": no capitals, since two names differing in case
+# only would share a directory on a case-insensitive file system (macOS, Windows). Any
+# other name is hashed (prefix "h", lowercase hex). Earlier versions kept capitals
+# (_LEGACY_RAW_NAME): a thread they wrote is still found under its old name (the saver's
+# _runs), and channels keep that rule (their entries' names are read back by it).
+_RAW_NAME = re.compile(r"[a-z0-9_\-:@+=]{0,64}", re.ASCII)
+_LEGACY_RAW_NAME = re.compile(r"[A-Za-z0-9_\-:@+=]{0,64}", re.ASCII)
 
 
 _MAX_RUN = 200     # agck.names: a store's run names are 1-200 characters
 
 
-def _name_part(s: str) -> str:
-    return "r" + s if _RAW_NAME.fullmatch(s) else _hashed(s)
+def _name_part(s: str, legacy: bool = False) -> str:
+    return "r" + s if (_LEGACY_RAW_NAME if legacy else _RAW_NAME).fullmatch(s) else _hashed(s)
+
+
+def _renamed(s: str) -> bool:
+    """Whether ``s`` had another name part in earlier versions (a raw name with capitals)."""
+    return _RAW_NAME.fullmatch(s) is None and _LEGACY_RAW_NAME.fullmatch(s) is not None
 
 
 def _hashed(s: str) -> str:
@@ -101,8 +116,8 @@ class _Runs:
     base: str
 
     @classmethod
-    def of(cls, thread_id: str, ns: str) -> "_Runs":
-        return cls(f"{_PREFIX}{_name_part(thread_id)}.{_name_part(ns)}.")
+    def of(cls, thread_id: str, ns: str, legacy: bool = False) -> "_Runs":
+        return cls(f"{_PREFIX}{_name_part(thread_id, legacy)}.{_name_part(ns, legacy)}.")
 
     @classmethod
     def from_records(cls, run: str) -> "_Runs":
@@ -120,14 +135,21 @@ class _Runs:
         return f"{self.base}w{key:016x}"
 
     def own(self, channel: str) -> str:
-        name = f"{self.base}b{_name_part(channel)}"
+        name = f"{self.base}b{_name_part(channel, legacy=True)}"
         if len(name) > _MAX_RUN:   # a thread, namespace and channel of 64 characters each
             name = f"{self.base}b{_hashed(channel)}"
         return name
 
 
-def _thread_prefix(thread_id: str) -> str:
-    return f"{_PREFIX}{_name_part(thread_id)}."
+def _thread_prefix(thread_id: str, legacy: bool = False) -> str:
+    return f"{_PREFIX}{_name_part(thread_id, legacy)}."
+
+
+def _thread_prefixes(thread_id: str) -> tuple[str, ...]:
+    """The prefixes of a thread's runs: its name now, and the one earlier versions gave it."""
+    if _renamed(thread_id):
+        return _thread_prefix(thread_id), _thread_prefix(thread_id, legacy=True)
+    return (_thread_prefix(thread_id),)
 
 
 def _is_records_run(run: str) -> bool:

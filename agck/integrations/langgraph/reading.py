@@ -54,7 +54,7 @@ from ...checkpoint import Checkpoint
 from ...errors import AgckError, CheckpointNotFoundError, CorruptCheckpointError, MalformedCheckpointError, UsageError
 from ...recovery import Candidate, Unsuitable, store_candidates, walk_back
 from ...stores import Store
-from .layout import (_FORMAT, _Runs, _is_place, _is_records_run, _matches, _prefilter, _thread_prefix,
+from .layout import (_FORMAT, _Runs, _is_place, _is_records_run, _matches, _prefilter, _renamed, _thread_prefixes,
                      checkpoint_key)
 from .values import _ValueCodec
 
@@ -132,6 +132,22 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
         # locations here instead of reading the parent back (one read per super-step).
         self._recent: OrderedDict = OrderedDict()
         self._recent_lock = threading.Lock()
+        self._legacy: dict[tuple[str, str], _Runs] = {}    # (thread, ns) -> its runs, where named as before
+
+    def _runs(self, thread_id: str, ns: str) -> _Runs:
+        """The runs of (thread, namespace): named as now, unless only earlier versions'
+        name for them (a raw name with capitals, layout._renamed) holds records, in which
+        case the thread goes on there (looked up once per saver)."""
+        runs = _Runs.of(thread_id, ns)
+        if not (_renamed(thread_id) or _renamed(ns)):
+            return runs
+        got = self._legacy.get((thread_id, ns))
+        if got is None:
+            old = _Runs.of(thread_id, ns, legacy=True)
+            got = old if self.store.steps(old.records, last=1) and not self.store.steps(runs.records, last=1) \
+                else runs
+            self._legacy[(thread_id, ns)] = got
+        return got
 
     _RECENT_MAX = 256
 
@@ -409,7 +425,7 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
 
     def get_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         thread_id, ns = self._thread_ns(config)
-        runs = _Runs.of(thread_id, ns)
+        runs = self._runs(thread_id, ns)
         cid = get_checkpoint_id(config)
         if cid:
             key = checkpoint_key(cid)
@@ -475,10 +491,10 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
             thread_id, ns = self._thread_ns(config, require_ns=False)
             cid = get_checkpoint_id(config)
             if ns is not None:
-                runs_list = [_Runs.of(thread_id, ns).records]
+                runs_list = [self._runs(thread_id, ns).records]
             else:
-                prefix = _thread_prefix(thread_id)
-                runs_list = [r for r in self.store.runs() if r.startswith(prefix) and _is_records_run(r)]
+                prefixes = _thread_prefixes(thread_id)
+                runs_list = [r for r in self.store.runs() if r.startswith(prefixes) and _is_records_run(r)]
         else:
             thread_id = ns = cid = None
             runs_list = [r for r in self.store.runs() if _is_records_run(r)]
@@ -542,7 +558,7 @@ class _CheckpointReader(BaseCheckpointSaver[int]):
         if not channels:
             return {}
         thread_id, ns = self._thread_ns(config)
-        runs = _Runs.of(thread_id, ns)
+        runs = self._runs(thread_id, ns)
         target = self.get_tuple(config)
         collected: dict[str, list] = {c: [] for c in channels}
         seeds: dict[str, Any] = {}

@@ -42,7 +42,8 @@ from langgraph.checkpoint.base import (WRITES_IDX_MAP, ChannelVersions, Checkpoi
 from ...errors import AgckError, CheckpointExistsError, CheckpointNotFoundError, EncodeError, UsageError
 from ...stores import PutEntry, Store, open_store
 from .layout import (_FORMAT, _MAX_STEP, _OWN_ENTRY_BYTES, _UNDECIDED, _is_lg_run, _is_records_run,
-                     _metadata_projection, _Runs, _task_slot, _thread_prefix, checkpoint_key)
+                     _metadata_projection, _name_part, _Runs, _task_slot, _thread_prefix, _thread_prefixes,
+                     checkpoint_key)
 from .reading import _UNSURE, _CheckpointReader, _Damage
 from .values import _normalize_types, _Refused, _ValueCodec
 
@@ -210,7 +211,7 @@ class AgckSaver(_CheckpointReader):
         saver last wrote or read)."""
         thread_id, ns = self._thread_ns(config)
         cid = checkpoint.get("id")
-        runs = _Runs.of(thread_id, ns)
+        runs = self._runs(thread_id, ns)
         key = checkpoint_key(cid)
         where_txt = f"thread {thread_id!r} namespace {ns!r}"
         if key is None:
@@ -363,7 +364,7 @@ class AgckSaver(_CheckpointReader):
         if key is None:
             raise UsageError(f"put_writes for {where_txt} needs the checkpoint id (a canonical UUID) of the "
                              f"checkpoint the writes follow, not {cid!r}")
-        runs = _Runs.of(thread_id, ns)
+        runs = self._runs(thread_id, ns)
         run = runs.writes(key)
         slot = _task_slot(task_id)
         ref = self.store.ref(run, slot)
@@ -434,8 +435,8 @@ class AgckSaver(_CheckpointReader):
     def delete_thread(self, thread_id: str) -> None:
         """Delete every checkpoint, value and pending write of the thread, all namespaces."""
         thread_id, _ = self._thread_ns({"configurable": {"thread_id": thread_id}})
-        prefix = _thread_prefix(thread_id)
-        runs = [r for r in self.store.runs() if r.startswith(prefix) and _is_lg_run(r)]
+        prefixes = _thread_prefixes(thread_id)
+        runs = [r for r in self.store.runs() if r.startswith(prefixes) and _is_lg_run(r)]
         # records first: a crash part way leaves unreferenced entries, never a record without its parts
         for r in sorted(runs, key=lambda r: (not r.endswith(".c"), r.endswith(".v"), r)):
             self._delete_steps(r)
@@ -546,8 +547,7 @@ class AgckSaver(_CheckpointReader):
                 self.delete_thread(tid)
                 continue
             tid, _ = self._thread_ns({"configurable": {"thread_id": tid}})
-            prefix = _thread_prefix(tid)
-            all_runs = [r for r in self.store.runs() if r.startswith(prefix)]
+            all_runs = [r for r in self.store.runs() if r.startswith(_thread_prefixes(tid))]
             for run in [r for r in all_runs if _is_records_run(r)]:
                 self._keep_latest(_Runs.from_records(run), tid, all_runs)
 
@@ -598,11 +598,15 @@ class AgckSaver(_CheckpointReader):
         dst, _ = self._thread_ns({"configurable": {"thread_id": target_thread_id}})
         if src == dst:
             return
-        sp, dp = _thread_prefix(src), _thread_prefix(dst)
-        runs = [r for r in self.store.runs() if r.startswith(sp) and _is_lg_run(r)]
-        for run in sorted(runs, key=lambda r: (r.endswith(".c"), r)):
+        dp = _thread_prefix(dst)
+        runs = [(sp, r) for sp in _thread_prefixes(src) for r in self.store.runs()
+                if r.startswith(sp) and _is_lg_run(r)]
+        for sp, run in sorted(runs, key=lambda x: (x[1].endswith(".c"), x[1])):
             kind = run[run.rindex(".") + 1:]
-            target_runs = _Runs(dp + run[len(sp):run.rindex(".") + 1])
+            ns_part = run[len(sp):run.rindex(".")]
+            if ns_part.startswith("r"):     # named raw (perhaps by an earlier version): as it is named now
+                ns_part = _name_part(ns_part[1:])
+            target_runs = _Runs(f"{dp}{ns_part}.")
             for s in self.store.steps(run):
                 try:
                     ck = self.store.read(run, s)
@@ -641,7 +645,7 @@ class AgckSaver(_CheckpointReader):
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         if self._native:
             thread_id, ns = self._thread_ns(config)
-            runs = _Runs.of(thread_id, ns)
+            runs = self._runs(thread_id, ns)
             cid = get_checkpoint_id(config)
             key = checkpoint_key(cid) if cid else None
             if cid and key is None:
