@@ -1,4 +1,5 @@
-"""One target under atheris: ``python -m fuzz.run TARGET WORKDIR SEEDDIR -- [libFuzzer flags]``.
+#!/usr/bin/env python3
+"""One target under atheris: ``python -m fuzz.run TARGET DIR... -- [libFuzzer flags]``.
 
 agck is imported under atheris's instrumentation, so libFuzzer sees which of its
 branches each input reaches. A target's input that raises anything but an
@@ -7,9 +8,12 @@ libFuzzer writes it under ``-artifact_prefix`` and exits non-zero."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import atheris
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a file by -merge
 
 with atheris.instrument_imports(include=["agck"]):
     import agck  # noqa: F401
@@ -20,15 +24,17 @@ from fuzz.targets import TARGETS  # noqa: E402
 
 
 def main() -> None:
-    name, dirs, flags = sys.argv[1], [], []
-    rest = sys.argv[2:]
-    if "--" in rest:
-        i = rest.index("--")
-        dirs, flags = rest[:i], rest[i + 1:]
-    else:
-        dirs = rest
-    target = TARGETS[name]
-    atheris.Setup([sys.argv[0], *flags, *dirs], target)
+    # the target travels in the environment: libFuzzer's -merge runs this file again with
+    # its own arguments only
+    args = sys.argv[1:]
+    name = os.environ.get("AGCK_FUZZ_TARGET")
+    if name is None:
+        name, args = args[0], args[1:]
+        os.environ["AGCK_FUZZ_TARGET"] = name
+    if "--" in args:     # DIRS -- FLAGS
+        i = args.index("--")
+        args = args[i + 1:] + args[:i]
+    atheris.Setup([sys.argv[0], *args], TARGETS[name])
     atheris.Fuzz()
 
 
