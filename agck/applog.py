@@ -39,10 +39,12 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from . import journalrec
-from .capture import TAG
 from .errors import CorruptCheckpointError, EncodeError, UsageError
 
 KIND = "log"
+# agck.capture.TAG, the mark of a captured object in a saved tree (capture imports torch,
+# and `import agck` must not: tests/test_applog.py holds the two equal)
+TAG = "__agck__"
 
 
 class AppendLog(Sequence):

@@ -165,3 +165,13 @@ def test_items_with_tensors_and_what_cannot_be_stored(tmp_path):
     with pytest.raises(EncodeError):
         agck.dumps({"x": agck.AppendLog([1])})      # never pickled
     store.close()
+
+
+def test_the_reference_mark_is_capture_s_and_import_agck_leaves_torch_alone():
+    import subprocess
+    import sys
+    from agck import applog, capture
+    assert applog.TAG == capture.TAG
+    done = subprocess.run([sys.executable, "-c", "import sys, agck; assert 'torch' not in sys.modules"],
+                          env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
