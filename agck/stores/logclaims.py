@@ -27,6 +27,7 @@ import fcntl
 import os
 import threading
 import time
+from abc import ABC, abstractmethod
 
 import xxhash
 
@@ -42,17 +43,17 @@ def claim_number(scope: str, key: bytes) -> int:
     return xxhash.xxh3_64_intdigest(scope.encode() + b"\0" + key) >> (64 - _OFFSET_BITS)
 
 
-class LogClaims:
+class LogClaims(ABC):
     """The claims one journal holds on its run's steps (see the module's docstring)."""
 
+    @abstractmethod
     def claim(self, key: bytes, *, wait: bool) -> bool:
         """Take the claim on ``key``; with ``wait``, block until its holder releases it.
         Returns whether it is held (always, with ``wait``)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def release(self, keys) -> None:
         """Release the claims on ``keys`` (each held by this object)."""
-        raise NotImplementedError
 
     def close(self) -> None:
         """Release every claim still held."""
