@@ -34,7 +34,7 @@ OUTCOMES = ("ok", "indeterminate", "lost", "corrupt", "error")
 SKIPPED = "skipped"     # the outcome of a trial that never started: no outcome of the code under test
 STORES = ("file", "sqlite", "postgres", "s3", "pgs3")   # pgs3: a Postgres catalog, chunks in SeaweedFS
 FAULTS = ("kill", "failpoint", "pgkill", "pgload", "s3kill", "netcut", "powerloss", "corrupt", "stale", "dist",
-          "distpower", "chunkrot", "journal")
+          "distpower", "chunkrot", "journal", "failover", "dbpower")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -114,6 +114,19 @@ def check_library(store, trial: Trial, ref_full: dict, *, map_location="cpu") ->
     trial.hash_ok = got == want
     if not trial.hash_ok:
         trial.reasons.append(f"state hash of recovered step {rec.step} is {got}, the reference says {want}")
+
+
+def recheck(store, trials: list, ref_full: dict, after: str) -> None:
+    """Each of ``trials`` must still recover to the step it recovered to when it was judged
+    (``after`` says what has happened since); a trial that does not is corrupt."""
+    for old in trials:
+        if not isinstance(old.recovered, int):
+            continue
+        probe = Trial(id=0, store=old.store, fault=old.fault, run=old.run, url=old.url)
+        check_library(store, probe, ref_full)
+        if probe.recovered != old.recovered:
+            old.hash_ok = False
+            old.reasons.append(f"after {after} recovery says {probe.recovered}, before it said {old.recovered}")
 
 
 def check_sharded(store, trial: Trial, ref_full: list[dict], *, map_location="cpu") -> None:

@@ -102,10 +102,8 @@ class PgCluster:
                               timeout=timeout, check=check, cwd="/")
 
     # -- lifecycle ---------------------------------------------------------------
-    def start(self) -> "PgCluster":
-        reason = available()
-        if reason:
-            raise RuntimeError(f"cannot start a private Postgres cluster: {reason}")
+    def make_base(self) -> None:
+        """The cluster's directory and socket directory, owned by the ``postgres`` user."""
         # a short path: unix socket paths are limited to ~107 bytes
         self.base = tempfile.mkdtemp(prefix="agckpg-", dir="/tmp")
         atexit.register(self.destroy)
@@ -113,6 +111,12 @@ class PgCluster:
         os.chown(self.base, pw.pw_uid, pw.pw_gid)
         os.mkdir(self.sockdir, 0o700)
         os.chown(self.sockdir, pw.pw_uid, pw.pw_gid)
+
+    def start(self) -> "PgCluster":
+        reason = available()
+        if reason:
+            raise RuntimeError(f"cannot start a private Postgres cluster: {reason}")
+        self.make_base()
         # fsync stays on (the default): the crash tests are meaningless without it
         r = self._as_pg(f"{BINDIR}/initdb", "-D", self.data, "-U", "postgres", "--auth=trust",
                         "-E", "UTF8", "--no-instructions", check=False)

@@ -186,6 +186,20 @@ def test_quick_campaign_postgres(tmp_path):
 
 
 @pytest.mark.campaign
+@pytest.mark.skipif(pgcluster.available() is not None, reason=f"no private Postgres: {pgcluster.available()}")
+def test_quick_campaign_failover_and_power_cuts(tmp_path):
+    from crashtests import powercut
+    if powercut.available() is not None:
+        pytest.skip(f"power-cut shim unusable: {powercut.available()}")
+    counts = {"failover": 3, "dbpower": 4}
+    rep = _run(tmp_path, ("sqlite", "postgres"), ("failover", "dbpower"), counts, seed=10)
+    rows = {(r["store"], r["fault"]): r for r in rep["rows"]}
+    assert rows[("postgres", "failover")]["faults_delivered"] == 3
+    assert rows[("sqlite", "dbpower")]["faults_delivered"] == rows[("postgres", "dbpower")]["faults_delivered"] == 4
+    assert rows[("postgres", "failover")]["resumes_ok"] == rows[("postgres", "failover")]["resumes_checked"] == 1
+
+
+@pytest.mark.campaign
 @pytest.mark.skipif(s3server.seaweed_available() is not None, reason=f"no SeaweedFS: {s3server.seaweed_available()}")
 def test_quick_campaign_object_store(tmp_path):
     pytest.importorskip("obstore")

@@ -12,7 +12,7 @@ import pytest
 
 import agck
 from agck import format
-from agck.errors import AgckError
+from agck.errors import AgckError, DamagedChunkError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -46,9 +46,66 @@ def test_resealing_gets_a_mutated_container_past_its_checksums():
             assert "checksum" not in str(e) and "digest" not in str(e), (off, e)
 
 
+def test_the_seeds_of_the_direct_targets_are_read_whole():
+    """What chunk_listing and commit_part start from is what agck's writers make and its
+    readers take: every listing decodes from its chunks, every commit record binds its parts."""
+    from agck import sharded
+    from agck.stores import content
+
+    from fuzz import seeds
+    chunks = targets.MemoryObjects(targets.listed_checkpoints()[0])
+    steps = set()
+    for meta in seeds.listing_seeds():
+        ck = content.decode(targets.frame(meta, chunked=True), chunks.get, verify=True, map_location=None,
+                            ref="seed")
+        assert ck.run == targets.LISTED_RUN and sorted(ck.state) == ["b", "l", "s", "w"]
+        steps.add(ck.step)
+    assert steps == {3, 4}
+    kinds = []
+    for data in seeds.commit_seeds():
+        found = targets.sections(data)
+        state = agck.codec.decode_state(found[0], [], targets.no_blob, 0)
+        commit = sharded.as_commit(agck.Checkpoint(state=state, meta=None, run=targets.COMMIT_RUN,
+                                                   step=targets.COMMIT_STEP, parent=None, created_at=0.0,
+                                                   version="1.0"))
+        assert commit is not None and len(found) == 1 + commit.world_size
+        for rank in range(commit.world_size):
+            sharded.read_part(targets.MemoryParts(found[1:]), commit, rank)
+        if commit.kind == "dcp":
+            targets.dcp_module().metadata_from_plain(commit.extra)
+        kinds.append((commit.kind, commit.world_size))
+    assert kinds[:2] == [("snapshot", 2), ("snapshot", 1)]
+
+
+def test_a_listing_claiming_more_than_memory_is_judged_not_allocated():
+    """A listing of a few hundred bytes can claim terabytes: its first chunk is looked for
+    before the buffer is mapped, and a buffer the machine cannot give is an AgckError."""
+    import resource
+
+    import numpy as np
+
+    from agck.stores import content
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    three_gib = format.dumps_chunked(run="r", step=1, parent=None, meta=None, addresses=[bytes(32)],
+                                     sizes=[3 << 30])
+    with pytest.raises(DamagedChunkError, match="missing"):
+        content.decode(three_gib, lambda address, size: None, verify=True, map_location=None, ref="x")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 256 << 10     # KiB: nothing mapped
+    n = 40_000      # chunks of 4 GiB: 160 TiB, past any address space
+    size = (1 << 32) - 1
+    huge = format.dumps_chunked(run="r", step=1, parent=None, meta=None, addresses=[bytes(32)] * n,
+                                sizes=[size] * n)
+    first = np.broadcast_to(np.zeros(1, np.uint8), (size,))     # 4 GiB that take no memory
+    with pytest.raises(AgckError, match="cannot allocate"):
+        content.decode(huge, lambda address, want: first, verify=True, map_location=None, ref="x")
+
+
 def test_a_short_coverage_guided_run_finds_nothing(tmp_path):
     pytest.importorskip("atheris")
     done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "fuzz"), "--seconds", "8", "--jobs", "2",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    assert "| container_resealed |" in done.stdout
+    rows = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in done.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| target")}
+    assert sorted(rows) == sorted(targets.TARGETS), done.stdout
+    assert all(int(runs.replace(",", "")) > 0 for runs in rows.values()), done.stdout

@@ -151,18 +151,53 @@ def test_a_busy_pool_makes_callers_wait_then_says_so(pg_dsn, pg_schema):
 
 
 def test_a_broken_connection_is_replaced(pg_dsn, pg_schema, admin):
-    """A connection the server ended is dropped at its next use; the store carries on."""
+    """A connection the server ended while it idled (a restart, a failover): a read is made
+    again on a new one, since reading twice changes nothing; a write is not (it may have
+    been sent): it fails, and the next gets a new connection. The store carries on."""
     from agck.stores.postgres import PostgresStore
     app = f"agck_pool_{secrets.token_hex(4)}"
     s = PostgresStore(_app_dsn(pg_dsn, app), prefix=pg_prefix(), schema=pg_schema, init=True, pool=2)
     s.put("r", 0, {"x": np.arange(10)})
-    admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s", (app,))
-    time.sleep(0.1)
+
+    def end_its_connections():
+        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+                      (app,))
+        time.sleep(0.1)
+    end_its_connections()
+    assert np.array_equal(s.read("r", 0).state["x"], np.arange(10))     # read again on a new connection
+    end_its_connections()
+    assert s.steps("r") == [0]
+    end_its_connections()
     with pytest.raises(StoreError):
-        s.read("r", 0)                      # the idle connection was ended: this operation fails
-    assert np.array_equal(s.read("r", 0).state["x"], np.arange(10))   # the next gets a new one
+        s.put("r", 1, {"x": np.arange(3)})      # a write is never sent twice
     s.put("r", 1, {"x": np.arange(3)})
     assert s.steps("r") == [0, 1]
+    s.close()
+
+
+def test_a_read_is_made_again_once_only(pg_dsn, pg_schema, admin):
+    """A read whose second connection is also ended fails with the connection error."""
+    from agck.stores.postgres import PostgresStore
+    app = f"agck_pool_{secrets.token_hex(4)}"
+    s = PostgresStore(_app_dsn(pg_dsn, app), prefix=pg_prefix(), schema=pg_schema, init=True, pool=2)
+    s.put("r", 0, {"x": np.arange(10)})
+    calls = []
+    real = s._connect_one
+
+    def connect_then_end():      # every new connection is ended before its first statement
+        conn = real()
+        calls.append(conn)
+        admin.execute("SELECT pg_terminate_backend(%s)", (conn.get_backend_pid(),))
+        time.sleep(0.05)
+        return conn
+    admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s", (app,))
+    time.sleep(0.1)
+    s._pool._connect = connect_then_end
+    with pytest.raises(StoreConnectionError, match="lost the connection"):
+        s.read("r", 0)
+    assert len(calls) == 1      # the idle one, then one new one: two attempts in all
+    s._pool._connect = real
+    assert s.steps("r") == [0]
     s.close()
 
 

@@ -189,3 +189,13 @@ def test_sqlite_failed_commit_leaves_no_transaction_open():
         with _immediate(c):
             pass
     assert c.log == ["BEGIN IMMEDIATE", "COMMIT", "ROLLBACK"] and not c.in_transaction
+
+
+def test_a_database_in_a_missing_directory_is_refused_by_name(tmp_path):
+    """No talk of servers or credentials for a file: the error names the missing directory."""
+    from agck.errors import StoreConnectionError
+    from agck.stores.sqlite import SqliteStore
+    where = tmp_path / "no" / "such"
+    with pytest.raises(StoreConnectionError, match="does not exist") as ei:
+        SqliteStore(f"sqlite:///{where}/a.db")
+    assert str(where) in str(ei.value) and "server" not in str(ei.value)

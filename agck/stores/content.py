@@ -376,7 +376,7 @@ def assemble(listed: format.ChunkedContainer, fetch: Callable[[bytes, int], obje
     12.3: DamagedChunkError); addresses and the container by :func:`decode`. With
     ``fetch_into`` and ``checked``, each chunk is also hashed by the thread that read
     it, while others are still in flight, and ``checked`` notes those that match."""
-    buf = memory.new_buffer(listed.length)   # a uint8 array, not zero-filled
+    buf = _buffer_for(listed, fetch, ref)
     view = memoryview(buf)
     if fetch_into is not None:
         _read_into(listed, fetch_into, view, ref, threads, checked)
@@ -398,6 +398,28 @@ def assemble(listed: format.ChunkedContainer, fetch: Callable[[bytes, int], obje
 
 
 _PARALLEL_READ_MIN = 16 << 20
+_PROBE_FIRST_MIN = 64 << 20
+
+
+def _buffer_for(listed: format.ChunkedContainer, fetch: Callable[[bytes, int], object], ref: str | None):
+    """The buffer for a listed container's bytes. A listing of a few hundred bytes can claim
+    terabytes (up to 2^24 chunks of 4 GiB each): before a large buffer is mapped, its first
+    chunk must be in the store at the listed size, so a damaged or forged listing fails
+    on its chunks, not by mapping and filling the memory it claims. A buffer the machine
+    cannot give fails as an AgckError."""
+    if listed.length >= _PROBE_FIRST_MIN:
+        a, n = listed.addresses[0], listed.sizes[0]
+        data = fetch(a, n)
+        if data is None:
+            raise _chunk_error(0, a, "is missing from the store", ref, missing=True)
+        if memoryview(data).nbytes != n:
+            raise _chunk_error(0, a, f"holds {memoryview(data).nbytes} bytes, its listing says {n}", ref)
+    try:
+        return memory.new_buffer(listed.length)   # a uint8 array, not zero-filled
+    except MemoryError:
+        raise StoreError(f"cannot allocate the {listed.length:,} bytes the checkpoint's listing names",
+                         ref=ref, hint="read it on a machine with more memory; if it should be smaller, "
+                                       "its listing is damaged: run agck verify") from None
 
 
 def _in_shares(listed: format.ChunkedContainer, work: Callable[[int, int, list[int]], object], *,

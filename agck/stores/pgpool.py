@@ -78,6 +78,10 @@ class ConnectionPool:
             self._held.conn = None
             self._give(conn)
 
+    def holding(self) -> bool:
+        """Whether this thread already holds a connection (it is inside a transaction of its own)."""
+        return getattr(self._held, "conn", None) is not None and self._pid == os.getpid()
+
     def _forked(self) -> None:
         """In a child after fork(): none of the parent's connections is this process's."""
         self._inherited += self._idle

@@ -265,6 +265,23 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
         with self._pool.connection() as conn:
             yield conn.cursor()
 
+    def _read_retrying(self, attempt: Callable[[Any], T], error: Callable[[psycopg2.Error, Any], AgckError]) -> T:
+        """``attempt(cur)`` on a pooled connection; a database error is raised as ``error(e, cur)``.
+        A pooled connection can die while it idles (the server restarted, a standby was
+        promoted): a read that finds its connection gone is made again, once, on a new one
+        (reading twice changes nothing). Not inside a transaction this thread holds."""
+        again = not self._pool.holding()
+        while True:
+            with self._cursor() as cur:
+                try:
+                    return attempt(cur)
+                except psycopg2.Error as e:
+                    if again and isinstance(e, (psycopg2.OperationalError, psycopg2.InterfaceError)) \
+                            and cur.connection.closed:
+                        again = False
+                        continue
+                    raise error(e, cur) from None
+
     @staticmethod
     def _abort(cur) -> None:
         """Roll back after an error; a connection that cannot is dropped (the pool opens another)."""
@@ -702,12 +719,11 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
 
     # -- reading -----------------------------------------------------------------------------
     def _query(self, query: str, args=()) -> list:
-        with self._cursor() as cur:
-            try:
-                cur.execute(query, args)
-                return cur.fetchall()
-            except psycopg2.Error as e:
-                raise self._db_error(e, "query failed", self.names.where, conn=cur.connection) from None
+        def attempt(cur):
+            cur.execute(query, args)
+            return cur.fetchall()
+        return self._read_retrying(attempt, lambda e, cur: self._db_error(e, "query failed", self.names.where,
+                                                                          conn=cur.connection))
 
     def runs(self) -> list[str]:
         return [r for (r,) in self._query(f"SELECT DISTINCT run FROM {self.names.manifest} ORDER BY run")]
@@ -749,13 +765,15 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
         """(run, step), or with ``step=None`` the run's newest step (None if it has none)."""
         map_location = codec.check_map_location(map_location)
         sql, params = self._read_sql(run, step)
-        with self._cursor() as cur:
-            try:
-                cur.execute(sql, params)
-                row = cur.fetchone()
-            except psycopg2.Error as e:
-                self._abort(cur)
-                raise self._read_error(e, run, step, cur.connection) from None
+
+        def attempt(cur):
+            cur.execute(sql, params)
+            return cur.fetchone()
+
+        def error(e, cur):
+            self._abort(cur)
+            return self._read_error(e, run, step, cur.connection)
+        row = self._read_retrying(attempt, error)
         got = self._read_row(row, run, step, verify, map_location)
         return self._read_streamed(run, row[0], verify, map_location) if got is _LARGE else got
 

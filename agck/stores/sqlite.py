@@ -160,7 +160,13 @@ class SqliteStore(TransactionalPuts, Store):
             self._conn = sqlite3.connect(target, timeout=busy_timeout, isolation_level=None,
                                          check_same_thread=False, uri=uri)
         except sqlite3.Error as e:
-            raise StoreConnectionError(f"cannot open the database: {e}", ref=self.path) from None
+            parent = os.path.dirname(os.path.abspath(self.path))
+            if self.path != ":memory:" and not os.path.isdir(parent):
+                raise StoreConnectionError(f"cannot create the database: its directory {parent} does not exist",
+                                           ref=self.path, hint="create the directory first") from None
+            raise StoreConnectionError(f"cannot open the database: {e}", ref=self.path,
+                                       hint="check the path, and that this user may read and write the file "
+                                            "and its directory") from None
         try:
             c = self._conn
             c.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
