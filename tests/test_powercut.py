@@ -71,6 +71,13 @@ def shim_run(code: str, d, log, *, kill: bool = True, timeout: float = 20) -> st
     return "".join(out) + rest
 
 
+def tracked(tmp_path):
+    """A directory for the shim to track, and its log beside it."""
+    d = tmp_path / "d"
+    d.mkdir()
+    return d, tmp_path / "log"
+
+
 def contents(d) -> dict:
     out = {}
     for parent, _, names in os.walk(d):
@@ -130,9 +137,7 @@ def mixed_setup(d) -> dict:
 
 
 def test_drop_restores_exactly_the_last_synced_content(tmp_path):
-    d = tmp_path / "d"
-    d.mkdir()
-    log = tmp_path / "log"
+    d, log = tracked(tmp_path)
     expected = mixed_setup(d)
     shim_run(MIXED, d, log)
     s = powercut.cut(str(d), str(log), "drop", random.Random(1))
@@ -144,9 +149,7 @@ def test_drop_restores_exactly_the_last_synced_content(tmp_path):
 @pytest.mark.parametrize("mode", ["prefix", "subset"])
 def test_keeping_every_op_reproduces_the_files(tmp_path, mode):
     """Revert all, re-apply all: the files as the program left them, byte for byte."""
-    d = tmp_path / "d"
-    d.mkdir()
-    log = tmp_path / "log"
+    d, log = tracked(tmp_path)
     mixed_setup(d)
     shim_run(MIXED, d, log)
     before = contents(d)
@@ -194,9 +197,7 @@ def test_synced_bytes_survive_every_mode(tmp_path, mode):
 
 
 def test_torn_write_stops_at_a_sector_boundary(tmp_path):
-    d = tmp_path / "d"
-    d.mkdir()
-    log = tmp_path / "log"
+    d, log = tracked(tmp_path)
     durable_file(d / "f", b"a" * 4096)
     seen = set()
     for seed in range(6):
@@ -218,9 +219,7 @@ def test_torn_write_stops_at_a_sector_boundary(tmp_path):
 def test_a_file_created_without_a_directory_fsync_is_lost(tmp_path, dirs):
     """Under POSIX only a directory fsync makes a new entry durable; on Linux's journaling
     file systems the file's own fsync does too. A file never fsync'd is lost under both."""
-    d = tmp_path / "d"
-    d.mkdir()
-    log = tmp_path / "log"
+    d, log = tracked(tmp_path)
     code = """
     # a directory fsync makes every entry made before it durable: "kept" first
     for name, dirsync in (("kept", True), ("synced", False)):
@@ -265,9 +264,7 @@ def test_files_outside_the_directory_are_untouched(tmp_path):
 
 
 def test_append_writes(tmp_path):
-    d = tmp_path / "d"
-    d.mkdir()
-    log = tmp_path / "log"
+    d, log = tracked(tmp_path)
     durable_file(d / "f", b"")
     code = """
     a = os.open(D + "/f", os.O_WRONLY | os.O_APPEND)
@@ -291,9 +288,7 @@ def test_append_writes(tmp_path):
 
 
 def test_a_failed_write_is_not_replayed(tmp_path):
-    d = tmp_path / "d"
-    d.mkdir()
-    log = tmp_path / "log"
+    d, log = tracked(tmp_path)
     durable_file(d / "f", b"kept")
     code = """
     fd = os.open(D + "/f", os.O_RDONLY)
@@ -310,9 +305,7 @@ def test_a_failed_write_is_not_replayed(tmp_path):
 
 
 def test_processes_forked_by_the_writer(tmp_path):
-    d = tmp_path / "d"
-    d.mkdir()
-    log = tmp_path / "log"
+    d, log = tracked(tmp_path)
     code = """
     shared = os.open(D + "/shared", os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o644)
     syncdir()
@@ -352,9 +345,7 @@ def test_processes_forked_by_the_writer(tmp_path):
 
 
 def test_synchronous_writes_are_durable_when_they_return(tmp_path):
-    d = tmp_path / "d"
-    d.mkdir()
-    log = tmp_path / "log"
+    d, log = tracked(tmp_path)
     durable_file(d / "f", b"." * 3000)
     code = """
     plain = os.open(D + "/f", os.O_WRONLY)
@@ -371,9 +362,7 @@ def test_synchronous_writes_are_durable_when_they_return(tmp_path):
 
 
 def test_punched_holes_are_writes_of_zeros(tmp_path):
-    d = tmp_path / "d"
-    d.mkdir()
-    log = tmp_path / "log"
+    d, log = tracked(tmp_path)
     durable_file(d / "f", b"z" * 20000)
     code = """
     import ctypes
@@ -395,9 +384,7 @@ def test_punched_holes_are_writes_of_zeros(tmp_path):
 
 
 def test_the_log_outlives_a_program_closing_every_fd(tmp_path):
-    d = tmp_path / "d"
-    d.mkdir()
-    log = tmp_path / "log"
+    d, log = tracked(tmp_path)
     durable_file(d / "f", b"synced")
     code = """
     fd = os.open(D + "/f", os.O_WRONLY)
@@ -415,9 +402,7 @@ def test_the_log_outlives_a_program_closing_every_fd(tmp_path):
 
 
 def test_a_record_torn_by_a_kill_is_skipped(tmp_path):
-    d = tmp_path / "d"
-    d.mkdir()
-    log = tmp_path / "log"
+    d, log = tracked(tmp_path)
     shim_run('fd = os.open(D + "/f", os.O_CREAT | os.O_WRONLY, 0o644)\n'
              'os.write(fd, b"x" * 9000)\nos.write(fd, b"y" * 100)\n', d, log)
     with open(log, "rb") as f:
@@ -495,9 +480,7 @@ def sqlite_rows(path: str) -> tuple[set, str]:
 
 
 def test_sqlite_without_fsync_loses_acknowledged_commits(tmp_path):
-    d = tmp_path / "d"
-    d.mkdir()
-    log = tmp_path / "log"
+    d, log = tracked(tmp_path)
     path = sqlite_setup(d)
     acked = sqlite_run(d, log, "OFF", 0, acks=50)
     assert len(acked) >= 50
@@ -508,9 +491,7 @@ def test_sqlite_without_fsync_loses_acknowledged_commits(tmp_path):
 
 
 def test_sqlite_with_fsync_keeps_every_acknowledged_commit(tmp_path):
-    d = tmp_path / "d"
-    d.mkdir()
-    log = tmp_path / "log"
+    d, log = tracked(tmp_path)
     path = sqlite_setup(d)
     rng = random.Random(20240601)
     acked: set[int] = set()
