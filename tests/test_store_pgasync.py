@@ -121,20 +121,28 @@ def test_a_busy_pool_makes_callers_wait_then_says_so(pg_dsn, pg_schema):
 
 
 def test_a_broken_connection_is_replaced(pg_dsn, pg_schema):
+    """A connection ended while it idled: a read is made again on a new one, a write fails
+    (it may have been sent) and the next opens another."""
     import psycopg2
     app = f"agck_async_{secrets.token_hex(4)}"
     s = _store(pg_dsn, pg_schema, app=app, pool=2)
     admin = psycopg2.connect(pg_dsn)
     admin.autocommit = True
 
-    async def main():
-        await s.aput_many([PutEntry("r", 0, {"x": np.arange(10)})])
+    async def end_its_connections():
         admin.cursor().execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
                                (app,))
         await asyncio.sleep(0.1)
+
+    async def main():
+        await s.aput_many([PutEntry("r", 0, {"x": np.arange(10)})])
+        await end_its_connections()
+        assert np.array_equal((await s.aread("r", 0)).state["x"], np.arange(10))     # read again on a new one
+        await end_its_connections()
+        assert await s.asteps("r") == [0]
+        await end_its_connections()
         with pytest.raises(StoreError):
-            await s.aread("r", 0)                       # the idle connection was ended: this call fails
-        assert np.array_equal((await s.aread("r", 0)).state["x"], np.arange(10))     # the next opens another
+            await s.aput_many([PutEntry("r", 1, {"x": 1})])     # a write is never sent twice
         await s.aput_many([PutEntry("r", 1, {"x": 1})])
         assert await s.asteps("r") == [0, 1]
 

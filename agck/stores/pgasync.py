@@ -178,16 +178,30 @@ class AsyncMethods:
 
     _aconns: AsyncConnections
 
+    async def _aread_retrying(self, attempt, error):
+        """``await attempt(conn, cur)`` on an asynchronous connection; a database error is
+        raised as ``error(e, conn)``. A read whose connection died while it idled (the server
+        restarted, a standby was promoted) is made again, once, on a new one, as
+        :meth:`~agck.stores.pgread.Reads._read_retrying` does for the sync reads."""
+        again = True
+        while True:
+            async with self._aconns.connection() as conn:
+                cur = conn.cursor()
+                try:
+                    return await attempt(conn, cur)
+                except psycopg2.Error as e:
+                    if again and isinstance(e, (psycopg2.OperationalError, psycopg2.InterfaceError)) and conn.closed:
+                        again = False
+                        continue
+                    raise error(e, conn) from None
+
     async def _statement(self, sql: str, params, what: str, ref: str) -> list:
-        """``sql`` on an asynchronous connection; its rows."""
-        async with self._aconns.connection() as conn:
-            cur = conn.cursor()
-            try:
-                cur.execute(sql, params)
-                await wait(conn)
-                return cur.fetchall() if cur.description is not None else []
-            except psycopg2.Error as e:
-                raise self._db_error(e, what, ref, conn=conn) from None
+        """A reading ``sql`` on an asynchronous connection; its rows."""
+        async def attempt(conn, cur):
+            cur.execute(sql, params)
+            await wait(conn)
+            return cur.fetchall() if cur.description is not None else []
+        return await self._aread_retrying(attempt, lambda e, conn: self._db_error(e, what, ref, conn=conn))
 
     async def aput_many(self, entries: Sequence[PutEntry]) -> list[str]:
         """:meth:`put_many`, awaited: small standalone containers in one statement on the
@@ -233,14 +247,12 @@ class AsyncMethods:
     async def _aread(self, run: str, step: int | None, verify, map_location) -> Checkpoint | None:
         map_location = codec.check_map_location(map_location)
         sql, params = self._read_sql(run, step)
-        async with self._aconns.connection() as conn:
-            cur = conn.cursor()
-            try:
-                cur.execute(sql, params)
-                await wait(conn)
-                row = cur.fetchone()
-            except psycopg2.Error as e:
-                raise self._read_error(e, run, step, conn) from None
+
+        async def attempt(conn, cur):
+            cur.execute(sql, params)
+            await wait(conn)
+            return cur.fetchone()
+        row = await self._aread_retrying(attempt, lambda e, conn: self._read_error(e, run, step, conn))
         got = self._read_row(row, run, step, verify, map_location)
         if got is not self._large:
             return got
