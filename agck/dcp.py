@@ -615,9 +615,12 @@ class _Decoder:
         return x
 
     def size(self, x, where: str) -> torch.Size:
+        """A shape, chunk offsets or chunk sizes: integers torch can hold, none negative."""
         self.expect(x, list, where)
         for v in x:
             self.expect(v, int, where)
+            if not 0 <= v < 1 << 63:
+                raise self.bad(where, f"{v} is not a size or offset (0 to 2**63-1)")
         return torch.Size(x)
 
     def named(self, x, table: dict, where: str):

@@ -237,15 +237,22 @@ class Campaign:
                 + urllib.parse.quote(self.s3_url(objects), safe=":/"))
 
     def cleanup(self) -> None:
-        for owned in ("pair", "power"):      # kept until now: the CLI cross-check reads their stores
-            if getattr(self, owned) is not None:
-                getattr(self, owned).destroy()
-                setattr(self, owned, None)
+        kills = None
+        if self.pair is not None:          # kept until now: the CLI cross-check reads their stores
+            kills = sum(node.kills for node in self.pair.nodes)
+            self.pair.destroy()
+            self.pair = None
+        if self.power is not None:
+            kills = (kills or 0) + self.power.kills
+            self.power.destroy()
+            self.power = None
         if self.s3 is not None:
             self.s3.close()
             self.s3 = None
+        if kills is not None:
+            self.pg_kills = kills
         if self.cluster is not None:
-            self.pg_kills = self.cluster.kills
+            self.pg_kills = self.cluster.kills + (kills or 0)
             self.cluster.destroy()
             self.cluster = None
         if not self.cfg.keep:

@@ -6,6 +6,7 @@ and the parent asserts on those files and on the store itself.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import os
@@ -491,6 +492,19 @@ def test_malformed_metadata_in_a_record_is_a_verdict():
         with pytest.raises(MalformedCheckpointError, match="DCP metadata") as e:
             metadata_from_plain(bad, ref="here")
         assert e.value.ref == "here"
+
+
+def test_sizes_and_offsets_torch_cannot_hold_are_a_verdict():
+    md = dmd.Metadata({"w": dmd.TensorStorageMetadata(
+        properties=dmd.TensorProperties(dtype=torch.float32), size=torch.Size([4]),
+        chunks=[dmd.ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([4]))])})
+    good = metadata_to_plain(md)
+    assert metadata_from_plain(good) == md
+    for bad_size in ([1 << 63], [-1]):
+        bad = copy.deepcopy(good)
+        bad["state_dict_metadata"]["w"]["size"] = bad_size
+        with pytest.raises(MalformedCheckpointError, match="not a size or offset"):
+            metadata_from_plain(bad, ref="here")
 
 
 class _ObjectPlanner(DefaultSavePlanner):
