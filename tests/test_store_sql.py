@@ -43,8 +43,8 @@ def db(request, tmp_path, monkeypatch):
     it take the path of a large one (a transaction, then a COPY)."""
     kind, path = request.param
     if path == "streamed":
-        from agck.stores import postgres
-        monkeypatch.setattr(postgres, "SMALL_READ_MAX", -1)
+        from agck.stores import pgread
+        monkeypatch.setattr(pgread, "SMALL_READ_MAX", -1)
     db_spec = make_spec(kind, request, tmp_path)
     _, url, opts = db_spec
     s = open_store(url, chunk_size=1024, incremental=False, **opts)
