@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchio  # noqa: E402  (puts the checkout on sys.path, before agck is imported)
 
 from agck import chunking, open_store  # noqa: E402
-from agck.stores.content import VERIFY_REUSED  # noqa: E402
+from agck.stores.damage import VERIFY_REUSED  # noqa: E402
 
 
 def _url(kind: str, work: str, dsn: str, prefix: str) -> tuple[str, dict]:

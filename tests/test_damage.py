@@ -20,7 +20,7 @@ import pytest
 from agck import errors
 from agck.recovery import verify_store
 from agck.stores import open_store
-from agck.stores.content import SAMPLE_SHARE
+from agck.stores.damage import SAMPLE_SHARE
 from crashtests import chunkrot
 
 FROZEN = np.random.default_rng(7).standard_normal(1 << 18).astype(np.float32)   # 1 MiB: chunks of ~64 KiB

@@ -25,8 +25,8 @@ from .. import checkpoint, format
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StaleEpochError, UsageError
 from ..names import check_run, check_step
-from .content import (DEFAULT_VERIFY_REUSED, QuarantinedChunk, ScrubReport, WriteCache, WriteCaches, cannot_confirm,
-                      check_verify_reused)
+from .content import WriteCache, WriteCaches, cannot_confirm
+from .damage import DEFAULT_VERIFY_REUSED, QuarantinedChunk, ScrubReport, check_verify_reused
 
 log = logging.getLogger("agck")
 
@@ -101,7 +101,7 @@ class Store(ABC):
         self._lock = threading.RLock()
         self._caches = WriteCaches()   # what the last put of each run found, for incremental puts
         self._parts: Store | None = None
-        self._turns = itertools.count()   # the sample of reused chunks each put re-reads (content.reread)
+        self._turns = itertools.count()   # the sample of reused chunks each put re-reads (damage.reread)
 
     @property
     def where(self) -> str:

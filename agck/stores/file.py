@@ -36,7 +36,7 @@ from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError,
                       DamagedChunkError,
                       DurabilityError, FormatError, StoreConnectionError, StoreError, UnsupportedVersionError)
 from ..names import MAX_STEP, is_run_name
-from . import content
+from . import content, damage
 from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
 from .filelog import CLAIMS_NAME, LOG_NAME, FileLogs
 from .logclaims import FileClaims
@@ -66,7 +66,7 @@ class FileStore(Store):
 
     def __init__(self, root: str | os.PathLike, *, create: bool = True, fs: durable.FileSystem | None = None,
                  incremental: bool = True, full_every: int | None = None, min_chunked: int = MIN_CHUNKED,
-                 verify_reused: str = content.DEFAULT_VERIFY_REUSED):
+                 verify_reused: str = damage.DEFAULT_VERIFY_REUSED):
         super().__init__()
         self._set_policy(incremental, full_every, min_chunked, verify_reused)
         self.root = os.path.abspath(os.fspath(root))
@@ -391,14 +391,14 @@ class FileStore(Store):
             return {bytes(a): "missing" for a in addresses}
         return self.objects.quarantine(bytes(a) for a in addresses)
 
-    def quarantined(self) -> list[content.QuarantinedChunk]:
+    def quarantined(self) -> list[damage.QuarantinedChunk]:
         return self.objects.quarantined()
 
-    def _scrub(self, progress) -> content.ScrubReport:
+    def _scrub(self, progress) -> damage.ScrubReport:
         """Under the writers' shared lock: no collection removes a chunk meanwhile, so
         a chunk a listing lists and the scrub does not find is missing."""
         if not os.path.isdir(self.objects.dir):
-            return content.ScrubReport(url=self.url)
+            return damage.ScrubReport(url=self.url)
 
         def listed(path):
             found = _read_listing(path)
@@ -407,7 +407,7 @@ class FileStore(Store):
         with self.objects.locked():
             listings = [(self.path(r, s), lambda p=self.path(r, s): listed(p)) for r in self.runs()
                         for s in self.steps(r)]
-            return content.scrub(self.url, listings, self.objects.stored(), progress)
+            return damage.scrub(self.url, listings, self.objects.stored(), progress)
 
     # -- housekeeping ----------------------------------------------------------
     def orphans(self, run: str | None = None) -> list[str]:

@@ -41,7 +41,7 @@ from typing import Iterable
 
 from .. import durable, failpoints
 from ..errors import DurabilityError, StoreError
-from . import content
+from . import damage
 
 DIRNAME = ".objects"
 QUARANTINE = "quarantine"
@@ -137,7 +137,7 @@ class ObjectDir:
     def batch(self, verify_reused: str = "none", turn: int = 0) -> "Batch":
         """The chunks of one checkpoint: check, add, then :meth:`Batch.sync`.
         ``verify_reused`` and ``turn``: what is checked of a chunk found present
-        (:func:`agck.stores.content.reread`)."""
+        (:func:`agck.stores.damage.reread`)."""
         return Batch(self, verify_reused, turn)
 
     def _known_durable(self, address: bytes, inode: tuple) -> bool:
@@ -273,7 +273,7 @@ class ObjectDir:
             bad = []
             for a in dict.fromkeys(addresses):
                 data = self.read_whole(a)
-                why = content.verdict(a, data)
+                why = damage.verdict(a, data)
                 out[a] = "intact" if why is None else "missing" if data is None else "quarantined"
                 if why is not None:
                     bad.append((a, why))
@@ -294,7 +294,7 @@ class ObjectDir:
                     raise DurabilityError(f"fsync after quarantining a chunk failed: {e.strerror}", ref=d) from None
         return out
 
-    def quarantined(self) -> list[content.QuarantinedChunk]:
+    def quarantined(self) -> list[damage.QuarantinedChunk]:
         try:
             names = os.listdir(self.quarantine_dir())
         except FileNotFoundError:
@@ -310,7 +310,7 @@ class ObjectDir:
                 size = os.path.getsize(path)
             except OSError:
                 continue
-            out.append(content.QuarantinedChunk(address=parts[0], size=size, detected_at=int(parts[1]) / 1e9,
+            out.append(damage.QuarantinedChunk(address=parts[0], size=size, detected_at=int(parts[1]) / 1e9,
                                                 reason=reasons.get(parts[2], parts[2]), ref=path))
         return sorted(out, key=lambda q: (q.detected_at, q.address))
 
@@ -422,9 +422,9 @@ class Batch:
         into the quarantine and reported absent, so the caller adds a good copy,
         renamed over it."""
         mode = self.verify_reused
-        reread = content.reread(address, mode, self.turn)
+        reread = damage.reread(address, mode, self.turn)
         if self.objects._trusted and address in self.objects._durable and not reread \
-                and not content.checks_size(mode):
+                and not damage.checks_size(mode):
             return True       # made durable by this process, and no collection since
         path = self.objects.path(address)
         try:
@@ -433,10 +433,10 @@ class Batch:
             return False
         inode = (st.st_ino, st.st_ctime_ns)
         why = None
-        if size is not None and content.checks_size(mode) and st.st_size != size:
+        if size is not None and damage.checks_size(mode) and st.st_size != size:
             why = f"holds {st.st_size} bytes, {size} expected"
         elif reread:
-            why = content.verdict(address, self.objects.read_whole(address), size)
+            why = damage.verdict(address, self.objects.read_whole(address), size)
             if why == "missing":
                 return False
         if why is not None:

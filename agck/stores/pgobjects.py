@@ -52,7 +52,7 @@ import psycopg2.errors
 
 from .. import failpoints
 from ..errors import DurabilityError
-from . import content, pgschema
+from . import content, damage, pgschema
 from .pgcopy import COPY_IO_SIZE, ObjectsIn, ObjectsOut
 from .pgschema import XACT_LOCK
 from .sqlrows import check_checksum
@@ -248,7 +248,7 @@ class SharedObjects:
         for plan in plans:
             for a in plan.distinct:
                 sizes.setdefault(a, plan.size(a))
-        bad = content.reused_damage(stored, sizes.__getitem__, self.verify_reused, self._reread_turn(),
+        bad = damage.reused_damage(stored, sizes.__getitem__, self.verify_reused, self._reread_turn(),
                                     lambda addresses: self._read_objects(cur, addresses))
         if bad:
             self._quarantine_rows(cur, bad)
@@ -288,7 +288,7 @@ class SharedObjects:
         wanted = list(dict.fromkeys(bytes(a) for a in addresses))
 
         def body(cur):
-            out, bad = content.judge(wanted, self._read_objects(cur, wanted))
+            out, bad = damage.judge(wanted, self._read_objects(cur, wanted))
             gone = [a for a, v in out.items() if v == "missing"]
             if gone and self._objects is not None:
                 # a row whose object the bucket lost: the catalog no longer holds it, so the
@@ -305,17 +305,17 @@ class SharedObjects:
         self._known_objects.difference_update(wanted)
         return out
 
-    def quarantined(self) -> list[content.QuarantinedChunk]:
+    def quarantined(self) -> list[damage.QuarantinedChunk]:
         n = self.names
         if not self._query("SELECT to_regclass(%s) IS NOT NULL", (n.quarantine,))[0][0]:
             return []
         rows = self._query(f"SELECT ctid::text, address, size, extract(epoch FROM detected_at)::float8, reason "
                            f"FROM {n.quarantine} ORDER BY detected_at, ctid")
-        return [content.QuarantinedChunk(address=bytes(a).hex(), size=size, detected_at=t, reason=why,
+        return [damage.QuarantinedChunk(address=bytes(a).hex(), size=size, detected_at=t, reason=why,
                                           ref=f"{n.quarantine_ref}(ctid='{tid}')")
                 for tid, a, size, t, why in rows]
 
-    def _scrub(self, progress) -> content.ScrubReport:
+    def _scrub(self, progress) -> damage.ScrubReport:
         """In one snapshot (REPEATABLE READ): every listing, then every object, read in
         batches in address order."""
         n = self.names
@@ -342,7 +342,7 @@ class SharedObjects:
                     after = bytes(rows[-1][0])
 
             listings = [(self.ref(r, s), partial(listed, r, s, c, self.ref(r, s))) for r, s, c in keys]
-            return content.scrub(self.url, listings, stored(), progress)
+            return damage.scrub(self.url, listings, stored(), progress)
 
         return self._transaction("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; "
                                  f"SELECT run, step, checksum FROM {n.manifest} WHERE listing ORDER BY run, step", None,

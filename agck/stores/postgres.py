@@ -60,7 +60,7 @@ import psycopg2.extensions
 from .. import failpoints
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, DurabilityError,
                       SchemaUninitializedError, StoreConnectionError, StoreError, UsageError)
-from . import content, pgschema
+from . import content, damage, pgschema
 from .base import MIN_CHUNKED, Store, check_run, check_step
 from .dsn import dsn_secrets, dsn_without_password, redact_dsn
 from .objchunks import ObjectChunks
@@ -173,7 +173,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, init: bool = False, check_schema: bool = True,
                  connect_timeout: int = 10, incremental: bool = True,
                  full_every: int | None = None, min_chunked: int = MIN_CHUNKED,
-                 verify_reused: str = content.DEFAULT_VERIFY_REUSED, objects: "str | ObjectChunks | None" = None,
+                 verify_reused: str = damage.DEFAULT_VERIFY_REUSED, objects: "str | ObjectChunks | None" = None,
                  pool: "int | str" = DEFAULT_POOL_SIZE, pool_timeout: float = DEFAULT_POOL_TIMEOUT):
         super().__init__()
         if not isinstance(url, str) or not url:
@@ -431,7 +431,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
             begin, args = self._begin_sql(puts)
             if plans:
                 addresses = list(dict.fromkeys(a for plan in plans for a in plan.distinct))
-                sized = content.checks_size(self.verify_reused)
+                sized = damage.checks_size(self.verify_reused)
                 # verify_reused "size" and "full": every address the put relies on is looked at (its
                 # stored size), not only those this store object did not commit itself
                 unknown = addresses if sized else [a for a in addresses if a not in self._known_objects]

@@ -47,7 +47,7 @@ from .. import checkpoint, chunking, failpoints
 from ..checkpoint import Checkpoint
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                       DamagedChunkError, DurabilityError, StoreConnectionError, StoreError, UsageError)
-from . import content, s3log
+from . import content, damage, s3log
 from ..names import is_run_name
 from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
 from .objchunks import CATALOG_MARKER, STORE_MARKER, address_of, chunk_key
@@ -77,7 +77,7 @@ class S3Store(JournalLogs, Store):
     """``open_store("s3://bucket/prefix")``: see the module docstring for the layout."""
 
     def __init__(self, url: str, *, create: bool = True, incremental: bool = True, full_every: int | None = None,
-                 min_chunked: int = MIN_CHUNKED, verify_reused: str = content.DEFAULT_VERIFY_REUSED,
+                 min_chunked: int = MIN_CHUNKED, verify_reused: str = damage.DEFAULT_VERIFY_REUSED,
                  client: ObjectClient | None = None, stale_after: float | None = None, grace: float = 3600.0,
                  chunk_grid: int = CHUNK_GRID):
         super().__init__()
@@ -365,7 +365,7 @@ class S3Store(JournalLogs, Store):
         so the uploads overlap the lookups; then ``verify_reused`` checks the chunks found
         stored, and a damaged one is quarantined and uploaded afresh."""
         mode, turn = self.verify_reused, self._reread_turn()
-        ask = [a for a in plan.distinct if a not in self._known or content.checks_size(mode)]
+        ask = [a for a in plan.distinct if a not in self._known or damage.checks_size(mode)]
         failpoints.hit("s3.before_chunks")
         sent: list[bytes] = []
         half = max(1, len(ask) // 2)
@@ -386,7 +386,7 @@ class S3Store(JournalLogs, Store):
         sizes = dict(zip(ask, self._map(settle, ask)))
         stored: dict[bytes, int | None] = {a: None for a in plan.distinct if a not in sizes}
         stored.update({a: n for a, n in sizes.items() if n is not None})
-        bad = content.reused_damage(stored, plan.size, mode, turn, read=self._read_chunks)
+        bad = damage.reused_damage(stored, plan.size, mode, turn, read=self._read_chunks)
         for a, why in bad.items():
             self._set_aside(a, why)
         self._map(lambda a: self.c.put(chunk_key(a), plan.upload(a)), list(bad))
@@ -611,7 +611,7 @@ class S3Store(JournalLogs, Store):
         addresses = [bytes(a) for a in addresses]
         with self._locked(exclusive=True):
             found = self._read_chunks(addresses)
-            out, bad = content.judge(addresses, found)
+            out, bad = damage.judge(addresses, found)
             if any(v != "intact" for v in out.values()):
                 # damaged or missing: every writer looks again before relying on these
                 # addresses, so the next put holding their content uploads it afresh
@@ -620,7 +620,7 @@ class S3Store(JournalLogs, Store):
                 self._set_aside(a, why)
         return out
 
-    def quarantined(self) -> list[content.QuarantinedChunk]:
+    def quarantined(self) -> list[damage.QuarantinedChunk]:
         out = []
         objs = {o.key: o for o in self.c.list("quarantine/")}
         for key, o in sorted(objs.items()):
@@ -629,18 +629,18 @@ class S3Store(JournalLogs, Store):
             name = key.split("/", 1)[1]
             address, _, ns = name.partition(".")
             why = self.c.get(key + ".why")
-            out.append(content.QuarantinedChunk(address=address, size=o.size,
+            out.append(damage.QuarantinedChunk(address=address, size=o.size,
                                                 detected_at=int(ns) / 1e9 if ns.isdigit() else o.modified,
                                                 reason=bytes(why).decode(errors="replace") if why is not None else "",
                                                 ref=self.c.ref(key)))
         return sorted(out, key=lambda q: q.detected_at)
 
-    def _scrub(self, progress) -> content.ScrubReport:
+    def _scrub(self, progress) -> damage.ScrubReport:
         with self._locked():
             listings = [(ref, lambda load=load, ref=ref: content.listed_addresses(load(), verify=True, ref=ref))
                         for ref, load in self._listings(self._folds())]
             chunks = [(a, o) for o in self.c.list("chunks/") if (a := address_of(o.key)) is not None]
-            return content.scrub(self.url, listings, self._prefetched(chunks), progress)
+            return damage.scrub(self.url, listings, self._prefetched(chunks), progress)
 
     def _prefetched(self, chunks: list[tuple[bytes, ObjectInfo]]):
         """(address, size, ref, read) of each chunk, their bytes fetched REQUESTS at a time

@@ -65,7 +65,7 @@ from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError,
                       DurabilityError, SchemaMismatchError, StoreConnectionError, StoreError,
                       UsageError)
 from ..memory import new_buffer
-from . import content
+from . import content, damage
 from .base import MIN_CHUNKED, CheckpointInfo, Store, check_last, check_run, check_step
 from .logclaims import FileClaims
 from .sqlrows import (batch_ref, decode_read, DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalPuts, batches, check_checksum, check_chunk_size,
@@ -128,7 +128,7 @@ class SqliteStore(TransactionalPuts, Store):
     def __init__(self, url: str | os.PathLike, *, prefix: str = "agck", chunk_size: int = DEFAULT_CHUNK_SIZE,
                  busy_timeout: float = 30.0, create: bool = True, incremental: bool = True,
                  full_every: int | None = None, min_chunked: int = MIN_CHUNKED,
-                 verify_reused: str = content.DEFAULT_VERIFY_REUSED):
+                 verify_reused: str = damage.DEFAULT_VERIFY_REUSED):
         super().__init__()
         url = os.fspath(url)
         self.path = sqlite_path(url)
@@ -430,7 +430,7 @@ class SqliteStore(TransactionalPuts, Store):
             rows = c.execute(f"SELECT address, length(data) FROM {self._t_objects} WHERE address IN "
                              f"({','.join('?' * len(batch))})", batch)
             stored.update((bytes(a), n) for a, n in rows)
-        bad = content.reused_damage(stored, plan.size, self.verify_reused, turn,
+        bad = damage.reused_damage(stored, plan.size, self.verify_reused, turn,
                                     lambda addresses: self._read_objects(c, addresses))
         if bad:
             self._quarantine_rows(c, bad)
@@ -633,14 +633,14 @@ class SqliteStore(TransactionalPuts, Store):
             try:
                 with _immediate(c):     # serialised with every writer and the collector
                     wanted = list(dict.fromkeys(bytes(a) for a in addresses))
-                    out, bad = content.judge(wanted, self._read_objects(c, wanted))
+                    out, bad = damage.judge(wanted, self._read_objects(c, wanted))
                     if bad:
                         self._quarantine_rows(c, bad)
             except sqlite3.Error as e:
                 raise DurabilityError(f"quarantining damaged objects failed: {e}", ref=self.path) from None
         return out
 
-    def quarantined(self) -> list[content.QuarantinedChunk]:
+    def quarantined(self) -> list[damage.QuarantinedChunk]:
         with self._lock:
             c = self._db()
             try:
@@ -650,11 +650,11 @@ class SqliteStore(TransactionalPuts, Store):
                                  "ORDER BY detected_at, rowid").fetchall()
             except sqlite3.Error as e:
                 raise StoreError(f"query failed: {e}", ref=self.path) from None
-        return [content.QuarantinedChunk(address=bytes(a).hex(), size=n, detected_at=t, reason=why,
+        return [damage.QuarantinedChunk(address=bytes(a).hex(), size=n, detected_at=t, reason=why,
                                           ref=f"{self.path}::{self._t_quarantine}(rowid={i})")
                 for i, a, n, t, why in rows]
 
-    def _scrub(self, progress) -> content.ScrubReport:
+    def _scrub(self, progress) -> damage.ScrubReport:
         """In one read transaction: one snapshot of every listing and every object."""
         m, o = self._t_manifest, self._t_objects
         with self._lock:
@@ -672,7 +672,7 @@ class SqliteStore(TransactionalPuts, Store):
                     rows = c.cursor().execute(f"SELECT address, size, data FROM {o} ORDER BY address")
                     stored = ((bytes(a), n, f"{self.path}::{o}(address=x'{bytes(a).hex()}')", lambda d=d: d)
                               for a, n, d in rows)
-                    return content.scrub(self.url, listings, stored, progress)
+                    return damage.scrub(self.url, listings, stored, progress)
                 finally:
                     c.execute("COMMIT")
             except sqlite3.Error as e:
