@@ -25,6 +25,12 @@ acknowledged checkpoint are in the log but no checkpoint counts them, and the
 resumed process writes those indices again under its own generation. The chain
 says, for each generation, the first index it holds.
 
+What a log has written is kept per destination (a store's journal log of one
+run): the same log snapshotted by two snapshotters, or restored from one run and
+snapshotted into another, writes every item each destination's checkpoints count
+into that destination, from its first item on. A checkpoint only ever refers to
+segments in its own run's log.
+
 Items are taken by value when the snapshot is captured (encoded on the pipeline's
 thread: changing an item after that is not seen). They are anything agck's codec
 stores; what it cannot is refused by name at the snapshot, never pickled.
@@ -58,10 +64,7 @@ class AppendLog(Sequence):
             raise UsageError(f"an AppendLog's name must be a non-empty str, not {name!r}")
         self.name = name or uuid.uuid4().hex
         self._items: list = list(items)
-        self._chain: list[list] = []      # [generation key, first index it holds], oldest first
-        self._gen: bytes | None = None    # this process's generation, once it has written
-        self._taken = 0                   # items encoded into segments (written or on their way)
-        self._written = 0                 # items in segments that are durable
+        self._dests: dict[str, _Destination] = {}   # what each destination's log holds of this one
         self._lock = threading.Lock()
 
     # -- a list that only grows ------------------------------------------------------------
@@ -93,42 +96,68 @@ class AppendLog(Sequence):
     # -- snapshots (agck.capture, agck.snapshot) -----------------------------------------------
     def _capture(self, segments: list | None) -> dict:
         """The reference a checkpoint holds; the segment of the items appended since the
-        last capture goes to ``segments`` (to be made durable before that checkpoint)."""
+        last capture into the same destination (``segments.dest``, :class:`Segments`)
+        goes to ``segments`` (to be made durable there before that checkpoint)."""
         if segments is None:
             raise UsageError(f"{self!r} is stored by a snapshotter (checkpoint_every, Snapshotter), not by a put",
                              hint="put list(log) to store its items as a plain list")
+        key = getattr(segments, "dest", "")
         with self._lock:
+            d = self._dests.setdefault(key, _Destination())
             n = len(self._items)
-            if n > self._taken:
-                if self._gen is None:
-                    self._gen = os.urandom(16)
-                    self._chain.append([self._gen, self._taken])
+            if n > d.taken:
+                if d.gen is None:
+                    d.gen = os.urandom(16)
+                    d.chain.append([d.gen, d.taken])
                 try:
-                    enc, payload = journalrec.encode_value(self._items[self._taken:n], "item")
+                    enc, payload = journalrec.encode_value(self._items[d.taken:n], "item")
                 except EncodeError as e:
-                    raise EncodeError(f"AppendLog {self.name!r}, items {self._taken}..{n - 1}: {e.reason}",
+                    raise EncodeError(f"AppendLog {self.name!r}, items {d.taken}..{n - 1}: {e.reason}",
                                       hint="append plain data, arrays or tensors (nothing is pickled)") from None
-                segments.append(Segment(self, self._taken, n,
-                                        journalrec.record("s", self.name, self._gen, self._taken, enc, payload)))
-                self._taken = n
-            return {TAG: KIND, "name": self.name, "count": n, "chain": [list(c) for c in self._chain]}
+                segments.append(Segment(self, d, d.taken, n,
+                                        journalrec.record("s", self.name, d.gen, d.taken, enc, payload)))
+                d.taken = n
+            return {TAG: KIND, "name": self.name, "count": n, "chain": [list(c) for c in d.chain]}
 
-    def _written_to(self, end: int) -> None:
-        with self._lock:
-            self._written = max(self._written, end)
 
-    def _not_written(self) -> None:
-        """A segment was not made durable: the next capture writes again from the last one that was."""
-        with self._lock:
-            self._taken = min(self._taken, self._written)
+class _Destination:
+    """What one destination's log holds of an AppendLog: the chain of generations that
+    wrote there (``[generation key, first index it holds]``, oldest first), this
+    process's generation there once it has written, the items encoded into segments
+    for it (written or on their way) and those durable there."""
+    __slots__ = ("chain", "gen", "taken", "written")
+
+    def __init__(self, chain: Sequence = (), count: int = 0):
+        self.chain = [list(c) for c in chain]
+        self.gen: bytes | None = None
+        self.taken = self.written = count
+
+
+class Segments(list):
+    """The segments one snapshot captures, and where they go: ``dest`` names the journal
+    log they are written to (:meth:`agck.stores.Store.log_ref`)."""
+
+    def __init__(self, dest: str = ""):
+        super().__init__()
+        self.dest = dest
 
 
 class Segment:
-    """A segment on its way to the log: ``log``'s items ``first..end-1``, as a record."""
-    __slots__ = ("log", "first", "end", "record")
+    """A segment on its way to a log: ``log``'s items ``first..end-1``, as a record, for
+    the destination ``dest``."""
+    __slots__ = ("log", "dest", "first", "end", "record")
 
-    def __init__(self, log: AppendLog, first: int, end: int, record: bytes):
-        self.log, self.first, self.end, self.record = log, first, end, record
+    def __init__(self, log: AppendLog, dest: _Destination, first: int, end: int, record: bytes):
+        self.log, self.dest, self.first, self.end, self.record = log, dest, first, end, record
+
+    def written(self) -> None:
+        with self.log._lock:
+            self.dest.written = max(self.dest.written, self.end)
+
+    def not_written(self) -> None:
+        """Not made durable: the next capture writes again from the last one that was."""
+        with self.log._lock:
+            self.dest.taken = min(self.dest.taken, self.dest.written)
 
 
 def write_segments(store, run: str, segments: Sequence[Segment]) -> None:
@@ -142,12 +171,12 @@ def write_segments(store, run: str, segments: Sequence[Segment]) -> None:
         not_written(segments)
         raise
     for s in segments:
-        s.log._written_to(s.end)
+        s.written()
 
 
 def not_written(segments: Sequence[Segment]) -> None:
     for s in segments:
-        s.log._not_written()
+        s.not_written()
 
 
 def has_logs(tree: Any) -> bool:
@@ -175,20 +204,32 @@ def _refs(tree: Any):
             stack.extend(x for x in v if isinstance(x, (dict, list, tuple)))
 
 
-def resolve(store, run: str, tree: Any, ref: str) -> None:
+def resolve_checkpoint(store, run: str, ck, logs: dict | None = None) -> None:
+    """A snapshot checkpoint's AppendLogs, every item it counts read and verified from
+    the run's log (:func:`resolve`); nothing for any other checkpoint. The one rule
+    every reader judges such a checkpoint by (:func:`agck.recovery.read_verified`)."""
+    if isinstance(ck.state, dict) and "state" in ck.state:
+        resolve(store, run, ck.state, ck.ref, logs)
+
+
+def resolve(store, run: str, tree: Any, ref: str, logs: dict | None = None) -> None:
     """Replace every log reference in a checkpoint's ``tree`` (dicts and lists, in
     place) with the :class:`AppendLog` it stands for, its items read from the run's
     log. Raises CorruptCheckpointError (a verdict: recovery walks back past this
-    checkpoint) when an item it counts is missing or damaged."""
+    checkpoint) when an item it counts is missing or damaged. ``logs``: the segments
+    read so far, by run, shared by the checks of many checkpoints (the log is read once)."""
     refs = list(_refs(tree))
     if not refs:
         return
-    data, _ = store.log_read(run)
-    found = journalrec.scan(data)
-    segs: dict[tuple[str, bytes], list[journalrec.Entry]] = {}
-    for _, e in found.entries:
-        if e.kind == "s":
-            segs.setdefault((e.name, e.key), []).append(e)
+    segs = None if logs is None else logs.get(run)
+    if segs is None:
+        data, _ = store.log_read(run)
+        segs = {}
+        for _, e in journalrec.scan(data, tears=store.log_positions_are_bytes).entries:
+            if e.kind == "s":
+                segs.setdefault((e.name, e.key), []).append(e)
+        if logs is not None:
+            logs[run] = segs
     for holder, k in refs:
         holder[k] = _rebuild(holder[k], segs, store.log_ref(run), ref)
 
@@ -226,6 +267,5 @@ def _rebuild(r: dict, segs, where: str, ref: str) -> AppendLog:
                     hint="an older checkpoint of the run may count fewer items")
             items.append(got[idx])
     log = AppendLog(items, name=name)
-    log._chain = [list(c) for c in chain]
-    log._taken = log._written = count
+    log._dests[where] = _Destination(chain, count)     # what this run's log holds; any other gets every item
     return log

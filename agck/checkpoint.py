@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from . import codec, durable, format, memory
+from . import codec, durable, format, memory, thresholds
 from .errors import (CorruptCheckpointError, FormatError, MalformedCheckpointError, StoreConnectionError,
                      UsageError)
 from .names import MAX_STEP, check_step
@@ -123,7 +123,7 @@ def stream(w: format.ContainerWriter) -> Iterator:
         yield w.finish(digests.result())
 
 
-_WRITE_SLICE = 1 << 20  # one giant write(2) is throttled badly by some kernels
+_WRITE_SLICE = thresholds.WRITE_SLICE  # one giant write(2) is throttled badly by some kernels
 
 
 def loads(data, *, verify: bool = True, copy: bool = True, map_location=None, ref: str | None = None) -> Checkpoint:

@@ -43,16 +43,18 @@ import blake3
 import xxhash
 from fastcdc import fastcdc_cy
 
+from . import thresholds
+
 DIGEST_SIZE = 32
 
 # (min, avg, max) chunk sizes. Metadata changes in small places (a step number, the
 # end of a growing list), so its chunks are small; inside a large blob, larger
 # chunks keep the chunk count (and the listing) small at the same dedup rate.
-HEAD = (4 << 10, 16 << 10, 64 << 10)
-SMALL = (16 << 10, 64 << 10, 256 << 10)
-LARGE_GRID = 1 << 20
+HEAD = thresholds.HEAD_CHUNKS
+SMALL = thresholds.SMALL_CHUNKS
+LARGE_GRID = thresholds.LARGE_GRID
 LARGE = (LARGE_GRID, LARGE_GRID, LARGE_GRID)   # min == max: a fixed grid, not content-defined
-LARGE_PART = 4 << 20          # a part this big is a piece of its own, cut with LARGE sizes
+LARGE_PART = thresholds.LARGE_PART          # a part this big is a piece of its own, cut with LARGE sizes
 _WINDOW_CHUNKS = 4            # bytes spread over several buffers are gathered this many max chunks at a time
 
 
@@ -354,7 +356,8 @@ def _covered(starts: list[int], kept: list[tuple[int, int]]) -> list[bool]:
 def grid(nbytes: int) -> tuple[int, int, int]:
     """The chunk sizes of a fixed grid of ``nbytes`` (a power of two from 256 KiB to
     64 MiB): what a store that pays per request cuts large blobs with (LARGE is 1 MiB)."""
-    if not isinstance(nbytes, int) or nbytes < (256 << 10) or nbytes > (64 << 20) or nbytes & (nbytes - 1):
+    ok = isinstance(nbytes, int) and (256 << 10) <= nbytes <= (64 << 20)   # not a threshold: the grids accepted
+    if not ok or nbytes & (nbytes - 1):
         raise ValueError(f"a chunk grid is a power of two from 256 KiB to 64 MiB, not {nbytes!r}")
     return (nbytes, nbytes, nbytes)
 

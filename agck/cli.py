@@ -402,6 +402,7 @@ def _journal_line(r: dict) -> str:
             + "".join(f"AppendLog {n} in {_n(k, 'segment')}, " for n, k in r["log_segments"].items())
             + _n(r["records"], "record")
             + (f", {_n(len(r['damaged']), 'damaged record')}" if r["damaged"] else "")
+            + (f", {_n(len(r['healed']), 'damaged record')} written again since" if r.get("healed") else "")
             + (", a torn tail (a write cut short: never acknowledged)" if r["torn_tail"] else ""))
 
 
@@ -483,7 +484,8 @@ def cmd_prune(args) -> int:
     with _open(args.store) as store:
         if not store.steps(args.run):   # a mistyped run would otherwise "prune" nothing, successfully
             raise _unknown_run("prune", store, args.run)
-        deleted = store.prune(args.run, keep_last=args.keep_last, keep_every=args.keep_every, before=args.before)
+        deleted = store.prune(args.run, keep_last=args.keep_last, keep_every=args.keep_every, before=args.before,
+                              drop_unverified=args.drop_unverified)
         left = store.steps(args.run)
     _emit(args, {"deleted": deleted, "kept": left},
           lambda: f"deleted {_n(len(deleted), 'checkpoint')} of {args.run}; kept steps {left}")
@@ -498,7 +500,7 @@ def cmd_gc(args) -> int:
         _emit(args, {"collected": None}, lambda: f"{store.url}: this store shares no content; nothing to collect")
         return EXIT_OK
     # checkpoints that list no chunks (written whole: small, or not incremental) hold their own bytes
-    standalone = max(0, stored - got.listings - len(got.damaged))
+    standalone = max(0, stored - got.listings - len(got.unreadable))
 
     def text():
         out = (f"deleted {_n(got.deleted_chunks, 'chunk')} ({_size(got.deleted_bytes)}); "
@@ -506,7 +508,10 @@ def cmd_gc(args) -> int:
         if standalone:
             out += (f"; {_n(standalone, 'standalone checkpoint')}, which "
                     f"{'shares' if standalone == 1 else 'share'} no chunks (each holds its own bytes)")
-        return out + "".join(f"\n  damaged listing (keeps nothing): {p}" for p in got.damaged)
+        if got.unreadable:
+            out += "; nothing deleted: a checkpoint that cannot be read may list any chunk"
+        return (out + "".join(f"\n  damaged listing (its chunks kept): {p}" for p in got.damaged)
+                + "".join(f"\n  cannot be read (delete it if you are sure, then gc again): {p}" for p in got.unreadable))
     _emit(args, {**got.as_dict(), "standalone": standalone}, text)
     return EXIT_OK
 
@@ -626,7 +631,7 @@ def _step(text: str) -> int:
     return v
 
 
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}   # not a threshold: units
 
 
 def _bytes(text: str) -> int:
@@ -695,6 +700,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--keep-last", type=_step, required=True, metavar="N", help="keep the newest N checkpoints")
     sp.add_argument("--keep-every", type=_step, metavar="K", help="also keep every step that is a multiple of K")
     sp.add_argument("--before", type=_step, metavar="STEP", help="only delete steps below STEP")
+    sp.add_argument("--drop-unverified", action="store_true",
+                    help="also delete the checkpoints newer than the newest valid one, which do not verify "
+                         "(by default they are kept: agck verify says why each fails)")
     common(sp)
     sp.set_defaults(func=cmd_prune)
 

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from . import failpoints
+from . import failpoints, thresholds
 from .errors import CheckpointExistsError, DurabilityError, UsageError
 
 TEMP_MARK = ".tmp."
@@ -47,7 +47,7 @@ TEMP_MARK = ".tmp."
 # Start the disk on each WRITEBACK_EVERY bytes as soon as they are written, so that
 # writing the rest overlaps with the disk and the final fsync has little left to do
 # (RocksDB's bytes_per_sync). 8 MiB keeps the device busy without a syscall per write.
-WRITEBACK_EVERY = 8 << 20
+WRITEBACK_EVERY = thresholds.WRITEBACK_EVERY
 _SYNC_FILE_RANGE_WRITE = 2
 _UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.ESPIPE, getattr(errno, "EOPNOTSUPP", -1)}
 
@@ -69,12 +69,12 @@ _sync_file_range = _load_sync_file_range()
 # Direct I/O: files of at least DIRECT_MIN bytes (when the size is known up front)
 # are written with O_DIRECT in DIRECT_CHUNK writes. Below that the page cache is
 # cheap and the file may well be read back soon.
-DIRECT_MIN = 32 << 20
-DIRECT_CHUNK = 8 << 20
-ALIGNED_RUN_MIN = 256 << 10    # an aligned run this long is written from where it is (a grid chunk of a staged tensor)
+DIRECT_MIN = thresholds.DIRECT_WRITE
+DIRECT_CHUNK = thresholds.DIRECT_SLICE
+ALIGNED_RUN_MIN = thresholds.ALIGNED_RUN    # an aligned run this long is written from where it is (a grid chunk of a staged tensor)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _DEFAULT_ALIGN = 4096       # when the kernel cannot say (statx STATX_DIOALIGN, Linux 6.1+): safe for 512e and 4Kn
-_HASH_SLICE = 256 << 10     # copy-then-hash granularity: the slice is still in cache when it is hashed
+_HASH_SLICE = thresholds.HASH_SLICE     # copy-then-hash granularity: the slice is still in cache when it is hashed
 _no_direct_devices: set[int] = set()   # file systems that refused O_DIRECT once: not asked again
 
 # Whether a write of DIRECT_MIN bytes or more whose caller leaves it open

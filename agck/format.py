@@ -25,7 +25,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from . import memory
+from . import memory, thresholds
 from .errors import CorruptCheckpointError, FormatError, MalformedCheckpointError, UnsupportedVersionError
 from .names import MAX_STEP
 
@@ -38,7 +38,7 @@ ALIGN = 64
 FOOTER_TAIL_SIZE = 32
 
 # Limits a reader enforces before allocating anything (FORMAT.md, "Limits").
-MAX_META_LEN = 1 << 30
+MAX_META_LEN = 1 << 30   # not a threshold: a limit (FORMAT.md)
 MAX_BLOBS = 1 << 24
 MAX_TOTAL_LEN = 1 << 56
 
@@ -57,7 +57,7 @@ _TAIL = struct.Struct("<QQQ8s")
 _DIGEST = xxhash.xxh3_64_intdigest
 digest = _DIGEST             # the format's one checksum, XXH3-64 of a buffer, as an int
 new_hasher = xxhash.xxh3_64  # the same, streaming: update(), intdigest()
-_CHUNK = 1 << 20  # hash-while-writing granularity: stays in L2 between hash and copy
+_CHUNK = thresholds.HASH_WRITE_SLICE  # hash-while-writing granularity: stays in L2 between hash and copy
 
 assert _HEADER.size == HEADER_SIZE - 8 and _TAIL.size == FOOTER_TAIL_SIZE
 
@@ -625,6 +625,41 @@ class ChunkedContainer:
     length: int           # sum(sizes): the standalone container's total_len
     header: Header
     ref: str | None = None
+
+
+def claimed_meta_len(head) -> int:
+    """The metadata length a header's bytes claim, unchecked (for salvage; 0 when
+    there is no header)."""
+    if len(head) < HEADER_SIZE:
+        return 0
+    return _HEADER.unpack(bytes(head[:56]))[5]
+
+
+def salvage_addresses(buf) -> list[bytes] | None:
+    """What a container that failed its checks may still list, for a collector that
+    must not delete a chunk any listing names, whatever that listing's verdict: the
+    ``chunks`` of its metadata, read without any checksum (header fields as they
+    are, the metadata cut to the bytes there are). ``[]`` when what is there is
+    readable and lists nothing (a standalone container); None when nothing can be
+    told (no header, metadata that does not unpack): the caller must then assume
+    it lists anything. Never raises."""
+    mv = memoryview(buf).cast("B")
+    if len(mv) < HEADER_SIZE or bytes(mv[:4]) != MAGIC:
+        return None
+    meta_len = claimed_meta_len(mv)
+    try:
+        meta = msgpack.unpackb(mv[HEADER_SIZE:HEADER_SIZE + min(meta_len, MAX_META_LEN)], raw=False,
+                               strict_map_key=False, max_ext_len=0, unicode_errors="surrogatepass")
+    except Exception:   # damaged bytes: msgpack raises several types
+        return None
+    if not isinstance(meta, dict):
+        return None
+    chunks = meta.get("chunks")
+    if chunks is None and "sizes" not in meta and "length" not in meta:
+        return []
+    if type(chunks) is not bytes or len(chunks) % ADDRESS_SIZE:
+        return None
+    return [chunks[i:i + ADDRESS_SIZE] for i in range(0, len(chunks), ADDRESS_SIZE)]
 
 
 def dumps_chunked(*, run, step, parent, meta, addresses: Sequence[bytes], sizes: Sequence[int],

@@ -29,11 +29,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from . import thresholds
+
 MAX_THREADS = 4                # memory bandwidth is saturated well before this on common machines
-PARALLEL_MIN = 64 << 20        # below this a fill is over before the threads have started
-POPULATE_MIN = 1 << 20         # below this malloc's recycled pages are as good
-_TASK = 8 << 20                # bytes per task: about a hundred tasks per GiB, each ~1 ms
-_SLICE = 512 << 10             # copy-then-hash granularity: fits in L2 between the two
+PARALLEL_MIN = thresholds.PARALLEL_FILL        # below this a fill is over before the threads have started
+POPULATE_MIN = thresholds.POPULATE_MIN         # below this malloc's recycled pages are as good
+_TASK = thresholds.FILL_TASK                # bytes per task: about a hundred tasks per GiB, each ~1 ms
+_SLICE = thresholds.COPY_HASH_SLICE             # copy-then-hash granularity: fits in L2 between the two
 
 _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23      # Linux 5.14+; older kernels answer EINVAL and pages fault in on use
@@ -96,7 +98,7 @@ def huge_pages_ready(size: int) -> bool:
     """Can ``size`` bytes come from free huge pages, without compacting memory?"""
     # A margin over the request so the allocator's watermarks and other tenants
     # do not push the last faults into compaction.
-    return bool(_HUGE) and size >= 2 * _HUGE and huge_pages_free() >= size + size // 4 + (64 << 20)
+    return bool(_HUGE) and size >= 2 * _HUGE and huge_pages_free() >= size + size // 4 + (64 << 20)  # not a threshold: headroom
 
 
 def advise_huge(addr: int, size: int) -> bool:

@@ -21,15 +21,18 @@ use it for ``get(run)`` and ``prune``, and the layers above open the stores.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
 
-from . import sharded
+from . import applog, sharded
 from .checkpoint import Checkpoint
 from .chunking import CheckedChunks
 from .errors import AgckError, CheckpointNotFoundError, NoValidCheckpointError, UsageError
 from .names import check_run
+
+log = logging.getLogger("agck")
 
 
 class Unsuitable(AgckError):
@@ -138,35 +141,37 @@ def store_candidates(store, run: str, steps: list[int]) -> Iterable[Candidate]:
     return (Candidate(s, store.ref(run, s)) for s in reversed(steps))
 
 
-def read_verified(store, run: str, step: int, *, map_location=None, verify=True) -> Checkpoint:
+def read_verified(store, run: str, step: int, *, map_location=None, verify=True, logs: dict | None = None
+                  ) -> Checkpoint:
     """(run, step) read and verified; a multi-rank commit record verifies only with
-    every part it binds. Raises what the read raises."""
+    every part it binds, a snapshot with every AppendLog item it counts (its state's
+    logs rebuilt, :func:`agck.applog.resolve_checkpoint`; ``logs`` shares the run's
+    log between many such checks). Raises what the read raises."""
     ck = store.read(run, step, verify=verify, map_location=map_location)
+    if verify is False:
+        return ck
     commit = sharded.as_commit(ck)
-    if commit is not None and verify is not False:   # a multi-rank step verifies with all its parts
+    if commit is not None:   # a multi-rank step verifies with all its parts
         sharded.verify_parts(store, commit)
+    else:
+        applog.resolve_checkpoint(store, run, ck, logs)
     return ck
 
 
 def recover_run(store, run: str, *, map_location=None, strict: bool = False,
-                on_candidate: Callable[[int], None] | None = None,
-                complete: Callable[[Checkpoint], None] | None = None) -> Recovery:
+                on_candidate: Callable[[int], None] | None = None) -> Recovery:
     """Recover one run: the newest checkpoint that verifies (``.checkpoint``, a
-    :class:`agck.checkpoint.Checkpoint`). With ``strict``, raise
+    :class:`agck.checkpoint.Checkpoint`), with what it refers to outside itself (a
+    snapshot's AppendLogs, :func:`read_verified`). With ``strict``, raise
     NoValidCheckpointError when the run holds checkpoints but none verifies (the
-    error carries the report). ``complete(ck)`` finishes a checkpoint that verified
-    with what it refers to outside itself (a snapshot's AppendLogs); a verdict it
-    raises rejects the checkpoint like a damaged one."""
+    error carries the report)."""
     check_run(run)
     steps = store.steps(run)
 
     def judge(c: Candidate) -> Checkpoint:
         if on_candidate:
             on_candidate(c.step)
-        ck = read_verified(store, run, c.step, map_location=map_location)
-        if complete is not None:
-            complete(ck)
-        return ck
+        return read_verified(store, run, c.step, map_location=map_location)
 
     rec = walk_back(run, store_candidates(store, run, steps), judge, orphans=store.orphans(run), count=len(steps))
     if rec.checkpoint is not None:
@@ -188,8 +193,10 @@ class WalkBackPolicies:
                                           hint="check the run name (`agck ls` lists the runs)")
         return rec.checkpoint
 
-    def prune(self, store, run: str, *, keep_last=None, keep_every=None, before=None, epoch=None) -> list[int]:
-        deleted = prune(store, run, keep_last=keep_last, keep_every=keep_every, before=before, epoch=epoch)
+    def prune(self, store, run: str, *, keep_last=None, keep_every=None, before=None, epoch=None,
+              drop_unverified=False) -> list[int]:
+        deleted = prune(store, run, keep_last=keep_last, keep_every=keep_every, before=before, epoch=epoch,
+                        drop_unverified=drop_unverified)
         if deleted:
             store.collect_garbage()
             sharded.clean_partial(store, run)   # the parts of pruned multi-rank steps
@@ -207,20 +214,26 @@ def newest_valid(store, run: str) -> tuple[int | None, list[Rejection]]:
 
 
 def prune(store, run: str, *, keep_last: int | None = None, keep_every: int | None = None,
-          before: int | None = None, epoch: int | None = None) -> list[int]:
+          before: int | None = None, epoch: int | None = None, drop_unverified: bool = False) -> list[int]:
     """Delete old checkpoints of ``run``; returns the deleted steps, ascending.
 
     Keeps the newest ``keep_last``, every step divisible by ``keep_every``, and
     all steps >= ``before`` (when given, only steps below it are candidates).
-    Always keeps the newest checkpoint that verifies. Deletes nothing when that
+    Always keeps the newest checkpoint that verifies and every checkpoint newer
+    than it: those did not verify here, and a verdict of damage deletes nothing by
+    itself (the read that judged them may be what is wrong: a bug, a flaky disk, a
+    network error). ``drop_unverified=True`` deletes those newer ones too, each
+    logged with the reason it was refused. Deletes nothing when the newest valid
     checkpoint cannot be found: when no checkpoint verifies
-    (NoValidCheckpointError), or when one cannot be judged here (a missing
-    torch, an unreachable server: that error is raised). ``epoch`` fences each
-    delete (:meth:`agck.stores.Store.begin_epoch`)."""
+    (NoValidCheckpointError), or when one cannot be judged here (a missing torch,
+    an unreachable server: that error is raised). ``epoch`` fences each delete
+    (:meth:`agck.stores.Store.begin_epoch`)."""
     check_run(run)
     for name, v, lo in (("keep_last", keep_last, 0), ("keep_every", keep_every, 1), ("before", before, 0)):
         if v is not None and (type(v) is not int or v < lo):
             raise UsageError(f"{name} must be an int >= {lo}, not {v!r}")
+    if type(drop_unverified) is not bool:
+        raise UsageError(f"drop_unverified must be True or False, not {drop_unverified!r}")
     if keep_last is None and keep_every is None and before is None:
         return []
     steps = store.steps(run)
@@ -232,17 +245,20 @@ def prune(store, run: str, *, keep_last: int | None = None, keep_every: int | No
     if before is not None:
         keep.update(s for s in steps if s >= before)
     doomed = [s for s in steps if s not in keep]
-    if not doomed:
+    if not doomed and not drop_unverified:
         return []
-    valid, _ = newest_valid(store, run)
+    valid, rejected = newest_valid(store, run)
     if valid is None:
         raise NoValidCheckpointError(f"no checkpoint of run {run!r} verifies; prune deletes nothing",
                                      ref=store.where, hint="inspect them with `agck verify`; delete by hand "
                                      "only what you are sure of")
+    doomed = [s for s in doomed if s < valid]
+    if drop_unverified:
+        for r in rejected:
+            log.warning("agck: prune deletes %s, which does not verify: %s", r.ref, r.reason)
+        doomed = sorted(set(doomed) | {r.step for r in rejected if r.step is not None})
     deleted = []
     for s in doomed:
-        if s == valid:
-            continue
         try:
             store.delete(run, s, epoch=epoch)
         except CheckpointNotFoundError:
@@ -267,11 +283,12 @@ def verify_store(store, run: str | None = None, *, progress: Callable[[], Any] |
     several checkpoints is checked once (:class:`agck.chunking.CheckedChunks`)."""
     rep = VerifyReport(orphans=store.orphans(run))
     checked = CheckedChunks()
+    logs: dict = {}
     for r in ([run] if run is not None else store.runs()):
         for step in store.steps(r):
             # each checkpoint judged on its own, as a walk of one candidate
             one = walk_back(r, [Candidate(step, store.ref(r, step))],
-                            lambda c: read_verified(store, r, c.step, verify=checked))
+                            lambda c: read_verified(store, r, c.step, verify=checked, logs=logs))
             if one.checkpoint is not None:
                 rep.ok.append((r, step))
             else:

@@ -41,7 +41,7 @@ COMMIT_VERSION = 1
 
 # decimal without sign or leading zeros (FORMAT.md 13.3): one name per (run, epoch, rank)
 _PART_RUN_RE = re.compile(r"(?P<run>.+)\.e(?P<epoch>0|[1-9][0-9]{0,18})\.r(?P<rank>0|[1-9][0-9]{0,8})", re.ASCII)
-_MAX_RANKS = 1 << 20
+_MAX_RANKS = 1 << 20   # not a threshold: a count of ranks
 _MAX_EPOCH = (1 << 63) - 1
 
 

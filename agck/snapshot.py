@@ -435,7 +435,7 @@ class Snapshotter:
         t0 = time.perf_counter()
         # the step first: what changes at every checkpoint sits together, before the
         # state, not between the end of a growing list and the RNG states (chunking)
-        segments: list = []      # of AppendLogs: their new items, written before the checkpoint
+        segments = applog.Segments(self._target.log_dest())   # of AppendLogs: written before the checkpoint
         try:
             tree = {"step": step, "state": capture(state, segments)}
             if self.capture_rng:

@@ -58,6 +58,10 @@ class SnapshotRun(ABC):
               expect_unchanged: Collection[int]) -> str:
         """Make ``step`` durable; its ref."""
 
+    def log_dest(self) -> str:
+        """Where the segments of this run's AppendLogs go (:class:`agck.applog.Segments`)."""
+        return ""
+
     def write_segments(self, segments) -> None:
         """Make the segments of a snapshot's AppendLogs durable (:mod:`agck.applog`)."""
         if segments:
@@ -83,12 +87,11 @@ class SingleRankRun(SnapshotRun):
         return self.store.begin_epoch(self.run)
 
     def find(self) -> tuple[Recovery, Any]:
-        recovery = recover_run(self.store, self.run, complete=self._complete)
+        recovery = recover_run(self.store, self.run)     # AppendLogs rebuilt by its judge (read_verified)
         return recovery, recovery.checkpoint
 
-    def _complete(self, ck) -> None:
-        if isinstance(ck.state, dict) and "state" in ck.state:
-            applog.resolve(self.store, self.run, ck.state, ck.ref)
+    def log_dest(self) -> str:
+        return self.store.log_ref(self.run)
 
     def write_segments(self, segments) -> None:
         applog.write_segments(self.store, self.run, segments)

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import chunking
+from . import chunking, thresholds
 from .capture import ATOMS
 
 try:
@@ -191,7 +191,7 @@ class Stager:
 # the writer thread, so the first staging copy does not fault them in while the
 # pipeline waits. Not huge pages: on a VM that hands free memory back to its
 # host, a fresh 2 MiB page costs the host far more than the 4 KiB faults saved.
-TOUCH_MIN = 1 << 20
+TOUCH_MIN = thresholds.TOUCH_MIN
 
 
 # A large one starts on a page: the chunker cuts a large blob every 1 MiB from its

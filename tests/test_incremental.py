@@ -234,18 +234,26 @@ def test_collect_garbage_removes_only_unlisted_chunks_and_leftovers(tmp_path):
     np.testing.assert_array_equal(store.get("r", 2).state["x"], np.arange(500_000) * 2)
 
 
-def test_a_damaged_listing_keeps_nothing_alive_and_a_newer_one_stops_collection(tmp_path):
+@pytest.mark.parametrize("at", [80, -100, 10])   # the listing's metadata, its footer, its header
+def test_a_damaged_listing_keeps_its_chunks_and_a_newer_one_stops_collection(tmp_path, at):
+    """A verdict of damage deletes nothing: the chunks a damaged listing names stay, so
+    when the verdict was wrong (here: the damage is undone) the checkpoint reads whole."""
     import struct
     store = open_store(str(tmp_path / "s"))
     store.put("r", 1, {"x": np.arange(400_000)})
     store.put("r", 2, {"y": np.arange(400_000) + 1})
     p1 = store.ref("r", 1)
-    data = bytearray(open(p1, "rb").read())
-    data[80] ^= 0xFF                                   # inside the listing's metadata
+    good = open(p1, "rb").read()
+    data = bytearray(good)
+    data[at] ^= 0xFF
     open(p1, "wb").write(data)
+    chunks = set(_chunk_files(store.root))
     got = store.collect_garbage()
-    assert got.damaged == [p1] and got.deleted_chunks > 0
+    assert p1 in got.damaged + got.unreadable and got.deleted_chunks == 0
+    assert set(_chunk_files(store.root)) == chunks
     np.testing.assert_array_equal(store.get("r", 2).state["y"], np.arange(400_000) + 1)
+    open(p1, "wb").write(good)
+    np.testing.assert_array_equal(open_store(str(tmp_path / "s")).get("r", 1).state["x"], np.arange(400_000))
     p2 = store.ref("r", 2)
     data = bytearray(open(p2, "rb").read())
     struct.pack_into("<I", data, 8, format.FLAG_CHUNKED | (1 << 14))   # a required flag of a newer agck

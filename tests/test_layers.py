@@ -51,14 +51,13 @@ def _edges(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
 
 # (floor, module prefixes): a module's floor is that of its longest matching prefix.
 FLOORS = [
-    (0, ["agck.errors", "agck.names", "agck.memory", "agck.chunking", "agck.version", "agck.failpoints"]),
+    (0, ["agck.errors", "agck.names", "agck.thresholds", "agck.memory", "agck.chunking", "agck.version", "agck.failpoints"]),
     (1, ["agck.format", "agck.durable"]),
     (2, ["agck.codec"]),
     (3, ["agck.checkpoint", "agck.export", "agck.journalrec"]),
     (4, ["agck.stores"]),
-    (5, ["agck.recovery", "agck.sharded", "agck.journal"]),
+    (5, ["agck.recovery", "agck.sharded", "agck.journal", "agck.applog"]),
     (6, ["agck.distributed", "agck.snapshot", "agck.snapshot_run", "agck.capture", "agck.staging", "agck.dcp",
-         "agck.applog",
          "agck.integrations"]),
     (7, ["agck.cli"]),
     (8, ["agck"]),

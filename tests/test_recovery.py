@@ -67,11 +67,57 @@ def test_prune_deletes_nothing_when_nothing_verifies(store_spec, store):
     assert store.steps("r") == [1, 2, 3]
 
 
-def test_prune_keeps_the_newest_valid_even_outside_the_policy(store_spec, store):
+def test_prune_keeps_the_newest_valid_and_every_newer_one_even_outside_the_policy(store_spec, store):
     _fill(store, steps=(1, 2, 3, 4), corrupt=(3, 4), spec=store_spec)
-    assert store.prune("r", keep_last=1) == [1, 3]
-    assert store.steps("r") == [2, 4]
+    assert store.prune("r", keep_last=1) == [1]
+    assert store.steps("r") == [2, 3, 4]
     assert recover_run(store, "r").step == 2
+    assert store.prune("r", keep_last=1, drop_unverified=True) == [3, 4]     # asked for: then they go
+    assert store.steps("r") == [2]
+    with pytest.raises(errors.UsageError, match="drop_unverified"):
+        store.prune("r", keep_last=1, drop_unverified="yes")
+
+
+@pytest.mark.parametrize("verdict", [errors.DamagedChunkError, errors.CorruptCheckpointError])
+def test_prune_and_gc_under_reads_that_fail_delete_nothing_a_healthy_read_keeps(store_spec, store, monkeypatch,
+                                                                                verdict):
+    """Reads that judge intact checkpoints damaged (as a wrong read of every checkpoint
+    over 64 MiB once did) make prune and gc delete nothing a healthy read would keep:
+    prune keeps every checkpoint newer than the newest one that verifies, and gc
+    every chunk a listing names, whatever its verdict."""
+    base = np.arange(300_000, dtype=np.int64)           # shared by every step: chunks in common
+    states = {s: {"base": base, "own": np.full(70_000, s, dtype=np.int64)} for s in (1, 2, 3, 4)}
+    for s, st in states.items():
+        store.put("r", s, st)
+    real_read = store.read
+
+    def read(run, step, **kw):
+        if step >= 3:
+            raise verdict(f"step {step} misjudged on purpose", ref=store.ref(run, step))
+        return real_read(run, step, **kw)
+
+    monkeypatch.setattr(store, "read", read)
+    monkeypatch.setattr(agck.recovery.POLICIES, "prune",     # prune alone: its collection comes next
+                        lambda st, run, **kw: recovery.prune(st, run, **kw))
+    assert store.prune("r", keep_last=1) == [1]          # 3 and 4 "fail", 2 verifies: only 1 goes
+    monkeypatch.undo()
+
+    def misjudged(buf, *, verify, ref):
+        raise verdict("misjudged on purpose", ref=ref)
+
+    monkeypatch.setattr(agck.stores.content, "listed_addresses", misjudged)
+    got = store.collect_garbage()
+    monkeypatch.undo()
+    if got is not None:                                  # a store that shares chunks: every listing misjudged
+        assert sorted(got.damaged + got.unreadable) == sorted(store.ref("r", s) for s in (2, 3, 4)), got
+    assert store.steps("r") == [2, 3, 4]
+    _, url, opts = store_spec
+    with agck.open_store(url, **{k: v for k, v in opts.items() if k != "init"}) as fresh:
+        for s in (2, 3, 4):
+            ck = fresh.read("r", s)
+            np.testing.assert_array_equal(ck.state["own"], states[s]["own"])
+            np.testing.assert_array_equal(ck.state["base"], base)
+        assert recovery.verify_store(fresh, "r").rejected == []
 
 
 @pytest.mark.parametrize("kw", [{"keep_last": -1}, {"keep_every": 0}, {"keep_last": "2"}, {"before": -3},

@@ -94,7 +94,7 @@ except ImportError as e:  # raised at import of this module only; agck itself ne
     raise DependencyError(f"agck.integrations.hf needs transformers, which cannot be imported: {e}",
                           hint="pip install transformers==5.24.0 accelerate==1.15.0") from e
 
-from .. import durable, format
+from .. import durable, format, thresholds
 from ..checkpoint import load, save
 from ..errors import (CorruptCheckpointError, DurabilityError, MalformedCheckpointError,
                       NoValidCheckpointError, StoreConnectionError, UnsupportedVersionError, UsageError)
@@ -106,7 +106,7 @@ MANIFEST_NAME = "agck_manifest.agck"
 KIND = "agck.hf-trainer-checkpoint"
 VERSION = 1
 _CHECKPOINT_RE = re.compile(r"^" + re.escape(PREFIX_CHECKPOINT_DIR) + r"-(\d+)$")
-_READ = 8 << 20
+_READ = thresholds.HF_READ
 
 
 # --- writing -----------------------------------------------------------------------

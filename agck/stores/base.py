@@ -21,7 +21,7 @@ from typing import Any, Collection, Iterable, Sequence
 
 from typing import ClassVar, Protocol
 
-from .. import checkpoint, format
+from .. import checkpoint, format, thresholds
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StaleEpochError, UsageError
 from ..names import check_run, check_step
@@ -61,7 +61,7 @@ class PutEntry:
 
 # An incremental store writes a container smaller than this standalone: splitting it
 # would cost more writes (chunks, then a listing) than sharing its content could save.
-MIN_CHUNKED = 64 << 10
+MIN_CHUNKED = thresholds.MIN_CHUNKED
 
 
 class Policies(Protocol):
@@ -73,7 +73,8 @@ class Policies(Protocol):
 
     def newest(self, store: "Store", run: str, *, map_location=None) -> Checkpoint: ...
 
-    def prune(self, store: "Store", run: str, *, keep_last, keep_every, before, epoch) -> list[int]: ...
+    def prune(self, store: "Store", run: str, *, keep_last, keep_every, before, epoch,
+              drop_unverified) -> list[int]: ...
 
 
 def check_last(last: Any) -> int | None:
@@ -368,16 +369,19 @@ class Store(ABC):
         return []
 
     def prune(self, run: str, *, keep_last: int | None = None, keep_every: int | None = None,
-              before: int | None = None, epoch: int | None = None) -> list[int]:
+              before: int | None = None, epoch: int | None = None, drop_unverified: bool = False) -> list[int]:
         """Delete old checkpoints of ``run``; returns the deleted steps.
 
         Keeps the newest ``keep_last``, every step divisible by ``keep_every``,
         and all steps >= ``before`` (when given, only steps below it are
-        candidates). Never deletes the newest checkpoint that verifies, and
-        deletes nothing when it cannot find one (see :func:`agck.recovery.prune`);
-        then collects the garbage and the parts of pruned multi-rank steps."""
+        candidates). Never deletes the newest checkpoint that verifies, nor any
+        newer one (a verdict of damage deletes nothing by itself;
+        ``drop_unverified=True`` deletes those newer ones, each logged with its
+        reason), and deletes nothing when it cannot find one (see
+        :func:`agck.recovery.prune`); then collects the garbage and the parts of
+        pruned multi-rank steps."""
         return self._policies().prune(self, run, keep_last=keep_last, keep_every=keep_every, before=before,
-                                      epoch=epoch)
+                                      epoch=epoch, drop_unverified=drop_unverified)
 
     # -- damaged chunks ----------------------------------------------------------
     def quarantine(self, addresses) -> dict[bytes, str]:

@@ -28,6 +28,7 @@ chunks at put time, quarantine, scrub) is :mod:`agck.stores.damage`.
 
 from __future__ import annotations
 
+import logging
 import threading
 from bisect import bisect_left
 from concurrent.futures import ThreadPoolExecutor
@@ -38,11 +39,12 @@ from typing import Callable, Collection, Iterable
 import msgpack
 import numpy as np
 
-from .. import checkpoint, chunking, codec, format, memory
+from .. import checkpoint, chunking, codec, format, memory, thresholds
 from ..checkpoint import Checkpoint
 from ..errors import (ContentChangedError, CorruptCheckpointError, DamagedChunkError, FormatError,
                       MalformedCheckpointError, StoreError, UnsupportedVersionError)
 
+log = logging.getLogger("agck")
 
 @dataclass
 class Chunks:
@@ -67,7 +69,8 @@ class Collected:
     live_chunks: int       # distinct chunks they list
     deleted_chunks: int
     deleted_bytes: int
-    damaged: list = field(default_factory=list)   # refs of damaged listings, which keep nothing alive
+    damaged: list = field(default_factory=list)   # refs of listings that fail verification (their chunks kept)
+    unreadable: list = field(default_factory=list)   # refs of listings nothing can be read from: nothing deleted
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -377,19 +380,14 @@ def assemble(listed: format.ChunkedContainer, fetch: Callable[[bytes, int], obje
     12.3: DamagedChunkError); addresses and the container by :func:`decode`. With
     ``fetch_into`` and ``checked``, each chunk is also hashed by the thread that read
     it, while others are still in flight, and ``checked`` notes those that match."""
-    buf = _buffer_for(listed, fetch, ref)
+    buf, first = _buffer_for(listed, fetch, ref, fetch_into)
     view = memoryview(buf)
     if fetch_into is not None:
-        _read_into(listed, fetch_into, view, ref, threads, checked)
+        _read_into(listed, fetch_into, view, ref, threads, checked, first)
         return buf
     pos = 0
     for i, (a, n) in enumerate(zip(listed.addresses, listed.sizes)):
-        data = fetch(a, n)
-        if data is None:
-            raise _chunk_error(i, a, "is missing from the store", ref, missing=True)
-        data = memoryview(data).cast("B")
-        if data.nbytes != n:
-            raise _chunk_error(i, a, f"holds {data.nbytes} bytes, its listing says {n}", ref)
+        data = first if i == 0 and first is not None else _fetched(i, a, n, fetch(a, n), ref)
         view[pos:pos + n] = data
         pos += n
     if pos != listed.length:
@@ -398,25 +396,42 @@ def assemble(listed: format.ChunkedContainer, fetch: Callable[[bytes, int], obje
     return buf
 
 
-_PARALLEL_READ_MIN = 16 << 20
-_PROBE_FIRST_MIN = 64 << 20
+def _check_got(i: int, address: bytes, size: int, got: int | None, ref: str | None) -> None:
+    """Chunk ``i`` was there (``got``: its size; None: missing) at its listed size (12.3)."""
+    if got is None:
+        raise _chunk_error(i, address, "is missing from the store", ref, missing=True)
+    if got != size:
+        raise _chunk_error(i, address, f"holds {got} bytes, its listing says {size}", ref)
 
 
-def _buffer_for(listed: format.ChunkedContainer, fetch: Callable[[bytes, int], object], ref: str | None):
-    """The buffer for a listed container's bytes. A listing of a few hundred bytes can claim
-    terabytes (up to 2^24 chunks of 4 GiB each): before a large buffer is mapped, its first
-    chunk must be in the store at the listed size, so a damaged or forged listing fails
-    on its chunks, not by mapping and filling the memory it claims. A buffer the machine
-    cannot give fails as an AgckError."""
-    if listed.length >= _PROBE_FIRST_MIN:
+def _fetched(i: int, address: bytes, size: int, data, ref: str | None) -> memoryview:
+    """Chunk ``i`` as ``fetch`` returned it, checked to be there at its listed size (12.3)."""
+    data = None if data is None else memoryview(data).cast("B")
+    _check_got(i, address, size, None if data is None else data.nbytes, ref)
+    return data
+
+
+def _buffer_for(listed: format.ChunkedContainer, fetch: Callable[[bytes, int], object], ref: str | None,
+                fetch_into=None) -> tuple[np.ndarray, memoryview | None]:
+    """The buffer for a listed container's bytes, and its first chunk if that was read
+    to get it. A listing of a few hundred bytes can claim terabytes (up to 2^24 chunks
+    of 4 GiB each): before a large buffer is mapped, its first chunk must be in the
+    store at the listed size, so a damaged or forged listing fails on its chunks, not
+    by mapping and filling the memory it claims. That read is the chunk's one read:
+    the caller places it rather than fetching it again (a ``fetch`` may hand each
+    chunk out once, :func:`fetcher`), made the way the caller reads every other one
+    (``fetch_into`` where given: a ``fetch`` may see only some of the chunks). A buffer
+    the machine cannot give fails as an AgckError."""
+    first = None
+    if listed.length >= thresholds.LISTING_PROBE:
         a, n = listed.addresses[0], listed.sizes[0]
-        data = fetch(a, n)
-        if data is None:
-            raise _chunk_error(0, a, "is missing from the store", ref, missing=True)
-        if memoryview(data).nbytes != n:
-            raise _chunk_error(0, a, f"holds {memoryview(data).nbytes} bytes, its listing says {n}", ref)
+        if fetch_into is None:
+            first = _fetched(0, a, n, fetch(a, n), ref)
+        else:
+            first = memoryview(bytearray(n))
+            _check_got(0, a, n, fetch_into(a, first), ref)
     try:
-        return memory.new_buffer(listed.length)   # a uint8 array, not zero-filled
+        return memory.new_buffer(listed.length), first   # a uint8 array, not zero-filled
     except MemoryError:
         raise StoreError(f"cannot allocate the {listed.length:,} bytes the checkpoint's listing names",
                          ref=ref, hint="read it on a machine with more memory; if it should be smaller, "
@@ -438,7 +453,7 @@ def _in_shares(listed: format.ChunkedContainer, work: Callable[[int, int, list[i
     if threads is not None:     # a store whose reads wait on the network more than on the CPU
         k = max(1, min(threads, count))
     else:
-        k = memory.threads() if listed.length >= _PARALLEL_READ_MIN and count > 1 else 1
+        k = memory.threads() if listed.length >= thresholds.PARALLEL_READ and count > 1 else 1
     if k == 1:
         return [work(0, count, starts)]
     bounds = [0] + [bisect_left(starts, listed.length * j // k) for j in range(1, k)] + [count]
@@ -448,19 +463,22 @@ def _in_shares(listed: format.ChunkedContainer, work: Callable[[int, int, list[i
 
 
 def _read_into(listed: format.ChunkedContainer, fetch_into, view: memoryview, ref: str | None,
-               threads: int | None = None, checked: chunking.CheckedChunks | None = None) -> None:
+               threads: int | None = None, checked: chunking.CheckedChunks | None = None,
+               first: memoryview | None = None) -> None:
     """Each chunk read into its place (:func:`_in_shares`); hashed there too when
-    ``checked`` is given (a mismatch is left for :func:`_raise_mismatch` to report)."""
+    ``checked`` is given (a mismatch is left for :func:`_raise_mismatch` to report).
+    ``first``: chunk 0, already read (:func:`_buffer_for`), copied into place."""
 
     def read(lo: int, hi: int, starts: list[int]) -> int:
         hashed = 0
         for i in range(lo, hi):
             a, n = listed.addresses[i], listed.sizes[i]
-            got = fetch_into(a, view[starts[i]:starts[i] + n])
-            if got is None:
-                raise _chunk_error(i, a, "is missing from the store", ref, missing=True)
-            if got != n:
-                raise _chunk_error(i, a, f"holds {got} bytes, its listing says {n}", ref)
+            if i == 0 and first is not None:
+                view[:n] = first
+                got = n
+            else:
+                got = fetch_into(a, view[starts[i]:starts[i] + n])
+            _check_got(i, a, n, got, ref)
             if checked is not None and a not in checked.addresses \
                     and chunking.address(view[starts[i]:starts[i] + n]) == a:
                 checked.addresses.add(a)     # a set's add is atomic: the reading threads share it
@@ -490,28 +508,67 @@ def fetcher(found: dict, addresses: list[bytes]) -> Callable[[bytes, int], objec
     return fetch
 
 
-def live_chunks(listings: Iterable[tuple[str, Callable[[], object]]]) -> tuple[set[bytes], int, list[str]]:
-    """What a collector keeps: the addresses every readable listing lists, how many
-    listings, and the refs of damaged ones (which keep nothing alive: nothing
-    could ever rebuild their content). ``listings`` gives each checkpoint's ref
-    and a function returning its stored container (checked against the store's
-    own record of it); a standalone container lists nothing. One of a newer
-    format stops the collection (StoreError) before anything is deleted."""
-    live: set[bytes] = set()
-    count, damaged = 0, []
+@dataclass
+class Live:
+    """What a collector keeps (:func:`live_chunks`): every address a listing names."""
+
+    addresses: set = field(default_factory=set)
+    listings: int = 0                                  # listings read
+    damaged: list = field(default_factory=list)        # refs of listings that fail verification (counted)
+    unreadable: list = field(default_factory=list)     # refs of stored containers nothing can be read from
+
+    @property
+    def complete(self) -> bool:
+        """Whether ``addresses`` is all that the store's listings name: when it is not,
+        a collector deletes nothing (a chunk an unreadable listing names may be any)."""
+        return not self.unreadable
+
+    def collected(self, deleted_chunks: int = 0, deleted_bytes: int = 0) -> Collected:
+        return Collected(listings=self.listings, live_chunks=len(self.addresses), deleted_chunks=deleted_chunks,
+                         deleted_bytes=deleted_bytes, damaged=list(self.damaged), unreadable=list(self.unreadable))
+
+
+def live_chunks(listings: Iterable[tuple[str, Callable[[], object]]]) -> Live:
+    """What a collector keeps: every address any stored listing names, whatever its
+    verdict. A verdict of damage deletes nothing by itself: the verdict may be wrong
+    (a bug, a flaky read), and the listing's chunks are what a repair would need. A
+    listing that fails verification is reported in ``damaged`` and its addresses
+    kept as far as they can be read (:func:`agck.format.salvage_addresses`); one
+    nothing can be read from goes to ``unreadable``, and the collector deletes
+    nothing. ``listings`` gives each checkpoint's ref and a function returning its
+    stored container's bytes (None: a standalone container, or gone meanwhile); a
+    standalone container lists nothing. One of a newer format stops the collection
+    (StoreError) before anything is deleted."""
+    live = Live()
     for ref, load in listings:
         try:
-            addresses = listed_addresses(load(), verify=True, ref=ref)
+            buf = load()
+        except (CorruptCheckpointError, FormatError):     # its bytes could not be had whole
+            live.unreadable.append(ref)
+            continue
+        if buf is None:
+            continue
+        try:
+            addresses = listed_addresses(buf, verify=True, ref=ref)
         except UnsupportedVersionError as e:
             raise StoreError(f"a checkpoint of a newer format: {e.reason}", ref=ref,
                              hint="collect garbage with the agck version that wrote it") from None
         except (CorruptCheckpointError, FormatError):
-            damaged.append(ref)
-            continue
+            addresses = format.salvage_addresses(buf)
+            if addresses is None:
+                live.unreadable.append(ref)
+                continue
+            if not addresses:       # a damaged standalone container: it names no chunk (agck verify reports it)
+                continue
+            live.damaged.append(ref)
         if addresses is not None:
-            live.update(addresses)
-            count += 1
-    return live, count, damaged
+            live.addresses.update(addresses)
+            live.listings += 1
+    if live.unreadable:
+        log.warning("agck: garbage collection deleted nothing: %d stored checkpoint(s) cannot be read, so the "
+                    "chunks they may list are unknown (%s); run agck verify, and delete what you are sure of",
+                    len(live.unreadable), ", ".join(live.unreadable[:3]))
+    return live
 
 
 def listed_addresses(buf, *, verify: bool, ref: str | None) -> list[bytes] | None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+from functools import partial
 import re
 import shlex
 from contextlib import contextmanager
@@ -359,31 +360,22 @@ class FileStore(Store):
 
     # -- shared content --------------------------------------------------------
     def collect_garbage(self) -> content.Collected:
-        """Delete the chunks no readable checkpoint lists (and writers' leftovers).
-        Holds the chunk lock exclusively, so it waits for writers in progress and
-        they wait for it. A listing that is damaged keeps no chunk alive (nothing
-        could ever rebuild its content); one that cannot be read here (an I/O
-        error, a newer format) stops the collection before anything is deleted.
-        A store that never held a chunk has nothing to collect and is left as it is."""
+        """Delete the chunks no checkpoint lists (and writers' leftovers). Holds the
+        chunk lock exclusively, so it waits for writers in progress and they wait for
+        it. Every chunk a listing names is kept, whatever the listing's verdict; a
+        checkpoint nothing can be read from (an I/O error, bytes that do not parse),
+        or one of a newer format, stops the collection before anything is deleted
+        (:func:`content.live_chunks`). A store that never held a chunk has nothing to
+        collect and is left as it is."""
         if not os.path.isdir(self.objects.dir):
             return content.Collected(listings=0, live_chunks=0, deleted_chunks=0, deleted_bytes=0)
         with self.objects.locked(exclusive=True):
-            live: set[bytes] = set()
-            listings, damaged = 0, []
-            for r in self.runs():
-                for s in self.steps(r):
-                    path = self.path(r, s)
-                    try:
-                        listed = _read_listing(path)
-                    except CorruptCheckpointError:
-                        damaged.append(path)
-                        continue
-                    if listed is not None:
-                        live.update(listed.addresses)
-                        listings += 1
-            files, nbytes = self.objects.collect(live)
-        return content.Collected(listings=listings, live_chunks=len(live), deleted_chunks=files,
-                                 deleted_bytes=nbytes, damaged=damaged)
+            paths = [self.path(r, s) for r in self.runs() for s in self.steps(r)]
+            live = content.live_chunks([(p, partial(_read_listing, p)) for p in paths])
+            if not live.complete:
+                return live.collected()
+            files, nbytes = self.objects.collect(live.addresses)
+        return live.collected(files, nbytes)
 
     # -- damaged chunks --------------------------------------------------------
     def quarantine(self, addresses) -> dict[bytes, str]:
@@ -401,8 +393,8 @@ class FileStore(Store):
             return damage.ScrubReport(url=self.url)
 
         def listed(path):
-            found = _read_listing(path)
-            return None if found is None else found.addresses
+            buf = _read_listing(path)
+            return None if buf is None else content.listed_addresses(buf, verify=True, ref=path)
 
         with self.objects.locked():
             listings = [(self.path(r, s), lambda p=self.path(r, s): listed(p)) for r in self.runs()
@@ -465,25 +457,23 @@ def locate(path: str) -> tuple[str, str, int] | None:
 
 
 def _read_listing(path: str):
-    """The chunk listing of a checkpoint file; None for a standalone container or a
-    file deleted meanwhile. Raises CorruptCheckpointError if the listing is
-    damaged, StoreError if it cannot be read or judged here."""
+    """The stored bytes of a checkpoint file that may be a chunk listing, for the
+    collector (:func:`content.live_chunks`): the whole file when its header says it
+    is one, or when its header is damaged (the header and the metadata it claims, as
+    far as the file goes); None for a standalone container or a file deleted
+    meanwhile. StoreError if it cannot be read here."""
     try:
         with open(path, "rb") as f:
             head = f.read(format.HEADER_SIZE)
             try:
                 h = format.parse_header(head, ref=path)
-            except UnsupportedVersionError as e:
-                raise StoreError(f"a checkpoint of a newer format: {e.reason}", ref=path,
-                                 hint="collect garbage with the agck version that wrote it") from None
-            except FormatError as e:   # not a container: lists nothing
-                raise CorruptCheckpointError(e.reason, ref=path) from None
+            except (CorruptCheckpointError, FormatError):
+                return head + f.read(min(format.claimed_meta_len(head), format.MAX_META_LEN))
             if not format.is_chunked(h):
                 return None
-            data = head + f.read(h.total_len - len(head) + 1)
+            return head + f.read(h.total_len - len(head) + 1)
     except FileNotFoundError:
         return None
     except OSError as e:
         raise StoreError(f"cannot read a checkpoint, so no chunk is collected: {e.strerror}", ref=path,
                          hint="fix the file's access and collect again") from None
-    return format.open_chunked(format.open_container(data, verify=True, ref=path))

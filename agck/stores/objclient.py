@@ -32,14 +32,15 @@ from dataclasses import dataclass
 from typing import Iterator
 from urllib.parse import parse_qsl, unquote
 
+from .. import thresholds
 from ..errors import DependencyError, DurabilityError, StoreConnectionError, StoreError, UsageError
 
 SCHEMES = ("s3://",)
 _STATUS_RE = re.compile(r"status(?: code)?[:= ]+(\d{3})", re.IGNORECASE)
 # URL parameters agck reads itself; any other is refused by name (a typo must not be ignored).
 _PARAMS = ("endpoint", "region", "profile", "allow_http")
-MULTIPART_PART = 8 << 20        # bytes per part of a multipart upload
-MULTIPART_MIN = 16 << 20        # below this an object goes up in one request
+MULTIPART_PART = thresholds.MULTIPART_PART        # bytes per part of a multipart upload
+MULTIPART_MIN = thresholds.MULTIPART_MIN        # below this an object goes up in one request
 UPLOAD_CONCURRENCY = 8          # parts in flight per multipart upload
 TRANSPORT_RETRIES = 5           # a request that got no answer, sent again (0.1 s, then twice as long each time)
 
@@ -253,7 +254,7 @@ class ObjectClient:
         self._count("get")
         def read() -> int:
             pos = 0
-            for block in self._ob.get(self._store, key).stream(min_chunk_size=4 << 20):
+            for block in self._ob.get(self._store, key).stream(min_chunk_size=thresholds.STREAM_BLOCK):
                 b = memoryview(block)
                 take = min(b.nbytes, max(0, view.nbytes - pos))
                 if take:

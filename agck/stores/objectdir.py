@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Iterable
 
-from .. import durable, failpoints
+from .. import durable, failpoints, thresholds
 from ..errors import DurabilityError, StoreError
 from . import damage
 
@@ -50,7 +50,7 @@ WRITERS = 4            # threads writing one batch's chunks
 # Chunk files this big may bypass the page cache as large files do (durable.DIRECT_IO;
 # timed apart from them, as "chunk"): on this VM a buffered 1 MiB chunk file cost
 # 3-4 ms of system CPU (fresh page-cache pages) against 0.5 ms written direct.
-DIRECT_CHUNK_MIN = 256 << 10
+DIRECT_CHUNK_MIN = thresholds.DIRECT_CHUNK_FILE
 _IN_FLIGHT = 64        # chunks queued to them at most (each a view of the caller's buffer)
 
 

@@ -27,13 +27,13 @@ import struct
 from abc import ABC, abstractmethod
 from typing import Any, Callable
 
-from .. import failpoints
+from .. import failpoints, thresholds
 from ..errors import CorruptCheckpointError, StoreError
 from .sqlrows import split_chunks
 
 # How much COPY data one read() hands to libpq, and one write() gets back at most:
 # large enough that per-call Python overhead vanishes, small enough to stay in cache.
-COPY_IO_SIZE = 4 << 20
+COPY_IO_SIZE = thresholds.COPY_IO
 
 _COPY_SIGNATURE = b"PGCOPY\n\xff\r\n\x00"
 _COPY_HEADER = _COPY_SIGNATURE + struct.pack("!ii", 0, 0)

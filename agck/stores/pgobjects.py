@@ -361,15 +361,17 @@ class SharedObjects:
     def collect_garbage(self) -> content.Collected:
         """Delete the objects no listing refers to, in one transaction holding the
         store lock exclusively: it waits for puts in flight to commit, and puts wait
-        for it. A damaged listing keeps nothing alive (nothing could ever rebuild
-        its content); one that cannot be read here (a newer format) stops the
-        collection before anything is deleted."""
+        for it. Every object a listing names is kept, whatever the listing's verdict;
+        a listing nothing can be read from, or one of a newer format, stops the
+        collection before anything is deleted (:func:`content.live_chunks`)."""
         n = self.names
 
         def body(cur):
-            live, listings, damaged = self._live_objects(cur)
+            live = self._live_objects(cur)
+            if not live.complete:
+                return live.collected()
             cur.execute("CREATE TEMP TABLE agck_live (address bytea PRIMARY KEY) ON COMMIT DROP")
-            cur.execute("INSERT INTO agck_live SELECT unnest(%s::bytea[])", (list(live),))
+            cur.execute("INSERT INTO agck_live SELECT unnest(%s::bytea[])", (list(live.addresses),))
             cur.execute(     # an object whose bytes are in the object store is doomed there (the module)
                 f"WITH gone AS (DELETE FROM {n.objects} o WHERE NOT EXISTS "
                 f"(SELECT 1 FROM agck_live l WHERE l.address = o.address) RETURNING o.address, o.size, "
@@ -386,8 +388,7 @@ class SharedObjects:
             if cur.fetchone()[0]:     # quarantined objects are kept until healed or listed by no checkpoint
                 cur.execute(f"DELETE FROM {n.quarantine} q WHERE NOT EXISTS (SELECT 1 FROM agck_live l WHERE "
                             f"l.address = q.address) OR EXISTS (SELECT 1 FROM {n.objects} o WHERE o.address = q.address)")
-            return content.Collected(listings=listings, live_chunks=len(live), deleted_chunks=deleted,
-                                     deleted_bytes=int(nbytes), damaged=damaged)
+            return live.collected(deleted, int(nbytes))
 
         collected = self._exclusive(body, "collecting garbage failed")
         if self._objects is not None:
@@ -417,15 +418,14 @@ class SharedObjects:
         self._objects.delete([bytes(a) for (a,) in cur.fetchall()])
         cur.execute(f"DELETE FROM {n.doomed}")
 
-    def _live_objects(self, cur) -> tuple[set[bytes], int, list[str]]:
+    def _live_objects(self, cur) -> "content.Live":
         """What every listing lists (:func:`content.live_chunks`), read in this transaction."""
         cur.execute(f"SELECT run, step, checksum FROM {self.names.manifest} WHERE listing ORDER BY run, step")
         refs = [(self.ref(r, s), r, s, c) for r, s, c in cur.fetchall()]
         return content.live_chunks([(ref, partial(self._listing, cur, r, s, c, ref)) for ref, r, s, c in refs])
 
     def _listing(self, cur, run: str, step: int, checksum: str, ref: str) -> bytes:
-        """A listing's container, read in this transaction and checked against its manifest row."""
+        """A listing's container as stored, read in this transaction. Not checked against
+        its manifest row: the collector keeps what it names whatever its verdict."""
         cur.execute(f"SELECT data FROM {self.names.chunks} WHERE run = %s AND step = %s ORDER BY idx", (run, step))
-        buf = b"".join(bytes(d) for (d,) in cur.fetchall())
-        check_checksum(buf, checksum, ref)
-        return buf
+        return b"".join(bytes(d) for (d,) in cur.fetchall())

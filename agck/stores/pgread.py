@@ -16,7 +16,7 @@ from typing import Any, Callable, TypeVar
 
 import psycopg2
 
-from .. import codec
+from .. import codec, thresholds
 from ..checkpoint import Checkpoint
 from ..errors import AgckError, CheckpointNotFoundError, CorruptCheckpointError
 from ..memory import new_buffer
@@ -26,7 +26,7 @@ from .objchunks import REQUESTS
 from .pgcopy import COPY_IO_SIZE, CopyOut
 from .sqlrows import check_checksum, chunk_plan, decode_read, sql_row
 
-SMALL_READ_MAX = 256 << 10   # a standalone container up to this size is read in one statement
+SMALL_READ_MAX = thresholds.SMALL_READ   # a standalone container up to this size is read in one statement
 LARGE = object()             # a read's first statement did not bring the container: stream it
 
 T = TypeVar("T")

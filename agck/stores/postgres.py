@@ -57,7 +57,7 @@ import psycopg2
 import psycopg2.errors
 import psycopg2.extensions
 
-from .. import failpoints
+from .. import failpoints, thresholds
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, DurabilityError,
                       SchemaUninitializedError, StoreConnectionError, StoreError, UsageError)
 from . import content, damage, pgschema
@@ -79,7 +79,7 @@ from .sqlrows import (batch_ref, DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalP
 # deleted one it relies on, or a deadlock with a collector); then DurabilityError.
 PUT_RETRIES = 1
 
-SMALL_PUT_MAX = 256 << 10    # standalone containers up to this size in all are written in one statement
+SMALL_PUT_MAX = thresholds.SMALL_PUT    # standalone containers up to this size in all are written in one statement
 
 T = TypeVar("T")
 

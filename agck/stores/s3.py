@@ -43,7 +43,7 @@ from typing import Any, Callable, Collection, Iterable
 
 import xxhash
 
-from .. import checkpoint, chunking, failpoints
+from .. import checkpoint, chunking, failpoints, thresholds
 from ..checkpoint import Checkpoint
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                       DamagedChunkError, DurabilityError, StoreConnectionError, StoreError, UsageError)
@@ -64,7 +64,7 @@ REQUESTS = 16              # requests in flight for one put or read (chunks, rec
 # Large tensors are cut every CHUNK_GRID bytes here, not every 1 MiB as on local stores: a
 # request costs money and tens of milliseconds on a cloud, a byte of coarser sharing little
 # (STORAGE.md, "at scale": 1 MiB chunks make a 10 TB checkpoint 9.5 million PUTs)
-CHUNK_GRID = 8 << 20
+CHUNK_GRID = thresholds.OBJECT_GRID
 _APPEND_TRIES = 1000       # a commit racing other writers of the same run
 KEEP_SNAPSHOTS = 2         # fold snapshots a collection leaves per run (the newest)
 
@@ -500,7 +500,9 @@ class S3Store(JournalLogs, Store):
             raise CorruptCheckpointError("the record that committed it is gone", ref=self.c.ref(key), section="log")
         return s3log.record_inline(data, self.c.ref(key))
 
-    def _container(self, run: str, e: s3log.Entry, ref: str):
+    def _container(self, run: str, e: s3log.Entry, ref: str, *, checked: bool = True):
+        """The stored container of entry ``e``; ``checked``: of the size and XXH3-64 its
+        record says (a collector takes it as it is: it keeps what it names whatever its verdict)."""
         where = ref
         if e.key is None:
             data = self._inline(run, e, ref)
@@ -511,6 +513,8 @@ class S3Store(JournalLogs, Store):
             if data is None:
                 raise CorruptCheckpointError("its data object is missing from the bucket", ref=where,
                                              section="container")
+        if not checked:
+            return data
         if len(data) != e.size:
             raise CorruptCheckpointError(f"holds {len(data)} bytes, its record says {e.size}", ref=where,
                                          section="container")
@@ -545,7 +549,7 @@ class S3Store(JournalLogs, Store):
     # -- shared content ---------------------------------------------------------
     def _listings(self, folds: dict[str, s3log.RunState]) -> list[tuple[str, Callable[[], object]]]:
         """(ref, read its stored container) of every committed checkpoint of ``folds``."""
-        return [(self.ref(r, s), lambda r=r, e=e, ref=self.ref(r, s): self._container(r, e, ref))
+        return [(self.ref(r, s), lambda r=r, e=e, ref=self.ref(r, s): self._container(r, e, ref, checked=False))
                 for r, st in sorted(folds.items()) for s, e in sorted(st.steps.items())]
 
     def _orphan_data(self, folds: dict[str, s3log.RunState]) -> list[ObjectInfo]:
@@ -574,9 +578,11 @@ class S3Store(JournalLogs, Store):
         exclusive lock while it deletes chunks."""
         with self._locked(exclusive=True) as held:
             folds = self._folds()
-            live, count, damaged = content.live_chunks(self._listings(folds))
+            live = content.live_chunks(self._listings(folds))
+            if not live.complete:
+                return live.collected()
             stored = [(a, o) for o in self.c.list("chunks/") if (a := address_of(o.key)) is not None]
-            dead = [(a, o) for a, o in stored if a not in live]
+            dead = [(a, o) for a, o in stored if a not in live.addresses]
             if dead:
                 held.check()
                 self._new_generation()
@@ -587,11 +593,10 @@ class S3Store(JournalLogs, Store):
             kept = {a for a, _ in stored} - {a for a, _ in dead}
             for o in self.c.list("quarantine/"):
                 a = _quarantined_address(o.key)
-                if a is not None and (a not in live or a in kept):
+                if a is not None and (a not in live.addresses or a in kept):
                     orphans.append(o)
             self._map(lambda o: self.c.delete(o.key), orphans)
-        return content.Collected(listings=count, live_chunks=len(live), deleted_chunks=len(dead),
-                                 deleted_bytes=sum(o.size for _, o in dead), damaged=damaged)
+        return live.collected(len(dead), sum(o.size for _, o in dead))
 
     # -- damaged chunks ---------------------------------------------------------
     def _set_aside(self, address: bytes, why: str) -> str | None:

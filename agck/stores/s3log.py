@@ -26,12 +26,13 @@ from typing import Any, Iterable
 import msgpack
 import xxhash
 
+from .. import thresholds
 from ..errors import CorruptCheckpointError
 
 MAGIC = b"AGCKLOG1"
 SNAP_MAGIC = b"AGCKSNP1"
 SEQ_DIGITS = 20
-INLINE_MAX = 64 << 10     # a container this small is kept in its record: one request per put
+INLINE_MAX = thresholds.INLINE_RECORD     # a container this small is kept in its record: one request per put
 
 
 def seq_name(seq: int) -> str:

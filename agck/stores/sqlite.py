@@ -589,18 +589,17 @@ class SqliteStore(TransactionalPuts, Store):
             c = self._db()
             try:
                 with _immediate(c):
-                    def load(run, step, ref):
-                        buf, checksum = self._read_locked(c, run, step, ref)
-                        check_checksum(buf, checksum, ref)
-                        return buf
+                    def load(run, step, ref):   # as stored: what it names is kept whatever its verdict
+                        return self._read_locked(c, run, step, ref)[0]
 
                     refs = [(self.ref(r, s), r, s) for r, s in
                             c.execute(f"SELECT run, step FROM {m} WHERE listing ORDER BY run, step").fetchall()]
-                    live, listings, damaged = content.live_chunks([(ref, partial(load, r, s, ref))
-                                                                   for ref, r, s in refs])
+                    live = content.live_chunks([(ref, partial(load, r, s, ref)) for ref, r, s in refs])
+                    if not live.complete:
+                        return live.collected()
                     c.execute("CREATE TEMP TABLE IF NOT EXISTS agck_live (address BLOB PRIMARY KEY)")
                     c.execute("DELETE FROM agck_live")
-                    c.executemany("INSERT INTO agck_live (address) VALUES (?)", ((a,) for a in live))
+                    c.executemany("INSERT INTO agck_live (address) VALUES (?)", ((a,) for a in live.addresses))
                     dead = f"NOT EXISTS (SELECT 1 FROM agck_live l WHERE l.address = {o}.address)"
                     n, nbytes = c.execute(f"SELECT count(*), coalesce(sum(size), 0) FROM {o} WHERE {dead}").fetchone()
                     c.execute(f"DELETE FROM {o} WHERE {dead}")
@@ -611,8 +610,7 @@ class SqliteStore(TransactionalPuts, Store):
                     c.execute("DELETE FROM agck_live")
             except sqlite3.Error as e:
                 raise DurabilityError(f"collecting garbage failed: {e}", ref=self.path) from None
-        return content.Collected(listings=listings, live_chunks=len(live), deleted_chunks=n, deleted_bytes=nbytes,
-                                 damaged=damaged)
+        return live.collected(n, nbytes)
 
     # -- damaged chunks --------------------------------------------------------
     def _quarantine_rows(self, c: sqlite3.Connection, bad: dict[bytes, str]) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
 
 import xxhash
 
-from .. import checkpoint, format
+from .. import checkpoint, format, thresholds
 from ..errors import AgckError, CorruptCheckpointError, DamagedChunkError, StoreError
 from ..names import check_run, check_step
 from . import content
@@ -27,8 +27,9 @@ from .base import PutEntry, Store, check_entries, check_identity
 from .dsn import dsn_secrets, dsn_without_password, is_kv_dsn, redact_dsn, split_agck_params  # noqa: F401
 from .metajson import meta_json_text, meta_to_json, utf8_ok  # noqa: F401
 
-DEFAULT_CHUNK_SIZE = 64 << 20
-MAX_CHUNK_SIZE = 512 << 20        # SQLite's default blob limit is 1e9 bytes; Postgres bytea's is 1 GiB
+DEFAULT_CHUNK_SIZE = thresholds.SQL_CHUNK_ROW
+# SQLite's default blob limit is 1e9 bytes; Postgres bytea's is 1 GiB
+MAX_CHUNK_SIZE = 512 << 20        # not a threshold: the largest chunk_size accepted
 _IDENT_RE = re.compile(r"[a-z_][a-z0-9_]{0,40}", re.ASCII)   # fullmatch: `$` also matches before a final newline
 
 
@@ -93,7 +94,7 @@ def split_chunks(parts: Iterable, total: int, chunk_size: int, hasher=None) -> I
 # A standalone container up to this size is assembled before its transaction begins:
 # its footer (whose checksum the manifest row holds) is then known, so the manifest
 # row can travel with the chunk rows instead of after them.
-ASSEMBLED_MAX = 1 << 20
+ASSEMBLED_MAX = thresholds.ASSEMBLED_MAX
 
 
 @dataclass

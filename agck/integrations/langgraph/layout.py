@@ -69,6 +69,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ... import thresholds
 from ...stores.sqlrows import utf8_ok
 
 _FORMAT = 1                      # the layout version, in every entry's meta as "lg"
@@ -79,7 +80,7 @@ _MAX_STEP = (1 << 63) - 1
 # gets a store checkpoint of its own (run lg.T.N.b<channel>), so reading a checkpoint
 # never reads a large value that another, smaller channel happened to be stored with;
 # smaller ones changed by one checkpoint share one entry (one durable write, not one each).
-_OWN_ENTRY_BYTES = 64 << 10
+_OWN_ENTRY_BYTES = thresholds.LANGGRAPH_OWN_ENTRY
 
 
 # --- names ---------------------------------------------------------------------------
