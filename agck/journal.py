@@ -104,7 +104,7 @@ class Journal:
         self._closed = False
         self._wake = threading.Event()
         self._flusher: threading.Thread | None = None
-        self._busy: set[tuple[str, bytes]] = set()    # keys a thread of this journal runs now
+        self._busy: dict[tuple[str, bytes], int] = {}   # keys a thread of this journal runs now -> that thread
         self._idle = threading.Condition(self._lock)    # notified when one ends
         self._held: list[bytes] = []      # claims of pending records, released by their flush
         self._claims = self.store.log_claims(self.run) if self.shared else None
@@ -114,9 +114,7 @@ class Journal:
     def _catch_up(self) -> None:
         """Read what was appended to the log since this journal last looked."""
         data, end = self.store.log_read(self.run, self._pos)
-        found = journalrec.scan(data)
-        for off, why in found.damaged:
-            self._report(f"{self.ref}, byte {off} of the records after position {self._pos}: {why}")
+        found = journalrec.scan(data, tears=self.store.log_positions_are_bytes)
         for _, e in found.entries:
             key = (e.name, e.key)
             if e.kind == "r":
@@ -126,6 +124,9 @@ class Journal:
             elif e.kind == "e":
                 self._ends.setdefault(key, e.index)
             # "s": a segment of an AppendLog (agck.applog), not a step
+        for off, why in found.damaged:
+            if not _healed(journalrec.identity_at(data, off), self._results, self._items, self._ends):
+                self._report(f"{self.ref}, byte {off} of the records after position {self._pos}: {why}")
         if found.end == len(data):
             self._pos = end
         elif self.store.log_positions_are_bytes:
@@ -202,16 +203,27 @@ class Journal:
         of this journal runs it, _MISSING with ``key`` marked as running here."""
         while True:
             got = self._lookup(key)
-            if got is not _MISSING or key not in self._busy:
+            if got is not _MISSING or not self._running(key):
                 break
             self._idle.wait()
         if got is _MISSING:
-            self._busy.add(key)
+            self._busy[key] = threading.get_ident()
         return got
+
+    def _running(self, key) -> bool:
+        """(Under ``_lock``.) Whether another thread runs ``key`` now; a UsageError when this
+        one does (a step that calls itself with the same inputs would wait for itself forever)."""
+        owner = self._busy.get(key)
+        if owner is not None and owner == threading.get_ident():
+            raise UsageError(f"step {key[0]!r} is called again with the same inputs while it runs, in the same "
+                             "thread: it would wait for its own result forever", ref=self.ref,
+                             hint="a step may call other steps, or itself with other inputs; finish (or close) "
+                                  "a stream before starting it again")
+        return owner is not None
 
     def _end(self, key) -> None:
         """(Under ``_lock``.) ``key`` no longer runs here."""
-        self._busy.discard(key)
+        self._busy.pop(key, None)
         self._idle.notify_all()
 
     def _claim(self, key, claim: "_Claim") -> None:
@@ -245,15 +257,16 @@ class Journal:
         self._check(name)
         key = (name, journalrec.fingerprint(args, kwargs))
         with self._lock:
+            self._running(key)        # refused at once in the thread that runs it (it would replay itself)
             if self.shared:
                 self._catch_up()
         n = yield from self._replay(key, 0)
         if n == self._ends.get(key):
             return
         with self._lock:
-            while key in self._busy:      # another thread of this journal runs it
+            while self._running(key):     # another thread of this journal runs it
                 self._idle.wait()
-            self._busy.add(key)
+            self._busy[key] = threading.get_ident()
         claim = _Claim(None)
         try:
             if self._claims is not None:
@@ -459,7 +472,7 @@ def inspect_journal(store: Store, run: str, *, decode: bool = True) -> dict:
     where), whether it ends in a torn tail, and its size. Without ``decode`` only
     the records' checksums are checked (``agck ls``), not whether each value rebuilds."""
     data, _ = store.log_read(check_run(run))
-    found = journalrec.scan(data)
+    found = journalrec.scan(data, tears=store.log_positions_are_bytes)
     results, items, ends = set(), {}, {}
     segments: dict[str, int] = {}      # AppendLog name -> its segments (agck.applog)
     undecodable = []
@@ -483,9 +496,28 @@ def inspect_journal(store: Store, run: str, *, decode: bool = True) -> dict:
     names: dict[str, int] = {}
     for name, _ in results:
         names[name] = names.get(name, 0) + 1
-    damaged = [{"at": off, "reason": why} for off, why in found.damaged] + undecodable
+    damaged, healed = [], []
+    for off, why in found.damaged:
+        (healed if _healed(journalrec.identity_at(data, off), results, items, ends) else damaged).append(
+            {"at": off, "reason": why})
+    damaged += undecodable
     return {"run": run, "ref": store.log_ref(run), "bytes": len(data), "records": len(found.entries),
             "results": len(results), "steps": dict(sorted(names.items())),
             "streams": len(set(items) | set(ends)), "streams_complete": len(ends),
             "log_segments": dict(sorted(segments.items())),
-            "damaged": sorted(damaged, key=lambda d: d["at"]), "torn_tail": found.torn}
+            "damaged": sorted(damaged, key=lambda d: d["at"]), "healed": healed, "torn_tail": found.torn}
+
+
+def _healed(identity: tuple | None, results, items, ends) -> bool:
+    """Whether a damaged record (``identity``: :func:`agck.journalrec.identity_at`) was
+    written again whole: its step's result, item or end is in the log, so nothing it
+    held is lost (a damaged AppendLog segment is judged by the checkpoints that count it)."""
+    if identity is None:
+        return False
+    kind, name, key, index = identity
+    k = (name, key)
+    if kind == "r":
+        return k in results
+    if kind == "i":
+        return index in items.get(k, ())
+    return kind == "e" and k in ends

@@ -122,11 +122,28 @@ def _refuse_ext(code: int, data: bytes):
     raise ValueError(f"msgpack extension {code} in a record")
 
 
+# --- batches (file logs) --------------------------------------------------------------------
+
+BATCH_MAGIC = b"AGJB"
+_BATCH = struct.Struct("<4sI")
+BATCH_HEAD_SIZE = _BATCH.size + _CHECK.size     # 16
+
+
+def batch(records: bytes) -> bytes:
+    """One append of a file log: a batch header (its magic, the length of the records
+    that follow, and an XXH3-64 of those 8 bytes) and the records. The checked length
+    is what lets a reader tell a batch a crash cut short (fewer bytes than it says:
+    never acknowledged) from records that were written whole and damaged later."""
+    head = _BATCH.pack(BATCH_MAGIC, len(records))
+    return b"".join((head, _CHECK.pack(xxhash.xxh3_64_intdigest(head)), records))
+
+
 @dataclass
 class Scan:
     """What :func:`scan` found in a log: the records that verify, with their offsets;
     the damaged ones (offset, reason); where the valid log ends (``end``: the next
-    record goes there), and whether bytes after it are a record cut short (``torn``)."""
+    record goes there; bytes after it are a torn tail, never acknowledged, which a
+    writer may cut off); and whether there is such a tail (``torn``)."""
 
     entries: list
     damaged: list
@@ -134,47 +151,180 @@ class Scan:
     torn: bool
 
 
-def scan(buf, start: int = 0) -> Scan:
-    """Read the records of ``buf`` from offset ``start``. A record that fails its check
-    and is followed by one that verifies is damaged (reported, skipped); bytes that fail
-    with nothing valid after them are a torn tail (a write cut short by a crash)."""
+_CANNOT_TELL = "; nothing that verifies follows it, and it is not a write cut short: damaged after it was " \
+               "written, or never written whole (a power cut can leave either), which a reader cannot tell apart"
+
+
+def scan(buf, start: int = 0, *, tears: bool = True) -> Scan:
+    """Read the records of ``buf`` from offset ``start`` (FORMAT.md 17). ``tears``: the
+    log can end in a batch a crash cut short (a file log; a database row or an object
+    is written whole or not at all, so there every failure is damage).
+
+    Bytes that fail their checks are damaged (reported in ``damaged``, kept) unless
+    they are certainly a torn tail (``torn``; ``end`` is where it starts): a batch or
+    a record whose checked length runs past the end of the log, or bytes that are all
+    zero from where they fail to the end (never written). A batch is acknowledged
+    whole or not at all: the records of a torn batch are not returned."""
     view = memoryview(buf).cast("B")
     size = len(view)
     entries: list = []
     damaged: list = []
     pos = end = start
     bad_at: int | None = None     # where unverified bytes began
+    cut_at: int | None = None     # where they began with a record whose length runs past the end
     why = ""
-    while pos < size:
-        ok, body_len, reason = _check_at(view, pos, size)
-        if ok:
-            if bad_at is not None:   # damage followed by a good record: damage, not a torn tail
-                damaged.append((bad_at, why))
-                bad_at = None
-            body = bytes(view[pos + HEAD_SIZE:pos + HEAD_SIZE + body_len])
-            try:
-                entries.append((pos, parse_body(body)))
-            except ValueError as e:   # its check held: written so by a writer, reported as damage
-                damaged.append((pos, f"a record that verifies but is malformed: {e}"))
-            pos = end = pos + OVERHEAD + body_len
-            continue
+    torn = False
+
+    def bad(at: int, reason: str) -> None:
+        nonlocal bad_at, why
         if bad_at is None:
-            bad_at, why = pos, reason
-        nxt = bytes(view[pos + 1:]).find(MAGIC)     # look for the next record
+            bad_at, why = at, reason
+
+    def good(tail: str = "") -> None:
+        nonlocal bad_at
+        if bad_at is not None:    # damage followed by what verifies (or a torn tail): damage
+            damaged.append((bad_at, why + tail))
+            bad_at = None
+
+    while pos < size:
+        magic = bytes(view[pos:pos + 4])
+        if magic == BATCH_MAGIC or (size - pos < 4 and BATCH_MAGIC.startswith(magic)):
+            length = _batch_at(view, pos, size)
+            if length is None and tears and _torn_head(view, pos):
+                good(_CANNOT_TELL)                     # a batch header cut short, zeros after it
+                torn, end = True, pos
+                break
+            if length is None:                         # its header fails its check
+                bad(pos, "a batch header that fails its check")
+            elif length < 0:                           # it runs past the end of the log: never whole
+                if tears:
+                    good(_CANNOT_TELL)
+                    torn, end = True, pos
+                    break
+                bad(pos, "a batch cut short")
+                break
+            else:
+                stop = pos + BATCH_HEAD_SIZE + length
+                inner = _records(view, pos + BATCH_HEAD_SIZE, stop)
+                last = bool(inner.damaged) and tears and _zeros(view, stop)
+                if last and not any(view[stop - _CHECK.size:stop]):
+                    # its last record's check is zeros (a written one is, one time in 2^64): the
+                    # batch's end never reached the disk, so it was never acknowledged
+                    good(_CANNOT_TELL)
+                    torn, end = True, pos
+                    break
+                good()
+                entries += inner.entries
+                damaged += [(at, r + _CANNOT_TELL) for at, r in inner.damaged] if last else inner.damaged
+                pos = end = stop
+                continue
+        else:
+            ok, body_len, reason = _check_at(view, pos, size)
+            if ok:
+                good()
+                _entry(view, pos, body_len, entries, damaged)
+                pos = end = pos + OVERHEAD + body_len
+                continue
+            if tears and (_zeros(view, pos) or _torn_head(view, pos)):
+                good(_CANNOT_TELL)                     # zeros to the end, or a header cut short: never written
+                torn, end = True, pos
+                break
+            if bad_at is None and body_len < 0:        # cut short, if nothing that verifies follows
+                cut_at = pos
+            bad(pos, reason)
+        nxt = _next_magic(view, pos + 1)
         if nxt < 0:
             break
-        pos = pos + 1 + nxt
-    return Scan(entries, damaged, end, bad_at is not None)
+        pos = nxt
+    if bad_at is not None and tears and bad_at == cut_at:
+        torn = True          # a record (unbatched: written before batch headers) cut short at the end
+    elif bad_at is not None:
+        good(_CANNOT_TELL if tears else "")
+        end = size                                     # kept: what may have been acknowledged is never cut off
+    return Scan(entries, damaged, end, torn)
+
+
+def identity_at(buf, at: int) -> tuple | None:
+    """Which record damaged bytes at ``at`` held, if the fields before its value can still
+    be read (no check: for telling when it was written again, FORMAT.md 17): (kind, name,
+    key, index), or None."""
+    view = memoryview(buf).cast("B")
+    if bytes(view[at:at + 4]) == BATCH_MAGIC:
+        at += BATCH_HEAD_SIZE
+    if len(view) - at < HEAD_SIZE:
+        return None
+    _, body_len = _HEAD.unpack_from(view, at)
+    try:
+        fields = msgpack.Unpacker(raw=False, unicode_errors="surrogatepass", ext_hook=_refuse_ext,
+                                  max_buffer_size=max(1, min(body_len, len(view) - at - HEAD_SIZE)))
+        fields.feed(bytes(view[at + HEAD_SIZE:at + HEAD_SIZE + body_len]))
+        n = fields.read_array_header()
+        kind, name, key, index = (fields.unpack() for _ in range(4))
+    except Exception:     # damaged bytes: msgpack raises several types
+        return None
+    if n != 6 or kind not in KINDS or type(name) is not str or type(key) is not bytes or len(key) != 16 \
+            or type(index) is not int or index < 0:
+        return None
+    return kind, name, key, index
+
+
+def _zeros(view: memoryview, start: int) -> bool:
+    """Whether every byte from ``start`` to the end is zero (never written)."""
+    return not bytes(view[start:]).strip(b"\0")
+
+
+def _torn_head(view: memoryview, start: int) -> bool:
+    """Whether the bytes from ``start`` are the start of a batch header cut short, then
+    zeros (a write that reached the disk only in part; an acknowledged batch has a whole
+    header and records after it)."""
+    head = bytes(view[start:start + BATCH_HEAD_SIZE + 1]).rstrip(b"\0")
+    return len(head) < BATCH_HEAD_SIZE and BATCH_MAGIC.startswith(head[:4]) and _zeros(view, start + len(head))
+
+
+def _records(view: memoryview, start: int, stop: int) -> Scan:
+    """The records of one whole batch, ``view[start:stop]``: every failure is damage."""
+    return scan(view[:stop], start, tears=False)
+
+
+def _next_magic(view: memoryview, start: int) -> int:
+    """Where the next record or batch magic starts, from ``start``; -1 if none."""
+    data = bytes(view[start:])
+    hits = [i for i in (data.find(MAGIC), data.find(BATCH_MAGIC)) if i >= 0]
+    return start + min(hits) if hits else -1
+
+
+def _batch_at(view: memoryview, pos: int, size: int) -> int | None:
+    """The length of the records of the batch at ``pos``; -1 when the batch (its header
+    included) runs past the end of the log; None when its header fails its check."""
+    if size - pos < BATCH_HEAD_SIZE:
+        return -1
+    magic, length = _BATCH.unpack_from(view, pos)
+    (stored,) = _CHECK.unpack_from(view, pos + _BATCH.size)
+    if xxhash.xxh3_64_intdigest(view[pos:pos + _BATCH.size]) != stored:
+        return None
+    return -1 if size - pos - BATCH_HEAD_SIZE < length else length
+
+
+def _entry(view: memoryview, pos: int, body_len: int, entries: list, damaged: list) -> None:
+    body = bytes(view[pos + HEAD_SIZE:pos + HEAD_SIZE + body_len])
+    try:
+        entries.append((pos, parse_body(body)))
+    except ValueError as e:   # its check held: written so by a writer, reported as damage
+        damaged.append((pos, f"a record that verifies but is malformed: {e}"))
 
 
 def _check_at(view: memoryview, pos: int, size: int) -> tuple[bool, int, str]:
+    """Whether a whole record that verifies starts at ``pos``, its body's length, and
+    why not (body length -1: its length runs past the end of the log)."""
     if size - pos < OVERHEAD:
-        return False, 0, "a record cut short"
+        if MAGIC.startswith(bytes(view[pos:pos + 4])):
+            return False, -1, "a record cut short"
+        return False, 0, "no record starts here"
     magic, body_len = _HEAD.unpack_from(view, pos)
     if magic != MAGIC:
         return False, 0, "no record starts here"
     if size - pos - OVERHEAD < body_len:
-        return False, 0, f"a record of {body_len} bytes cut short at the end"
+        return False, -1, f"a record of {body_len} bytes cut short at the end"
     stop = pos + HEAD_SIZE + body_len
     (stored,) = _CHECK.unpack_from(view, stop)
     if xxhash.xxh3_64_intdigest(view[pos:stop]) != stored:

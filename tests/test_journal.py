@@ -95,6 +95,59 @@ def test_a_record_that_verifies_but_is_malformed_is_damage():
     assert [e.name for _, e in found.entries] == ["ok"] and "malformed" in found.damaged[0][1]
 
 
+def _batches(n=3):
+    """A file log of ``n`` batches of one record each, and where each batch starts."""
+    batches = [jr.batch(jr.record("r", f"s{i}", bytes(16), 0, *jr.encode_value({"i": i, "pad": "x" * 9})))
+               for i in range(n)]
+    starts = [sum(len(b) for b in batches[:i]) for i in range(n)]
+    return b"".join(batches), starts
+
+
+def test_rot_in_any_byte_of_any_batch_is_damage_never_a_torn_tail():
+    """FORMAT.md 17: a whole batch (its checked length all there) that fails is damage,
+    the last included: nothing of it is cut off, and every other record reads back."""
+    log, starts = _batches()
+    for i, start in enumerate(starts):
+        stop = starts[i + 1] if i + 1 < len(starts) else len(log)
+        for off in range(start, stop):
+            bad = bytearray(log)
+            bad[off] ^= 0x10
+            found = jr.scan(bytes(bad))
+            assert not found.torn and found.end == len(log) and found.damaged, (i, off)
+            names = [e.name for _, e in found.entries]
+            assert {f"s{k}" for k in range(3) if k != i} <= set(names), (i, off)
+            if i == 2:
+                assert "cannot tell" in found.damaged[-1][1] or "s2" in names, off
+
+
+def test_a_torn_batch_is_told_apart_and_its_records_are_not_read():
+    """A batch shorter than its checked length says, or zeros where it should be, is a
+    torn tail (never acknowledged): cut off, its records not taken, nothing reported."""
+    log, starts = _batches()
+    last = starts[-1]
+    for cut in range(last + 1, len(log)):
+        for tail in (log[last:cut], log[last:cut] + bytes(len(log) - cut)):    # cut short; zeros after
+            found = jr.scan(log[:last] + tail)
+            assert [e.name for _, e in found.entries] == ["s0", "s1"], cut
+            if len(tail) > cut - last and len(log) - cut < 8:
+                # zeros in part of the last check only: told apart from damage to it, or reported
+                assert (found.torn and found.end == last) or "cannot tell" in found.damaged[0][1], cut
+                continue
+            assert found.torn and found.end == last and found.damaged == [], cut
+    found = jr.scan(log + bytes(4096))                  # a file grown by a power cut, never written
+    assert found.torn and found.end == len(log) and len(found.entries) == 3
+    found = jr.scan(log[:last] + b"\x01" + log[last + 1:last + 9])      # cut short after damage: both said
+    assert found.torn and found.end == last and found.damaged == [] or found.damaged
+
+
+def test_in_a_database_or_an_object_every_failure_is_damage():
+    """A row or an object is written whole or not at all: a record cut short there is damage."""
+    log = b"".join(jr.record("r", f"s{i}", bytes(16), 0, "t", b"\x01") for i in range(3))
+    for cut in range(len(log) - 20, len(log)):
+        found = jr.scan(log[:cut], tears=False)
+        assert not found.torn and found.end == cut and found.damaged and len(found.entries) == 2, cut
+
+
 def test_fingerprints():
     fp = jr.fingerprint
     assert fp((1, "a"), {"x": 2}) == fp((1, "a"), {"x": 2})
@@ -554,3 +607,81 @@ def test_a_store_without_claims_refuses_a_shared_journal(tmp_path, request):
     with pytest.raises(UsageError, match="cannot share a journal between processes"):
         Journal(store, "r", shared=True)
     store.close()
+
+
+@pytest.mark.parametrize("kind", ["file", "sqlite", "postgres", "s3"])
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_an_acknowledged_record_damaged_later_is_reported_by_every_reader(tmp_path, kind, which, request,
+                                                                          monkeypatch, capsys):
+    """One bit flipped in any of three acknowledged (sync) records, the last included:
+    `agck journal` and `agck verify` exit 1 naming it, the journal reports it and runs
+    its step again, and nothing of the log is cut off (it was once taken for a torn
+    tail: reported as nothing, and truncated by the next append)."""
+    from agck.cli import main as cli
+    url = worker_url(kind, request, tmp_path)
+    with Journal(url, "r") as j:
+        for x in range(3):
+            j.step("f", lambda x: x + 1, x)
+    store = agck.open_store(url)
+    data, _ = store.log_read("r")
+    start = jr.scan(data, tears=store.log_positions_are_bytes).entries[which][0]
+    at = start + jr.OVERHEAD + int.from_bytes(data[start + 4:start + 8], "little") - 3     # in its check
+    if kind == "file":
+        path = store.log_ref("r")
+        raw = bytearray(open(path, "rb").read())
+        raw[at] ^= 0x04
+        open(path, "wb").write(bytes(raw))
+    else:                       # as every reader sees it: the stored batch rotted
+        cls, real = type(store), type(store).log_read
+
+        def rotted(self, run, start=0):
+            got, end = real(self, run, start)
+            if start == 0:
+                got = bytearray(got)
+                got[at] ^= 0x04
+            return bytes(got), end
+
+        monkeypatch.setattr(cls, "log_read", rotted)
+    capsys.readouterr()
+    assert cli(["journal", url, "--run", "r", "--json"]) == 1
+    assert len(json.loads(capsys.readouterr().out)[0]["damaged"]) == 1
+    assert cli(["verify", url, "--json"]) == 1
+    calls = []
+    with Journal(url, "r") as j:
+        assert [j.step("f", lambda x: calls.append(x) or x + 1, x) for x in range(3)] == [1, 2, 3]
+        assert len(j.damaged) == 1 and calls == [which]
+    if kind == "file":          # kept, with the step's new result after it
+        assert len(open(path, "rb").read()) > len(raw)
+    # healed: its step ran again and was recorded whole, so nothing reports it any more
+    capsys.readouterr()
+    assert cli(["journal", url, "--run", "r", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)[0]
+    assert rep["damaged"] == [] and len(rep["healed"]) == 1
+    assert cli(["verify", url, "--json"]) == 0
+    with Journal(url, "r") as j:
+        assert [j.step("f", lambda x: calls.append(x) or x + 1, x) for x in range(3)] == [1, 2, 3]
+        assert j.damaged == [] and calls == [which]
+
+
+def test_a_step_or_stream_that_calls_itself_is_refused_not_a_hang(tmp_path):
+    """Re-entrant calls with the same inputs in one thread would wait for their own result
+    forever: each is one UsageError, and the journal goes on working after it."""
+    with Journal(str(tmp_path), "r") as j:
+        with pytest.raises(UsageError, match="while it runs, in the same thread"):
+            j.step("s", lambda x: j.step("s", lambda y: y, x), 0)
+
+        def g(n):
+            yield from range(n)
+
+        def again(n):
+            yield 0
+            yield from j.stream("t", again, n)
+
+        with pytest.raises(UsageError, match="same inputs"):
+            list(j.stream("t", again, 3))
+        it = j.stream("u", g, 3)
+        assert next(it) == 0
+        with pytest.raises(UsageError, match="finish"):
+            list(j.stream("u", g, 3))
+        assert list(it) == [1, 2] and list(j.stream("u", g, 3)) == [0, 1, 2]
+        assert j.step("s", lambda x: x + 1, 0) == 1 and j.step("s", lambda x: x + 5, 1) == 6

@@ -1,17 +1,20 @@
 """The file store's journal logs: one append-only file per run, ``<root>/<run>/journal.agjl``.
 
 Records (:mod:`agck.journalrec`: each framed and checksummed by itself) are appended
-in batches: one ``write`` of the batch and one ``fdatasync`` when the caller asks for
-durability, so a journal pays one flush per batch, not per record, and the file grows
-by what the records hold (no page per record: the page-size floor of one file per
-entry is what this avoids).
+in batches, each behind a batch header that carries its checked length: one ``write``
+of the batch and one ``fdatasync`` when the caller asks for durability, so a journal
+pays one flush per batch, not per record, and the file grows by what the records hold
+(no page per record: the page-size floor of one file per entry is what this avoids).
 
 Appends take an exclusive ``flock`` on the file (kept open between appends), so the
 processes of one machine that share a run append whole batches one after another. A crash during an append leaves
 a torn tail: bytes after the last whole record, never acknowledged (the flush had not
-returned). The next append, under the lock, finds it (scanning from where this
-process last saw the log end) and truncates it before writing, so a torn tail never
-ends up between records. Readers take no lock: a batch being written is, to them,
+returned): a batch shorter than its header says, or zeros. The next append, under
+the lock, finds it (scanning from where this process last saw the log end) and
+truncates it before writing, so a torn tail never ends up between records. Bytes
+that fail their checks and are not certainly torn (a whole batch whose records fail)
+may have been acknowledged: they are never cut off, and every reader reports them
+as damaged (FORMAT.md 17). Readers take no lock: a batch being written is, to them,
 a torn tail they stop before.
 """
 
@@ -61,7 +64,7 @@ class FileLogs:
     def append(self, path: str, records: Sequence[bytes], sync: bool) -> tuple[int, int]:
         """Append ``records`` (whole, in order) to the log at ``path``; with ``sync`` they
         are on disk when it returns. Returns where they start and end in the log."""
-        data = b"".join(records)
+        data = journalrec.batch(b"".join(records))
         with self._lock:
             fd = self._fd(path)
             return self._append_locked(fd, path, data, sync)
