@@ -52,6 +52,13 @@ checkpoints read were written in the same run, so the page cache is warm:
 Tables of medians per world size; ``--json`` keeps every rank's timings of
 every round. The data directories are removed at the end.
 
+Every checkpoint written through agck is read back, outside the clock, through
+store objects of their own (benchio.readback): a collective save's step found by
+every rank on a fresh store, each rank's part compared bit for bit with its state,
+an agck.dcp save loaded through a fresh store, before each is deleted; the load
+fixtures once, after they are written. A rank whose read-back fails exits with
+status 1, and the benchmark with it.
+
     python scripts/bench_distributed.py [--ranks 2,4] [--mb-per-rank 256] [--rounds 5] [--dir /var/tmp]
         [--json F]
 """
@@ -138,6 +145,10 @@ def rank_main(rank: int, world: int, cfg: dict, root: str, out: str) -> None:
 
     whole = agck.open_store(os.path.join(root, "whole"), incremental=False)
     inc = agck.open_store(os.path.join(root, "inc"))
+    stores = {"whole": whole, "inc": inc}
+    # What the read-backs read through: another store object on each, opened as the writer was.
+    reopen = {"whole": lambda: agck.open_store(os.path.join(root, "whole"), incremental=False),
+              "inc": lambda: agck.open_store(os.path.join(root, "inc"))}
     alone_dir = os.path.join(root, "alone")
     fsw_root = os.path.join(root, "dcp-fs")
     os.makedirs(alone_dir, exist_ok=True)
@@ -178,20 +189,39 @@ def rank_main(rank: int, world: int, cfg: dict, root: str, out: str) -> None:
         dcp.save(state, storage_writer=agck.dcp.StorageWriter(whole, "dcpload", 0))
         writer = agck.dcp.StorageWriter(whole, "dcp")
 
-    # Every load must give back this rank's state; checked once, untimed.
-    for key in ("load_whole", "load_inc"):
-        commit, part, _, _ = runs[key][0].find()
-        assert commit is not None and commit.step == 0, key
-        assert all(torch.equal(part.state[k], v) for k, v in state.items()), key
-        del part
+    def committed_part(store):
+        """benchio.readback's reader of a collective save: the run's newest step that every
+        rank can restore from ``store`` (each rank's part read and verified), this rank's part."""
+        def read(run: str, step: int):
+            commit, part, rejected, _ = ShardedRun(store, run, g).find()
+            if commit is None or commit.step != step:
+                raise ValueError(f"the newest step every rank can restore is {commit and commit.step}, "
+                                 f"rejected: {[(r.step, r.reason) for r in rejected]}")
+            return part.state
+        return read
+
+    def dcp_loaded(store):
+        """benchio.readback's reader of an agck.dcp save: dcp.load through ``store`` into zeroed tensors."""
+        def read(run: str, step: int):
+            for t in target.values():
+                t.zero_()
+            dcp.load(target, storage_reader=agck.dcp.StorageReader(store, run, step))
+            return target
+        return read
+
+    # Every load must give back this rank's state; checked once, untimed (agck's through
+    # store objects of their own).
+    for name in ("whole", "inc"):
+        benchio.readback(reopen[name], {("load", 0): state}, reader=committed_part)
+    if with_agck_dcp:
+        benchio.readback(reopen["whole"], {("dcpload", 0): state}, reader=dcp_loaded)
     loaders = [lambda: dcp.load(target, storage_reader=FileSystemReader(fs_fixture))]
     if with_agck_dcp:
         loaders.append(lambda: dcp.load(target, storage_reader=agck.dcp.StorageReader(whole, "dcpload", 0)))
-    for load in loaders:
-        for t in target.values():
-            t.zero_()
-        load()
-        assert all(torch.equal(target[k], v) for k, v in state.items())
+    for t in target.values():
+        t.zero_()
+    loaders[0]()
+    assert all(torch.equal(target[k], v) for k, v in state.items())
     log(f"  {world} ranks: setup {time.monotonic() - t_setup:.1f} s")
 
     steps = itertools.count(1)
@@ -210,8 +240,11 @@ def rank_main(rank: int, world: int, cfg: dict, root: str, out: str) -> None:
             recs.append({"t0": t0, "t1": t1, **marks, **extra})
         return benchio.Case(name, fn, after, nbytes)
 
-    def drop(store, run: str, step: int) -> None:
-        """Rank 0 deletes the step's commit record and every rank's part."""
+    def drop(name: str, run: str, step: int, content: dict, reader=committed_part) -> None:
+        """Every rank reads the step back (its part, through a store object of its own),
+        then rank 0 deletes the step's commit record and every rank's part."""
+        benchio.readback(reopen[name], {(run, step): content}, reader=reader)
+        store = stores[name]
         g.barrier()
         if rank == 0:
             commit = sharded.as_commit(store.read(run, step))
@@ -263,9 +296,10 @@ def rank_main(rank: int, world: int, cfg: dict, root: str, out: str) -> None:
         return op
 
     cases = [
-        case(SAVE_WHOLE, collective_save("save_whole", state), lambda: drop(whole, "save", last["save_whole"])),
+        case(SAVE_WHOLE, collective_save("save_whole", state),
+             lambda: drop("whole", "save", last["save_whole"], state)),
         case(SAVE_INC, collective_save("save_inc", fresh),
-             lambda: (drop(inc, "save", last["save_inc"]), refill())),
+             lambda: (drop("inc", "save", last["save_inc"], fresh), refill())),
         case(ALONE, alone, lambda: os.unlink(os.path.join(alone_dir, f"rank{rank}.agck"))),
         case(DCP_FS_SAVE, fsw_save, fsw_after),
         case(FIND_WHOLE, find("load_whole")),
@@ -273,7 +307,7 @@ def rank_main(rank: int, world: int, cfg: dict, root: str, out: str) -> None:
         case(DCP_FS_LOAD, loaders[0]),
     ]
     if with_agck_dcp:
-        cases += [case(AGCK_DCP_SAVE, agck_dcp_save, lambda: drop(whole, "dcp", last["dcp"])),
+        cases += [case(AGCK_DCP_SAVE, agck_dcp_save, lambda: drop("whole", "dcp", last["dcp"], state, dcp_loaded)),
                   case(AGCK_DCP_LOAD, loaders[1])]
 
     def quiesce():
@@ -299,6 +333,7 @@ def rank_main(rank: int, world: int, cfg: dict, root: str, out: str) -> None:
         with open(out, "w") as f:
             json.dump(result, f)
     g.barrier()
+    log(f"  {world} ranks: rank 0 {benchio.read_back_note()}")
     for store in (whole, inc):
         store.close()
 

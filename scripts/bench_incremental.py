@@ -29,6 +29,11 @@ against full.
 The physical limit in the same run: raw write+fsync of one checkpoint's new
 bytes.
 
+Before each store is dropped, its last checkpoint is read back through a store
+object of its own and compared bit for bit with the pipeline's final state, and
+every checkpoint of the run must verify (benchio.readback): the first that does
+not ends the run, status 1.
+
     python scripts/bench_incremental.py [--steps 2000] [--every 10] [--window 500]
         [--record-steps 2000] [--model-mb 1024] [--frozen-steps 60]
         [--stores file,postgres] [--dsn DSN] [--dir D] [--json F]
@@ -75,14 +80,19 @@ class Target:
         self.prefix = None
 
     def open(self, incremental: bool, name: str):
+        self.incremental = incremental
         if self.kind == "file":
             self.url = os.path.join(self.work, f"{name}-{incremental}")
             self.opts = {}
-        else:
-            self.url = self.dsn
-            self.prefix = f"bench_{uuid.uuid4().hex[:8]}"
-            self.opts = {"prefix": self.prefix, "init": True}
-        return open_store(self.url, incremental=incremental, **self.opts)
+            return open_store(self.url, incremental=incremental)
+        self.url = self.dsn
+        self.prefix = f"bench_{uuid.uuid4().hex[:8]}"
+        self.opts = {"prefix": self.prefix}
+        return open_store(self.url, incremental=incremental, init=True, **self.opts)
+
+    def reopen(self):
+        """Another store object on the store opened last, opened as it was: the read-back's."""
+        return open_store(self.url, incremental=self.incremental, **self.opts)
 
     def written(self) -> int:
         if self.kind == "file":
@@ -141,6 +151,7 @@ def run_growth(target: Target, incremental: bool, kind: str, args) -> dict:
     total_s = time.perf_counter() - t_run
     written = target.written() - written0
     get_s, rec_s = _read_times(store, kind)
+    benchio.readback(target.reopen, {(kind, steps): state}, runs=[kind])
     target.drop(store)
     return {"store": target.kind, "incremental": incremental, "steps": steps, "checkpoint_s": round(total_s, 3),
             "windows_s": windows, "last_over_first": round(windows[-1] / windows[0], 2) if windows else None,
@@ -187,6 +198,8 @@ def run_frozen(target: Target, incremental: bool, args) -> dict:
     added = [b - a for a, b in zip(sizes[1:], sizes[2:])]
     get_s, rec_s = _read_times(store, "frozen")
     written = target.written() - written0
+    benchio.readback(target.reopen, {("frozen", args.frozen_steps): {"base": base, "part": part,
+                                                                     "opt": opt.state_dict()}}, runs=["frozen"])
     target.drop(store)
     return {"store": target.kind, "incremental": incremental, "state_bytes": state_bytes,
             "later_written_median": int(np.median(added)) if added else None,
@@ -263,6 +276,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
+    print(benchio.read_back_note(), file=sys.stderr)
     return 0
 
 

@@ -18,6 +18,11 @@ floors beneath it, in one run.
   COMMIT per step (SQLite with agck's settings, WAL and synchronous=FULL; Postgres
   with synchronous_commit on).
 
+After each run, what it wrote is read back through a store object of its own
+(benchio.readback): every journal result, and a snapshot run's last checkpoint,
+bit for bit, and every checkpoint of it must verify; the first that does not
+ends the run, status 1.
+
     python scripts/bench_journal.py [--steps 200000] [--every 500] [--list-steps 20000] [--sync-steps 2000]
                                     [--rounds 3] [--stores file,sqlite,postgres] [--dir /var/tmp]
                                     [--dsn postgresql://...] [--json F] [--only growth,snapshot,sync]
@@ -50,12 +55,20 @@ def result_of(i: int) -> dict:
 
 
 def _open(kind: str, workdir: str, schema: str | None):
+    """A new store of ``kind``, and how to open another object on it (the read-back's)."""
     if kind == "file":
-        return agck.open_store(os.path.join(workdir, f"file-{time.monotonic_ns()}"))
-    if kind == "sqlite":
-        return agck.open_store(f"sqlite:///{workdir}/j-{time.monotonic_ns()}.db")
-    return agck.open_store(f"{DSN}{'&' if '?' in DSN else '?'}agck_schema={schema}&agck_prefix=j{time.monotonic_ns()}",
-                           init=True)
+        url = os.path.join(workdir, f"file-{time.monotonic_ns()}")
+    elif kind == "sqlite":
+        url = f"sqlite:///{workdir}/j-{time.monotonic_ns()}.db"
+    else:
+        url = f"{DSN}{'&' if '?' in DSN else '?'}agck_schema={schema}&agck_prefix=j{time.monotonic_ns()}"
+    store = agck.open_store(url, **({"init": True} if kind == "postgres" else {}))
+    return store, lambda: agck.open_store(url)
+
+
+def _results(run: str, steps) -> tuple:
+    """What a journal of ``run`` recorded for ``steps``, as benchio.readback takes it (made as it is read)."""
+    return (((run, i), result_of(i)) for i in steps), benchio.journal_results("summarize")
 
 
 def _disk_bytes(kind: str, store, run: str, admin_cur) -> int:
@@ -90,7 +103,7 @@ class _Tally:
 
 
 def growth(kind: str, steps: int, workdir: str, schema, admin_cur, log) -> dict:
-    store = _open(kind, workdir, schema)
+    store, reopen = _open(kind, workdir, schema)
     before = _disk_bytes(kind, store, "grow", admin_cur) if kind == "sqlite" else 0
     tally = _Tally(steps)
     j = agck.Journal(store, "grow", commit="group")
@@ -100,6 +113,8 @@ def growth(kind: str, steps: int, workdir: str, schema, admin_cur, log) -> dict:
     total, times, produced = tally.done()
     disk = _disk_bytes(kind, store, "grow", admin_cur) - before
     store.close()
+    expected, reader = _results("grow", range(steps))
+    benchio.readback(reopen, expected, reader=reader)
     out = {"steps": steps, "seconds": total, "per_second": steps / total, "tenths": times,
            "last_over_first": times[-1] / times[0], "produced": produced, "disk": disk, "disk_over_produced":
            disk / produced}
@@ -132,7 +147,7 @@ def _store_bytes(kind: str, store, admin_cur) -> tuple[int, int]:
 
 def snapshot(kind: str, steps: int, every: int, workdir: str, schema, admin_cur, log, *, plain_list=False) -> dict:
     """Records accumulated in a checkpoint_every state: an AppendLog (or a plain list)."""
-    store = _open(kind, workdir, schema)
+    store, reopen = _open(kind, workdir, schema)
     before, before_alloc = _store_bytes(kind, store, admin_cur)
     state = {"done": 0, "results": [] if plain_list else agck.AppendLog()}
     snap = agck.Snapshotter(store, "grow", every=every)
@@ -147,6 +162,7 @@ def snapshot(kind: str, steps: int, every: int, workdir: str, schema, admin_cur,
     total, times, produced = tally.done()
     size, alloc = _store_bytes(kind, store, admin_cur)
     store.close()
+    benchio.readback(reopen, {("grow", steps): state}, runs=["grow"])
     disk, disk_alloc = size - before, alloc - before_alloc
     out = {"steps": steps, "every": every, "seconds": total, "per_second": steps / total, "tenths": times,
            "last_over_first": times[-1] / times[0], "produced": produced, "disk": disk, "disk_allocated": disk_alloc,
@@ -198,7 +214,7 @@ class _Floor:
 
 
 def sync(kind: str, steps: int, rounds: int, workdir: str, schema, log) -> dict:
-    store = _open(kind, workdir, schema)
+    store, reopen = _open(kind, workdir, schema)
     floor = _Floor(kind, workdir, schema)
     rec = journalrec.record("r", "summarize", bytes(16), 0, *journalrec.encode_value(result_of(0)))
     agck_times, floor_times = [], []
@@ -219,6 +235,8 @@ def sync(kind: str, steps: int, rounds: int, workdir: str, schema, log) -> dict:
             agck_times.append(a)
             floor_times.append(f)
     store.close()
+    expected, reader = _results("sync", range(base))
+    benchio.readback(reopen, expected, reader=reader)
     a, f = statistics.median(agck_times), statistics.median(floor_times)
     what = {"file": "write + fdatasync", "sqlite": "INSERT + COMMIT", "postgres": "INSERT + COMMIT"}[kind]
     log(f"  {kind}: sync step {a * 1e6:.0f} us, floor ({what} per step) {f * 1e6:.0f} us: {a / f:.2f}x")
@@ -284,6 +302,7 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
+    log(benchio.read_back_note())
     return 0
 
 

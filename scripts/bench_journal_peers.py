@@ -13,6 +13,11 @@ float32 array), in a fresh process each:
   which recovers the pending workflow) to having every step's result back, all but
   the last read from the database and the last one run.
 
+After each of agck's runs, every result its journal recorded is read back in this
+process, through a store object of its own, and compared bit for bit with the
+step's result (benchio.readback): the first that differs, is missing or damaged
+ends the run, status 1.
+
     python scripts/bench_journal_peers.py [--steps 500] [--rounds 3] [--dsn postgresql://...] [--dir /var/tmp]
 """
 
@@ -31,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchio  # noqa: E402  (puts the checkout on sys.path, before agck is imported)
 
 DSN = os.environ.get("AGCK_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+JOURNAL_RUN, JOURNAL_STEP = "bench", "summarize"     # agck's journal: its run, and the name of its step
 
 # The child: python bench_journal_peers.py --child PEER DB_URL KIND STEPS MODE
 #   MODE "record": run all steps, print the seconds per step; "crash": os._exit in the last
@@ -57,10 +63,10 @@ def _child(peer: str, url: str, kind: str, steps: int, mode: str) -> None:
     if peer == "agck":
         import agck
         opts = {"init": True} if url.startswith("postgresql") else {}
-        with agck.Journal(url, "bench", commit="sync", **opts) as j:
+        with agck.Journal(url, JOURNAL_RUN, commit="sync", **opts) as j:
             t1 = time.perf_counter()
             for i in range(steps):
-                j.step("summarize", work, i)
+                j.step(JOURNAL_STEP, work, i)
         t2 = time.perf_counter()
     else:
         from dbos import DBOS, SetWorkflowID
@@ -107,6 +113,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=None)
     a = ap.parse_args(argv)
     import psycopg2
+
+    import agck
     log = lambda m: print(m, file=sys.stderr, flush=True)   # noqa: E731
     admin = psycopg2.connect(a.dsn)
     admin.autocommit = True
@@ -135,6 +143,11 @@ def main(argv=None) -> int:
                             url2 = url.replace(".db", "-r.db")
                         _run(peer, url2, kind, a.steps, "crash")
                         rep = _run(peer, url2, kind, a.steps, "replay")
+                        if peer == "agck":     # both runs must hold every step's result
+                            for u in (url, url2):
+                                benchio.readback(lambda u=u: agck.open_store(u),
+                                                 (((JOURNAL_RUN, i), _result(i, kind)) for i in range(a.steps)),
+                                                 reader=benchio.journal_results(JOURNAL_STEP))
                         key = (db, kind, peer)
                         results.setdefault(key, {"record": [], "replay": []})
                         results[key]["record"].append(rec["per_step"])
@@ -158,6 +171,7 @@ def main(argv=None) -> int:
             label = "a small record" if kind == "record" else "a record with a 256 KiB array"
             print(f"| {db} | {label} | {ar * 1e3:.2f} | {dr * 1e3:.2f} | {dr / ar:.1f}x | {ap_:.2f} | {dp:.2f} | "
                   f"{dp / ap_:.1f}x |")
+    log(benchio.read_back_note())
     return 0
 
 

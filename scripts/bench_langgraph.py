@@ -25,6 +25,11 @@ Then a compiled 100-super-step graph whose large channel (16 MiB) is written onc
 and never changes: the bytes each saver's tables grow by (pg_total_relation_size),
 which shows whether the unchanged channel is written once or every step.
 
+At the end, what AgckSaver wrote is read back through a store object of its own
+(benchio.readback): each thread's last checkpoint compared bit for bit with the
+values put (the graph's: with its final state), and every checkpoint of the store
+must verify; the first that does not ends the run, status 1.
+
     pip install -e '.[test]' langgraph-checkpoint-postgres==3.2.0 'psycopg[binary]==3.3.9'
     python scripts/bench_langgraph.py [--rounds 5] [--dsn postgresql://...] [--json F] [--sizes small,16,64]
                                       [--no-graph]
@@ -97,9 +102,9 @@ class Subject:
         return t
 
 
-def _graph_growth(subject: Subject, steps: int = 100, big_mb: int = 16) -> int:
+def _graph_growth(subject: Subject, steps: int = 100, big_mb: int = 16) -> tuple[int, str, dict]:
     """Bytes the saver's tables grow by over a graph of ``steps`` super-steps whose
-    large channel is set once."""
+    large channel is set once; the graph's thread, and its final state."""
     from typing import TypedDict
 
     from langgraph.graph import END, START, StateGraph
@@ -124,10 +129,10 @@ def _graph_growth(subject: Subject, steps: int = 100, big_mb: int = 16) -> int:
     b.add_conditional_edges("tick", lambda s: "tick" if s["count"] < steps else END)
     graph = b.compile(checkpointer=subject.saver)
     before = subject.tables_size()
-    out = graph.invoke({"count": 0}, {"configurable": {"thread_id": f"graph-{subject.thread}"},
-                                      "recursion_limit": steps + 10})
+    thread = f"graph-{subject.thread}"
+    out = graph.invoke({"count": 0}, {"configurable": {"thread_id": thread}, "recursion_limit": steps + 10})
     assert out["count"] == steps
-    return subject.tables_size() - before
+    return subject.tables_size() - before, thread, out
 
 
 def main(argv=None) -> int:
@@ -144,6 +149,7 @@ def main(argv=None) -> int:
     from psycopg import Connection
     from psycopg.rows import dict_row
 
+    from agck import open_store
     from agck.integrations.langgraph import AgckSaver
     from agck.stores.postgres import PostgresStore
 
@@ -168,6 +174,7 @@ def main(argv=None) -> int:
     store = PostgresStore(a.dsn, prefix="agck", schema=schema, init=True)
     subjects = [Subject("LangGraph PostgresSaver", lg, size_of("checkpoint%")),
                 Subject("agck AgckSaver (Postgres)", AgckSaver(store), size_of("agck%"))]
+    written = {}     # (thread, checkpoint id) -> the values AgckSaver was given there, to read back
     log = lambda m: print(m, file=sys.stderr, flush=True)   # noqa: E731
     results: dict = {"rounds": a.rounds, "cases": {}, "graph_growth": {}}
     try:
@@ -175,6 +182,7 @@ def main(argv=None) -> int:
         sizes = [("small (~10 KB of messages)", None) if x == "small" else (f"{int(x)} MiB array", int(x))
                  for x in a.sizes.split(",")]
         cases = []
+        threads = []     # AgckSaver's
         rng = np.random.default_rng(0)
         admin.cursor().execute(f"CREATE TABLE {schema}.floor_small (b bytea); CREATE TABLE {schema}.floor (b bytea); "
                                f"ALTER TABLE {schema}.floor ALTER b SET STORAGE EXTERNAL; "
@@ -189,11 +197,14 @@ def main(argv=None) -> int:
 
             for s in subjects:
                 t = Subject(s.name, s.saver, s.tables_size)     # a thread of its own per size
-                t.put(values())                                  # so that a get never finds nothing
+                t.written = values()
+                t.put(t.written)                                 # so that a get never finds nothing
                 t.next = values()                                # made untimed, after each put
+                if s is subjects[1]:
+                    threads.append(t)
 
                 def renew(t=t, v=values):
-                    t.next = v()
+                    t.written, t.next = t.next, v()             # what the puts wrote kept, to read back
                 inner = 1 if mb else 50    # a few ms each: 50 timed calls a round
                 cases.append(benchio.Case(f"put {label} | {s.name}", lambda t=t: t.put(t.next), after=renew,
                                           nbytes=(mb or 0) * MiB, inner=inner))
@@ -236,6 +247,7 @@ def main(argv=None) -> int:
                 cases.append(benchio.Case(f"put {label} | one COPY of its bytes as 1 MiB rows", copy_rows,
                                           after=clear_rows, nbytes=mb * MiB))
         benchio.run_rounds(cases, a.rounds, log, warmup=1)
+        written.update({(t.thread, t.parent): t.written for t in threads})
         rows = []
         for c in cases:
             results["cases"][c.name] = c.times
@@ -264,9 +276,14 @@ def main(argv=None) -> int:
             print("| saver | tables grew by |")
             print("|---|---:|")
             for s in subjects:
-                grew = _graph_growth(s)
+                grew, thread, final = _graph_growth(s)
                 results["graph_growth"][s.name] = grew
                 print(f"| {s.name} | {grew / MiB:.1f} MiB |")
+                if s is subjects[1]:
+                    written[(thread, None)] = final      # None: the thread's newest checkpoint
+        benchio.readback(lambda: open_store(a.dsn, prefix="agck", schema=schema), written,
+                         reader=benchio.langgraph_values, runs=None)
+        log(benchio.read_back_note())
     finally:
         conn.close()
         store.close()

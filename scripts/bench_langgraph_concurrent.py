@@ -17,6 +17,11 @@ conversations' super-steps over the wall time from the first start to the last
 end), and the p50 and p99 latency of a checkpoint (``aput``, awaited by the graph
 once per super-step) and of a write (``aput_writes``).
 
+At the end, what AgckSaver wrote is read back through a store object of its own
+(benchio.readback): every conversation's last checkpoint compared bit for bit with
+the conversation it must hold, and every checkpoint of the store must verify; the
+first that does not ends the run, status 1.
+
     pip install -e '.[test]' langgraph-checkpoint-postgres==3.2.0 'psycopg[binary,pool]==3.3.9'
     python scripts/bench_langgraph_concurrent.py [--rounds 3] [--conversations 64] [--procs 8] [--pool 16]
                                                  [--steps 20] [--dsn postgresql://...] [--json F]
@@ -41,8 +46,17 @@ DSN = os.environ.get("AGCK_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/test
 SAVERS = ("LangGraph AsyncPostgresSaver", "agck AgckSaver (Postgres)")
 
 
-def _graph(steps: int):
+def _reply(k: int):
     from langchain_core.messages import AIMessage
+    return AIMessage(content=f"reply {k}: " + "lorem ipsum dolor " * 55, id=f"m{k}")
+
+
+def _opening():
+    from langchain_core.messages import HumanMessage
+    return HumanMessage(content="hello", id="h")
+
+
+def _graph(steps: int):
     from langgraph.graph import END, START, StateGraph
     from langgraph.graph.message import add_messages
 
@@ -51,8 +65,7 @@ def _graph(steps: int):
         n: Annotated[int, operator.add]
 
     def reply(state: State):
-        k = state["n"]
-        return {"messages": [AIMessage(content=f"reply {k}: " + "lorem ipsum dolor " * 55, id=f"m{k}")], "n": 1}
+        return {"messages": [_reply(state["n"])], "n": 1}
 
     g = StateGraph(State)
     g.add_node("reply", reply)
@@ -109,7 +122,6 @@ async def _open(which: str, dsn: str, schema: str, pool: int):
 
 async def _conversations(which: str, dsn: str, schema: str, pool: int, n: int, steps: int, tag: str,
                          start_at: float | None = None) -> dict:
-    from langchain_core.messages import HumanMessage
     saver, close = await _open(which, dsn, schema, pool)
     timed = _Timed(saver)
     graph = _graph(steps).compile(checkpointer=saver)
@@ -117,12 +129,13 @@ async def _conversations(which: str, dsn: str, schema: str, pool: int, n: int, s
         if start_at is not None:
             await asyncio.sleep(max(0.0, start_at - time.time()))
         t0 = time.time()
-        outs = await asyncio.gather(*(graph.ainvoke({"messages": [HumanMessage(content="hello", id="h")], "n": 0},
-                                                    {"configurable": {"thread_id": f"{tag}-{i}"}})
-                                      for i in range(n)))
+        threads = [f"{tag}-{i}" for i in range(n)]
+        outs = await asyncio.gather(*(graph.ainvoke({"messages": [_opening()], "n": 0},
+                                                    {"configurable": {"thread_id": t}}) for t in threads))
         t1 = time.time()
         assert all(o["n"] == steps and len(o["messages"]) == steps + 1 for o in outs)
-        return {"start": t0, "end": t1, "puts": timed.puts, "writes": timed.writes, "supersteps": n * steps}
+        return {"start": t0, "end": t1, "puts": timed.puts, "writes": timed.writes, "supersteps": n * steps,
+                "threads": threads}
     finally:
         await close()
 
@@ -156,7 +169,7 @@ def _multi(which: str, dsn: str, schema: str, pool: int, n: int, procs: int, ste
         print(f"  warning: a process started {late:.1f} s late", file=sys.stderr)
     return {"start": min(r["start"] for r in results), "end": max(r["end"] for r in results),
             "puts": [x for r in results for x in r["puts"]], "writes": [x for r in results for x in r["writes"]],
-            "supersteps": sum(r["supersteps"] for r in results)}
+            "supersteps": sum(r["supersteps"] for r in results), "threads": [t for r in results for t in r["threads"]]}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -186,8 +199,12 @@ def _run(a, schema: str) -> None:
     from psycopg import Connection
     with Connection.connect(a.dsn, autocommit=True, options=f"-c search_path={schema}") as c:
         PostgresSaver(c).setup()
+    from agck import open_store
     from agck.stores.postgres import PostgresStore
     PostgresStore(a.dsn, schema=schema, init=True).close()
+    # every conversation ends holding the opening and a reply per super-step
+    final = {"messages": [_opening()] + [_reply(k) for k in range(a.steps)], "n": a.steps}
+    written = {}     # (thread, None: its newest checkpoint) -> what AgckSaver must hold there
 
     layouts = a.layouts.split(",")
     runs: dict = {(s, lay): [] for s in SAVERS for lay in layouts}
@@ -206,6 +223,10 @@ def _run(a, schema: str) -> None:
                     f"p99 {_pct(res['puts'], .99):.1f} ms")
                 if r >= 0:
                     runs[(s, lay)].append({"rate": rate, "puts": res["puts"], "writes": res["writes"]})
+                if s == SAVERS[1]:
+                    written.update({(t, None): final for t in res["threads"]})
+    benchio.readback(lambda: open_store(a.dsn, schema=schema), written, reader=benchio.langgraph_values, runs=None)
+    log(benchio.read_back_note())
     procs = f"{a.procs} processes x {a.conversations // a.procs} conversations"
     names = {"one": f"{a.conversations} conversations, one event loop", "procs": procs}
     print(f"## {a.conversations} LangGraph conversations at once, {a.steps} super-steps each, "

@@ -36,6 +36,11 @@ round by round:
 Targets (issue: object storage): put and get >= 0.9x raw; a frozen-base
 checkpoint uploads <= 5% of the state; 4 ranks >= 0.9x four raw uploads; the
 catalog's put at the object store's speed, not the WAL's.
+
+Every checkpoint put through a store is read back, outside the clock, through a
+store object of its own and compared bit for bit with what was put, every rank's
+part of a multi-rank step too (benchio.readback): the first that differs or does
+not verify ends the run, status 1.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import benchio  # noqa: E402,F401  (puts the checkout on sys.path, before agck is imported)
+import benchio  # noqa: E402  (puts the checkout on sys.path, before agck is imported)
 
 from crashtests import s3server  # noqa: E402
 
@@ -98,8 +103,9 @@ def _rank(rank: int, world: int, url: str, case: str, mib: int, epoch: int, barr
 
 
 def ranks_case(url: str, case: str, world: int, mib: int) -> float:
-    """Seconds from the ranks' shared start to the last one's end (and the commit)."""
-    from agck import sharded
+    """Seconds from the ranks' shared start to the last one's end (and the commit); the
+    store's step is then read back, every rank's part."""
+    from agck import open_store, sharded
     from agck.stores.s3 import S3Store
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(world), ctx.Queue()
@@ -119,6 +125,7 @@ def ranks_case(url: str, case: str, world: int, mib: int) -> float:
         with S3Store(url) as store:
             sharded.commit_step(store, "bench", 1, epoch, [n for *_, n in got])
         took += time.monotonic() - t0
+        benchio.readback(lambda: open_store(url), {("bench", 1): {r: _state(mib << 20, 100 + r) for r in range(world)}})
     return took
 
 
@@ -149,6 +156,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     dsn = _postgres(a.dsn)
 
+    from agck import open_store
     from agck.stores.objclient import ObjectClient
     from agck.stores.s3 import S3Store
 
@@ -170,12 +178,14 @@ def main(argv=None) -> int:
             url = f"s3://{a.bucket}/bench-{os.getpid()}-{r}?endpoint={endpoint}"
             raw = ObjectClient(url)
             stores = {"store": S3Store(url)}
+            reopen = {"store": lambda url=url: open_store(url)}    # the read-back's store objects
             if dsn:
                 prefix = f"bench{os.getpid()}_{r}"
-                stores["catalog"] = PostgresStore(dsn, prefix=prefix + "c", init=True,
-                                                  objects=f"s3://{a.bucket}/catalog-{os.getpid()}-{r}"
-                                                          f"?endpoint={endpoint}")
+                objects = f"s3://{a.bucket}/catalog-{os.getpid()}-{r}?endpoint={endpoint}"
+                stores["catalog"] = PostgresStore(dsn, prefix=prefix + "c", init=True, objects=objects)
                 stores["pg"] = PostgresStore(dsn, prefix=prefix + "p", init=True)
+                reopen["catalog"] = lambda p=prefix + "c", o=objects: open_store(dsn, prefix=p, objects=o)
+                reopen["pg"] = lambda p=prefix + "p": open_store(dsn, prefix=p)
             cases = kinds[r % len(kinds):] + kinds[:r % len(kinds)]     # the order rotates round by round
             for case in cases:
                 t0 = time.perf_counter()
@@ -200,6 +210,8 @@ def main(argv=None) -> int:
             ck = stores["store"].get("bench", 1, verify=False)
             rows["store get unverified"].append(time.perf_counter() - t0)
             del ck, got
+            for open_fresh in reopen.values():
+                benchio.readback(open_fresh, {("bench", 1): state})
             for case in ("store", "raw") if r % 2 else ("raw", "store"):
                 rows[f"{case} ranks"].append(ranks_case(f"s3://{a.bucket}/ranks-{os.getpid()}-{r}"
                                                         f"?endpoint={endpoint}", case, a.ranks, a.rank_mib))
@@ -218,8 +230,10 @@ def main(argv=None) -> int:
         frozen = dict(state)
         small = np.zeros((2 << 20) // 4, np.float32)
         per = []
+        written = {}     # what each checkpoint holds, to read back
         for i in range(a.frozen_puts + 1):
             small[:] = i
+            written[("frozen", i)] = {**frozen, "changing": small.copy()}
             before = dict(store.c.requests)
             t0 = time.perf_counter()
             store.put("frozen", i, {**frozen, "changing": small})
@@ -231,26 +245,34 @@ def main(argv=None) -> int:
                                                                          "delete")}
                 per.append((up, sum(reqs.values()), reqs, took))
         store.close()
+        benchio.readback(lambda: open_store(url), written)
 
         # a few KB changed: 64 MiB frozen, 256 small values of 4 KiB, one of them changing
         small_state = {**{f"t{i}": state[f"t{i}"] for i in range(1)},
                        **{f"s{i}": np.full(1024, i, np.float32) for i in range(256)}}
         few = {}
-        targets = {"store": S3Store(f"s3://{a.bucket}/few-{os.getpid()}?endpoint={endpoint}")}
+        few_url = f"s3://{a.bucket}/few-{os.getpid()}?endpoint={endpoint}"
+        few_catalog = {"prefix": f"bench{os.getpid()}_few",
+                       "objects": f"s3://{a.bucket}/few-cat-{os.getpid()}?endpoint={endpoint}"}
+        targets = {"store": S3Store(few_url)}
+        reopen = {"store": lambda: open_store(few_url)}
         if dsn:
-            targets["catalog"] = PostgresStore(dsn, prefix=f"bench{os.getpid()}_few", init=True,
-                                               objects=f"s3://{a.bucket}/few-cat-{os.getpid()}?endpoint={endpoint}")
+            targets["catalog"] = PostgresStore(dsn, init=True, **few_catalog)
+            reopen["catalog"] = lambda: open_store(dsn, **few_catalog)
         for k, st in targets.items():
             client = st.c if k == "store" else st._objects.c
             counts = []
+            written = {}
             for i in range(a.frozen_puts + 1):
                 small_state[f"s{i % 256}"] = np.full(1024, 1000 + i, np.float32)
+                written[("few", i)] = dict(small_state)      # its values are replaced, never changed
                 before = dict(client.requests)
                 st.put("few", i, small_state)
                 if i:
                     counts.append({q: client.requests.get(q, 0) - before.get(q, 0)
                                    for q in ("put", "multipart", "get", "head", "list", "delete")})
             few[k] = counts
+            benchio.readback(reopen[k], written)
             if k == "catalog":
                 n = st.names
                 st._query(f"DROP TABLE IF EXISTS {n.manifest}, {n.chunks}, {n.objects}, {n.gc}, {n.doomed}, "
@@ -314,6 +336,7 @@ def main(argv=None) -> int:
         cat, pg = med["raw put"] / med["catalog put"], med["pg put"] / med["catalog put"]
         print(f"catalog put at the object store's speed (>= 0.9x raw), not the WAL's: "
               f"{'PASS' if cat >= 0.9 else 'FAIL'} ({cat:.2f}x raw, {pg:.2f}x the plain Postgres store)")
+    print(benchio.read_back_note(), file=sys.stderr)
     return 0
 
 

@@ -26,6 +26,11 @@ Reported per round and as medians:
 ``--json`` keeps every step of every run (the timeline) and every write;
 ``--plot`` draws the timeline of one round (matplotlib).
 
+After each run, outside its figures, its last checkpoint is read back through a
+store object of its own and compared bit for bit with the pipeline's final state,
+and every checkpoint of the run must verify (benchio.readback): the first that
+does not ends the benchmark, status 1.
+
     python scripts/bench_snapshot.py [--state-mb 500] [--step-s 1.0] [--steps 30] [--every 10] [--rounds 3]
         [--dir D] [--json F] [--plot F.png] [--device cpu|cuda] [--write buffered|auto] [--writer-nice N]
 """
@@ -253,6 +258,10 @@ def _run_case(case, state, args, reps, root) -> dict:
                 target.close()
         wall = time.perf_counter() - t0
     vm1, cpu1, p1, m1 = vmstat(), cpu_times(), proc_cpu(), thread_cpu()
+    if snap is not None:
+        benchio.readback(lambda: open_file_store(store, args.store_kind, fresh=True),
+                         {("bench", args.steps): {"layers": state["layers"], "results": state["results"]}},
+                         runs=["bench"])
     shutil.rmtree(store, ignore_errors=True)
     writes = []
     if snap is not None:
@@ -282,12 +291,13 @@ def _run_case(case, state, args, reps, root) -> dict:
     }
 
 
-def open_file_store(path: str, kind: str):
+def open_file_store(path: str, kind: str, fresh: bool = False):
     """The file store as --store-kind asks: "whole" (a standalone container per
-    checkpoint), "incremental" (chunked), or "default" (whatever open_store does)."""
-    if kind == "default":
-        return path
+    checkpoint), "incremental" (chunked), or "default" (whatever open_store does;
+    the path itself, for the snapshotter to open, unless ``fresh``: a store object)."""
     from agck import open_store
+    if kind == "default":
+        return open_store(path) if fresh else path
     try:
         return open_store(path, incremental=kind == "incremental")
     except TypeError:        # a version without incremental stores writes whole files
@@ -534,6 +544,7 @@ def run_bench(args, root):
     copy_s = statistics.median(copies)
     summaries = [{c: summarize_run(rnd[c], rnd["none"], n_ckpt) for c in ("sync", "async")} for rnd in rounds]
     cond["loadavg_end"] = os.getloadavg()
+    print(benchio.read_back_note(), file=sys.stderr)
 
     raw_b = _med([x["buffered"]["cpu_user_s"] + x["buffered"]["cpu_sys_s"] for x in raws])
     raw_d = _med([x["direct"]["cpu_user_s"] + x["direct"]["cpu_sys_s"] for x in raws])

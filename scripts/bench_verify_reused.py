@@ -20,6 +20,10 @@ adds at least). The base's chunks are in the page cache (or the server's buffers
 as on a machine that just wrote them; cold, ``full`` and ``sample`` also pay reading
 them from the disk.
 
+After the rounds, each mode's last put is read back through a store object of its
+own and compared bit for bit, and every checkpoint of its run must verify
+(benchio.readback): the first that does not ends the run, status 1.
+
     python scripts/bench_verify_reused.py [--model-mb 256] [--change-mb 2] [--repeats 5]
         [--stores file,sqlite,postgres] [--dsn DSN] [--dir D] [--json F]
 """
@@ -59,10 +63,12 @@ def bench_store(kind: str, args, work: str, base: np.ndarray, log) -> dict:
     change = args.change_mb << 20
     stores = {m: open_store(url, **opts, verify_reused=m) for m in VERIFY_REUSED}
     steps = {m: 0 for m in VERIFY_REUSED}
+    written = {}      # each mode's last put, to read back
 
     def put(mode: str):
         steps[mode] += 1
-        stores[mode].put(mode, steps[mode], {"base": base, "changing": rng.random(change // 8)})
+        written[mode] = {"base": base, "changing": rng.random(change // 8)}
+        stores[mode].put(mode, steps[mode], written[mode])
 
     t0 = time.perf_counter()
     for m in VERIFY_REUSED:     # the first put of each run: the base stored once, then found by the others
@@ -81,6 +87,8 @@ def bench_store(kind: str, args, work: str, base: np.ndarray, log) -> dict:
     out["reused_chunks"] = len(last.addresses) - last.new_chunks if last is not None else None
     for s in stores.values():
         s.close()
+    for m in VERIFY_REUSED:
+        benchio.readback(lambda m=m: open_store(url, **opts, verify_reused=m), {(m, steps[m]): written[m]}, runs=[m])
     if kind == "postgres":
         import psycopg2
         conn = psycopg2.connect(args.dsn)
@@ -132,6 +140,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)
+    log(benchio.read_back_note())
     return 0
 
 
