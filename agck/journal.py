@@ -54,6 +54,7 @@ import functools
 import inspect
 import logging
 import threading
+import weakref
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -66,6 +67,15 @@ from .stores import Store, open_store
 log = logging.getLogger("agck.journal")
 
 COMMITS = ("sync", "group")
+_MAX_MS = 86_400_000          # a day: the longest a group commit waits (a larger wait overflows the clock)
+_OPEN: "weakref.WeakValueDictionary[str, Journal]" = weakref.WeakValueDictionary()   # unshared journals, by log
+_OPEN_LOCK = threading.Lock()
+
+
+def _unregister(j: "Journal") -> None:
+    with _OPEN_LOCK:
+        if _OPEN.get(j.ref) is j:
+            del _OPEN[j.ref]
 
 
 class Journal:
@@ -77,8 +87,8 @@ class Journal:
             raise UsageError(f"commit must be one of {COMMITS}, not {commit!r}")
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise UsageError(f"every must be a positive integer, not {every!r}")
-        if not isinstance(ms, (int, float)) or isinstance(ms, bool) or not ms > 0:
-            raise UsageError(f"ms must be a positive number of milliseconds, not {ms!r}")
+        if not isinstance(ms, (int, float)) or isinstance(ms, bool) or not 0 < ms <= _MAX_MS:
+            raise UsageError(f"ms must be a number of milliseconds in (0, {_MAX_MS:,}] (a day), not {ms!r}")
         self.run = check_run(run)
         if isinstance(store, Store):
             self.store, self._own = store, False
@@ -108,6 +118,8 @@ class Journal:
         self._idle = threading.Condition(self._lock)    # notified when one ends
         self._held: list[bytes] = []      # claims of pending records, released by their flush
         self._claims = self.store.log_claims(self.run) if self.shared else None
+        if not self.shared:
+            self._register()
         self._catch_up()
 
     # -- the index of what the log holds ------------------------------------------------
@@ -152,7 +164,11 @@ class Journal:
     # -- steps ---------------------------------------------------------------------------
     def step(self, name: str, fn: Callable, *args, **kwargs) -> Any:
         """``fn(*args, **kwargs)``, run once per (name, inputs): a result recorded before
-        (by this process or another, before a crash or not) is returned instead."""
+        (by this process or another, before a crash or not) is returned instead.
+
+        When ``fn`` raises, nothing is recorded and the exception reaches the caller as
+        it is; the next call with the same inputs runs ``fn`` again (a failure is not a
+        result). A result that cannot be stored (EncodeError) is not recorded either."""
         self._check(name)
         if inspect.isgeneratorfunction(fn):
             raise UsageError(f"step {name!r}: {fn.__qualname__} is a generator function",
@@ -229,7 +245,7 @@ class Journal:
     def _claim(self, key, claim: "_Claim") -> None:
         """Take this process's claim on ``key`` (waiting while another process holds it),
         then read what the log gained meanwhile."""
-        token = key[0].encode() + b"\0" + key[1]
+        token = key[0].encode("utf-8", "surrogatepass") + b"\0" + key[1]
         if not self._claims.claim(token, wait=False):
             # another process runs it: wait for its result holding no claim meanwhile (a claim of this
             # journal kept until its batch's flush could be what that process waits for)
@@ -344,7 +360,7 @@ class Journal:
         else:
             claim = None
         self._recorded += 1
-        if self.commit == "sync":
+        if self.commit == "sync" or self._closed:     # closed: no flush would come for it
             try:
                 self._appended(self.store.log_append(self.run, [rec], sync=True))
             except BaseException:
@@ -414,13 +430,17 @@ class Journal:
             raise e
 
     def close(self) -> None:
-        """Flush what is pending, stop the flusher, close the store if this journal opened it."""
+        """Flush what is pending, stop the flusher, close the store if this journal opened it.
+        A step still running in another thread appends its record synchronously when it
+        returns (or raises the store's error): its result is never left unwritten."""
         try:
             with self._lock:
                 if not self._closed:
+                    self._closed = True
                     self._flush_locked()
         finally:
             self._closed = True
+            _unregister(self)
             self._wake.set()
             if self._flusher is not None and self._flusher is not threading.current_thread():
                 self._flusher.join()
@@ -436,6 +456,18 @@ class Journal:
         self.close()
 
     # -- helpers ------------------------------------------------------------------------
+    def _register(self) -> None:
+        """One unshared journal of a run in this process at a time: two would each run
+        every step the other runs, and interleave their records (shared=True coordinates
+        them, across processes too)."""
+        with _OPEN_LOCK:
+            other = _OPEN.get(self.ref)
+            if other is not None and not other._closed:
+                raise UsageError(f"run {self.run!r} already has an open journal in this process", ref=self.ref,
+                                 hint="use that journal (it is thread-safe), close it first, or open both with "
+                                      "shared=True")
+            _OPEN[self.ref] = self
+
     def _check(self, name: Any) -> None:
         if not isinstance(name, str) or not name:
             raise UsageError(f"a step's name must be a non-empty str, not {name!r}")

@@ -344,25 +344,31 @@ def fingerprint(args: tuple, kwargs: dict) -> bytes:
     return h.digest()
 
 
+_MAX_DEPTH = 256       # as a value tree (FORMAT.md 8): deeper inputs, or ones that contain themselves, are refused
+
+
 class _Fingerprint:
-    def __init__(self, h):
+    def __init__(self, h, depth: int = 0):
         self.h = h
+        self.depth = depth
 
     def value(self, x: Any, path: str) -> None:
         t = type(x)
+        if t in (list, tuple, dict, set, frozenset) or isinstance(x, dict):
+            if self.depth >= _MAX_DEPTH:
+                raise EncodeError(f"{path}: inputs nest deeper than {_MAX_DEPTH} levels (or contain themselves)",
+                                  hint="pass flatter inputs, or fingerprint them yourself into a str")
+            self.depth += 1
+            try:
+                self._nested(x, t, path)
+            finally:
+                self.depth -= 1
+            return
+        self._leaf(x, t, path)
+
+    def _nested(self, x: Any, t: type, path: str) -> None:
         up = self.h.update
-        if t is str:
-            b = x.encode("utf-8", "surrogatepass")
-            up(b"s%d:" % len(b) + b)
-        elif t is int:
-            up(b"i%d;" % x)
-        elif t is float:
-            up(b"f" + _DOUBLE.pack(x if x == x else math.nan))     # one NaN
-        elif x is None:
-            up(b"N")
-        elif t is bool:
-            up(b"T" if x else b"F")
-        elif t is list or t is tuple:
+        if t is list or t is tuple:
             up(b"%s%d:" % (b"l" if t is list else b"t", len(x)))
             for i, v in enumerate(x):
                 self.value(v, f"{path}[{i}]")
@@ -378,40 +384,63 @@ class _Fingerprint:
             for kb, k in pairs:
                 up(kb)
                 self.value(x[k], f"{path}[{k!r}]")
+        else:     # set or frozenset
+            items = sorted(self._alone(v, f"{path} item") for v in x)
+            up(b"%s%d:" % (b"S" if t is set else b"Z", len(items)) + b"".join(items))
+
+    def _leaf(self, x: Any, t: type, path: str) -> None:
+        up = self.h.update
+        if t is str:
+            b = x.encode("utf-8", "surrogatepass")
+            up(b"s%d:" % len(b) + b)
+        elif t is int:
+            up(b"i%d;" % x)
+        elif t is float:
+            up(b"f" + _DOUBLE.pack(x if x == x else math.nan))     # one NaN
+        elif x is None:
+            up(b"N")
+        elif t is bool:
+            up(b"T" if x else b"F")
         elif t is bytes or t is bytearray or t is memoryview:
             b = bytes(x)
             up(b"b%d:" % len(b) + b)
         elif t is complex:
             up(b"c" + _DOUBLE.pack(x.real) + _DOUBLE.pack(x.imag))
-        elif t is set or t is frozenset:
-            items = sorted(self._alone(v, f"{path} item") for v in x)
-            up(b"%s%d:" % (b"S" if t is set else b"Z", len(items)) + b"".join(items))
         elif isinstance(x, (np.ndarray, np.generic)):
             a = np.asarray(x)
             if a.dtype.hasobject:
                 raise EncodeError(f"{path}: an array of Python objects has no content to fingerprint")
             self._array(b"a", a.dtype.str, a.shape, np.ascontiguousarray(a))
         elif _is_tensor(x):
-            t_ = x.detach()
-            if t_.device.type != "cpu":
-                t_ = t_.cpu()
-            t_ = t_.contiguous()
-            arr = t_.reshape(-1).view(sys.modules["torch"].uint8).numpy() if t_.numel() else np.empty(0, np.uint8)
-            self._array(b"x", str(t_.dtype), tuple(t_.shape), arr)
+            self._tensor(x, path)
         else:
             raise EncodeError(f"{path}: cannot fingerprint a {t.__module__}.{t.__qualname__} "
                               "(inputs are fingerprinted by content: plain data, arrays and tensors)",
                               hint="pass its content (a dict, an array) or fingerprint it yourself into a str")
 
+    def _tensor(self, x: Any, path: str) -> None:
+        torch = sys.modules["torch"]
+        if x.is_nested or x.layout != torch.strided or x.device.type == "meta":
+            what = "a nested" if x.is_nested else "a meta" if x.device.type == "meta" else f"a {x.layout}"
+            raise EncodeError(f"{path}: {what} tensor has no dense content to fingerprint",
+                              hint="pass a dense tensor (.to_dense()), or its content as a str")
+        t_ = x.detach()
+        if t_.device.type != "cpu":
+            t_ = t_.cpu()
+        t_ = t_.contiguous()
+        arr = t_.reshape(-1).view(torch.uint8).numpy() if t_.numel() else np.empty(0, np.uint8)
+        self._array(b"x", str(t_.dtype), tuple(t_.shape), arr)
+
     def _alone(self, x: Any, path: str) -> bytes:
         """A value's own 16-byte digest (to order a dict's keys or a set's items)."""
         sub = xxhash.xxh3_128()
-        _Fingerprint(sub).value(x, path)
+        _Fingerprint(sub, self.depth).value(x, path)
         return sub.digest()
 
     def _array(self, tag: bytes, dtype: str, shape: tuple, data: np.ndarray) -> None:
         self.h.update(b"%s%s:%s;" % (tag, dtype.encode(), ",".join(map(str, shape)).encode()))
-        self.h.update(memoryview(data).cast("B") if data.nbytes else b"")
+        # its bytes as uint8 (a buffer of datetime64 or timedelta64 cannot be taken as it is)
+        self.h.update(data.reshape(-1).view(np.uint8) if data.nbytes else b"")
 
 
 _DOUBLE = struct.Struct("<d")

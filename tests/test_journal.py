@@ -685,3 +685,60 @@ def test_a_step_or_stream_that_calls_itself_is_refused_not_a_hang(tmp_path):
             list(j.stream("u", g, 3))
         assert list(it) == [1, 2] and list(j.stream("u", g, 3)) == [0, 1, 2]
         assert j.step("s", lambda x: x + 1, 0) == 1 and j.step("s", lambda x: x + 5, 1) == 6
+
+
+def test_bad_inputs_and_settings_are_one_clear_error(tmp_path):
+    """Each is one AgckError line, never a raw ValueError, RecursionError, RuntimeError,
+    UnicodeEncodeError or a flusher thread dying of an OverflowError."""
+    deep: list = []
+    cur = deep
+    for _ in range(5000):
+        cur.append([])
+        cur = cur[0]
+    loop: list = []
+    loop.append(loop)
+    for bad, what in [((deep,), "deeper"), ((loop,), "deeper"),
+                      ((torch.eye(3).to_sparse(),), "sparse"), ((torch.empty(3, device="meta"),), "meta"),
+                      ((torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]),), "nested")]:
+        with pytest.raises(EncodeError, match=what):
+            jr.fingerprint(bad, {})
+    for a in (np.array(["2026-12-04", "NaT"], dtype="datetime64[s]"), np.timedelta64(5, "ms"),
+              np.array([1, 2], dtype="timedelta64[ns]")):
+        assert jr.fingerprint((a,), {}) == jr.fingerprint((a.copy(),), {}) != jr.fingerprint((a.astype("int64"),), {})
+    for ms in (float("inf"), 1e13, float("nan"), 0):
+        with pytest.raises(UsageError, match="ms must be"):
+            Journal(str(tmp_path / "x"), "r", commit="group", ms=ms)
+    with Journal(str(tmp_path), "u", shared=True) as j:
+        assert j.step("lone \udc80 surrogate", lambda: 7) == 7
+
+
+def test_two_unshared_journals_of_one_run_in_a_process_are_refused(tmp_path):
+    with Journal(str(tmp_path), "r") as j:
+        with pytest.raises(UsageError, match="already has an open journal"):
+            Journal(str(tmp_path), "r")
+        j.step("a", lambda: 1)
+    with Journal(str(tmp_path), "r") as j:         # once the first is closed: fine
+        assert j.step("a", lambda: 2) == 1
+
+
+def test_a_group_commit_step_that_returns_after_close_is_written(tmp_path):
+    """A step still running when another thread closes the journal appends its record
+    itself (no flush would come for it): the next journal replays it."""
+    import threading
+    started, release = threading.Event(), threading.Event()
+    j = Journal(str(tmp_path), "r", commit="group", ms=60_000, every=1000)
+
+    def slow():
+        started.set()
+        release.wait(10)
+        return 42
+
+    t = threading.Thread(target=lambda: j.step("slow", slow))
+    t.start()
+    started.wait(10)
+    j.close()
+    release.set()
+    t.join(10)
+    calls = []
+    with Journal(str(tmp_path), "r") as again:
+        assert again.step("slow", lambda: calls.append(1) or 0) == 42 and calls == []

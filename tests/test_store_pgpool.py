@@ -358,3 +358,25 @@ def test_a_store_dropped_without_close_frees_its_connections(pg_dsn, pg_schema, 
         assert _backends(admin, app) == 0
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("commit", ["sync", "group"])
+def test_a_journal_step_keeps_its_result_when_its_idle_connection_died(pg_dsn, pg_schema, admin, commit):
+    """The server ended the journal's idle connection between steps: the next step's
+    records are appended again on a new connection (twice is harmless: the first record
+    of a key is its result), not thrown away with a 'may or may not' error."""
+    from agck.journal import Journal
+    from agck.stores.postgres import PostgresStore
+    app = f"agck_pool_{secrets.token_hex(4)}"
+    s = PostgresStore(_app_dsn(pg_dsn, app), prefix=pg_prefix(), schema=pg_schema, init=True, pool=2)
+    calls = []
+    with Journal(s, "r", commit=commit) as j:
+        assert j.step("f", lambda x: calls.append(x) or x * 2, 1) == 2
+        j.flush()
+        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s", (app,))
+        time.sleep(0.1)
+        assert j.step("f", lambda x: calls.append(x) or x * 2, 2) == 4
+    with Journal(s, "r") as j:       # both acknowledged: replayed, not run again
+        assert [j.step("f", lambda x: calls.append(x) or x * 2, x) for x in (1, 2)] == [2, 4]
+    assert calls == [1, 2]
+    s.close()

@@ -49,7 +49,13 @@ class JournalLogs:
         writer took makes the INSERT wait for that writer's transaction, then fail once it
         commits, and the append reads the last number and tries the next. So the numbers
         are dense and commit in order: a reader that sees number n has every one before it.
-        Returns the numbers before and after the batch."""
+        Returns the numbers before and after the batch.
+
+        A connection lost during the append (one that died while it idled, the server
+        restarted or failed over) leaves the batch's outcome unknown: it is appended
+        again, once, on a new connection. Records that end up twice in the log are
+        harmless (a reader takes the first of a key: FORMAT.md 17), so the step's
+        result is kept rather than thrown away."""
         check_run(run)
         n = self.names
         body = psycopg2.Binary(b"".join(records))     # one row per batch: its records delimit themselves
@@ -58,6 +64,7 @@ class JournalLogs:
             seq = self._journal_heads.get(run)
         sql, first = self._journal_sql(sync)
         made = False
+        again = not self._pool.holding()     # (not inside a transaction this thread holds)
         for attempt in range(_APPEND_TRIES):
             if seq is None:
                 seq = self._journal_last(run)
@@ -82,10 +89,13 @@ class JournalLogs:
                 except psycopg2.Error as e:
                     lost = isinstance(e, (psycopg2.OperationalError, psycopg2.InterfaceError))
                     if lost and self._commit_unknown(e, cur):
+                        if again:        # written or not, writing it again is harmless: once more
+                            again = False
+                            continue
                         raise DurabilityError(
-                            f"the connection failed during COMMIT: the journal records may or may not have been "
-                            f"written ({self._scrubbed(e)})", ref=ref,
-                            hint="read the journal again before writing them") from None
+                            f"the connection failed twice while appending journal records: they may or may not "
+                            f"have been written ({self._scrubbed(e)})", ref=ref,
+                            hint="the step's result is not acknowledged; check the server and run it again") from None
                     self._abort(cur)
                     raise self._db_error(e, "journal append failed", ref, DurabilityError, cur.connection) from None
             with self._journal_lock:
