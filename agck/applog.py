@@ -235,9 +235,11 @@ def resolve(store, run: str, tree: Any, ref: str, logs: dict | None = None) -> N
 
 
 def _rebuild(r: dict, segs, where: str, ref: str) -> AppendLog:
+    """The AppendLog a reference stands for (FORMAT.md 17.10 and 17.11: the reference, its items)."""
     name, count, chain = r.get("name"), r.get("count"), r.get("chain")
     if not isinstance(name, str) or type(count) is not int or count < 0 or not isinstance(chain, list) or any(
-            not isinstance(c, list) or len(c) != 2 or type(c[0]) is not bytes or type(c[1]) is not int
+            not isinstance(c, list) or len(c) != 2 or type(c[0]) is not bytes or len(c[0]) != 16
+            or type(c[1]) is not int
             for c in chain) or [c[1] for c in chain] != sorted(c[1] for c in chain):
         raise CorruptCheckpointError(f"a malformed AppendLog reference {r!r}", ref=ref, section="tree")
     items: list = []

@@ -212,8 +212,9 @@ def read_file(path: str, *, mmap: bool = True):
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            if size == 0:
-                raise FormatError("empty file, not an AGCK container", ref=path)
+            if size == 0:      # rule 10.1: a buffer shorter than a header that starts like one, from nothing
+                raise CorruptCheckpointError("truncated: an empty file, shorter than the 64-byte header", ref=path,
+                                             section="header")
             if mmap:
                 return _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_COPY)
             buf = memory.new_buffer(size)  # not zero-filled, unlike bytearray; pages in place

@@ -135,7 +135,7 @@ class Journal:
                 self._items.setdefault(key, {}).setdefault(e.index, (e.enc, e.payload))
             elif e.kind == "e":
                 self._ends.setdefault(key, e.index)
-            # "s": a segment of an AppendLog (agck.applog), not a step
+            # "s": a segment of an AppendLog (agck.applog), not a step. The first of a key decides: rule 17.4
         for off, why in found.damaged:
             if not _healed(journalrec.identity_at(data, off), self._results, self._items, self._ends):
                 self._report(f"{self.ref}, byte {off} of the records after position {self._pos}: {why}")
@@ -520,11 +520,15 @@ def inspect_journal(store: Store, run: str, *, decode: bool = True) -> dict:
             segments[e.name] = segments.get(e.name, 0) + 1
         if e.kind != "e" and decode:
             try:
-                journalrec.decode_value(e, ref=store.log_ref(run))
+                value = journalrec.decode_value(e, ref=store.log_ref(run))
             except Exception as err:     # its check held but its value does not rebuild: damaged
                 if isinstance(err, AgckError) and not err.verdict:
                     raise
                 undecodable.append({"at": off, "reason": f"step {e.name!r}: its value does not decode ({err})"})
+                continue
+            if e.kind == "s" and not isinstance(value, list):      # FORMAT.md 17.9: a segment holds a list
+                undecodable.append({"at": off, "reason": f"AppendLog {e.name!r}: a segment whose value is a "
+                                                         f"{type(value).__name__}, not a list of items"})
     names: dict[str, int] = {}
     for name, _ in results:
         names[name] = names.get(name, 0) + 1
@@ -541,7 +545,7 @@ def inspect_journal(store: Store, run: str, *, decode: bool = True) -> dict:
 
 
 def _healed(identity: tuple | None, results, items, ends) -> bool:
-    """Whether a damaged record (``identity``: :func:`agck.journalrec.identity_at`) was
+    """FORMAT.md 17.9: whether a damaged record (``identity``: :func:`agck.journalrec.identity_at`) was
     written again whole: its step's result, item or end is in the log, so nothing it
     held is lost (a damaged AppendLog segment is judged by the checkpoints that count it)."""
     if identity is None:

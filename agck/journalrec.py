@@ -36,8 +36,8 @@ import msgpack
 import numpy as np
 import xxhash
 
-from . import checkpoint, codec
-from .errors import EncodeError
+from . import checkpoint, codec, format
+from .errors import EncodeError, MalformedCheckpointError
 
 MAGIC = b"AGJR"
 _HEAD = struct.Struct("<4sI")
@@ -77,10 +77,14 @@ def encode_value(value: Any, what: str = "result") -> tuple[str, bytes]:
 
 def decode_value(entry: Entry, ref: str | None = None) -> Any:
     """The value a record holds, every checksum of a container verified; raises an
-    AgckError (``verdict``: the data is bad) for anything malformed."""
+    AgckError (``verdict``: the data is bad) for anything malformed (FORMAT.md 17.3)."""
     if entry.enc == "t":
         return codec.decode_state(entry.payload, [], _no_blob, 0, ref=ref)
-    return checkpoint.loads(entry.payload).state     # "c" (parse_body admits no other)
+    # "c" (parse_body admits no other): a standalone container, never a listing of chunks
+    if format.is_chunked(format.parse_header(entry.payload, ref=ref)):
+        raise MalformedCheckpointError("a journal record's container is a chunked container, which names chunks "
+                                       "no journal holds (FORMAT.md 17.3)", ref=ref, section="record")
+    return checkpoint.loads(entry.payload).state
 
 
 def _no_blob(i: int):
@@ -90,7 +94,7 @@ def _no_blob(i: int):
 # --- records ------------------------------------------------------------------------------
 
 def record(kind: str, name: str, key: bytes, index: int, enc: str, payload: bytes) -> bytes:
-    """The bytes of one record."""
+    """The bytes of one record (FORMAT.md 17.1 and 17.2)."""
     body = msgpack.packb([kind, name, key, index, enc, payload], use_bin_type=True, unicode_errors="surrogatepass")
     if len(body) > MAX_BODY:
         raise EncodeError(f"step {name!r}: a journal record holds at most {MAX_BODY} bytes, not {len(body)}")
@@ -114,7 +118,13 @@ def parse_body(body: bytes) -> Entry:
     kind, name, key, index, enc, payload = fields
     if kind not in KINDS or type(name) is not str or type(key) is not bytes or len(key) != 16 \
             or type(index) is not int or index < 0 or enc not in ("t", "c") or type(payload) is not bytes:
-        raise ValueError("fields of the wrong types")
+        raise ValueError("fields of the wrong types")                          # FORMAT.md 17.2
+    if not name:
+        raise ValueError("an empty name")
+    if kind == "r" and index != 0:
+        raise ValueError(f"a result of index {index}, not 0")
+    if kind == "e" and (enc, payload) != ("t", b"\xc0"):
+        raise ValueError("an end whose value is not nil")
     return Entry(kind, name, key, index, enc, payload)
 
 
@@ -130,7 +140,7 @@ BATCH_HEAD_SIZE = _BATCH.size + _CHECK.size     # 16
 
 
 def batch(records: bytes) -> bytes:
-    """One append of a file log: a batch header (its magic, the length of the records
+    """One append of a file log (FORMAT.md 17.6): a batch header (its magic, the length of the records
     that follow, and an XXH3-64 of those 8 bytes) and the records. The checked length
     is what lets a reader tell a batch a crash cut short (fewer bytes than it says:
     never acknowledged) from records that were written whole and damaged later."""
@@ -156,7 +166,7 @@ _CANNOT_TELL = "; nothing that verifies follows it, and it is not a write cut sh
 
 
 def scan(buf, start: int = 0, *, tears: bool = True) -> Scan:
-    """Read the records of ``buf`` from offset ``start`` (FORMAT.md 17). ``tears``: the
+    """Read the records of ``buf`` from offset ``start`` (FORMAT.md 17.5, 17.7 and 17.8). ``tears``: the
     log can end in a batch a crash cut short (a file log; a database row or an object
     is written whole or not at all, so there every failure is damage).
 
@@ -246,8 +256,8 @@ def scan(buf, start: int = 0, *, tears: bool = True) -> Scan:
 
 def identity_at(buf, at: int) -> tuple | None:
     """Which record damaged bytes at ``at`` held, if the fields before its value can still
-    be read (no check: for telling when it was written again, FORMAT.md 17): (kind, name,
-    key, index), or None."""
+    be read (no check: for telling when it was written again, FORMAT.md 17.9): (kind,
+    name, key, index), or None."""
     view = memoryview(buf).cast("B")
     if bytes(view[at:at + 4]) == BATCH_MAGIC:
         at += BATCH_HEAD_SIZE
@@ -314,7 +324,7 @@ def _entry(view: memoryview, pos: int, body_len: int, entries: list, damaged: li
 
 
 def _check_at(view: memoryview, pos: int, size: int) -> tuple[bool, int, str]:
-    """Whether a whole record that verifies starts at ``pos``, its body's length, and
+    """Whether a whole record that verifies (FORMAT.md 17.1) starts at ``pos``, its body's length, and
     why not (body length -1: its length runs past the end of the log)."""
     if size - pos < OVERHEAD:
         if MAGIC.startswith(bytes(view[pos:pos + 4])):

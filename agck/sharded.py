@@ -30,6 +30,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import codec
 from .checkpoint import Checkpoint
 from .errors import (AgckError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedVersionError,
                      UsageError)
@@ -183,8 +184,11 @@ def as_commit(ck: Checkpoint) -> Commit | None:
                 or parse_part_run(p[0]) != (ck.run, epoch, rank)):
             raise bad(f"part {rank}: {p!r} is not rank {rank}'s part of run {ck.run!r} at epoch {epoch}")
         refs.append(PartRef(rank, p[0], p[1]))
+    extra = body.get("extra")
+    if extra is not None and codec.plain_packed(extra) is None:
+        raise bad(f"extra is a {type(extra).__name__} holding more than plain data (FORMAT.md section 5)")
     return Commit(run=ck.run, step=ck.step, epoch=epoch, world_size=world, parts=refs, kind=kind,
-                  extra=body.get("extra"), ref=ck.ref, meta=ck.meta)
+                  extra=extra, ref=ck.ref, meta=ck.meta)
 
 
 def read_part(store, commit: Commit, rank: int, *, verify=True, map_location=None) -> Checkpoint:

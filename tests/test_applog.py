@@ -85,6 +85,7 @@ def test_a_checkpoint_holds_a_reference_whose_size_does_not_grow(tmp_path):
 
 
 def test_a_damaged_segment_rejects_the_checkpoints_that_count_it(tmp_path):
+    """FORMAT.md 17.11: an item only a damaged record holds rejects the checkpoint."""
     path = tmp_path / "s"
     store = agck.open_store(str(path))
     state = {"results": agck.AppendLog()}
@@ -215,7 +216,7 @@ def test_one_log_in_two_snapshotters_and_carried_into_another_run_restores_every
 
 @pytest.mark.parametrize("kind", ["file", "sqlite", "postgres", "s3"])
 def test_every_reader_judges_a_checkpoint_by_the_items_it_counts(tmp_path, kind, request, monkeypatch, capsys):
-    """A checkpoint counting items that only a damaged record holds is rejected alike by
+    """FORMAT.md 17.11. A checkpoint counting items that only a damaged record holds is rejected alike by
     agck.recover, `agck recover`, `agck verify` and Snapshotter.restore (the last alone
     once walked back; the others accepted it)."""
     from agck.cli import main as cli
@@ -245,3 +246,21 @@ def test_every_reader_judges_a_checkpoint_by_the_items_it_counts(tmp_path, kind,
     with agck.Snapshotter(url, "r", every=10, handle_signals=False) as snap:
         got = snap.restore({"results": None})
         assert snap.start_step == 10 and list(got["results"]) == list(range(10))
+
+
+@pytest.mark.parametrize("chain,count", [
+    ([[bytes(16), 1]], 2),                       # the first generation does not start at item 0
+    ([[bytes(15), 0]], 2),                       # a generation that is not 16 bytes
+    ([[bytes(16), 0], [b"\x01" * 16, 5]], 3),    # a generation past the count
+    ([[bytes(16), 2], [b"\x01" * 16, 0]], 3),    # out of order
+    ([[bytes(16), True]], 1),                    # a bool is not an int
+])
+def test_a_malformed_reference_is_a_verdict(tmp_path, chain, count):
+    """FORMAT.md 17.10: a reference whose chain is not as the rule says is CorruptCheckpointError."""
+    from agck import applog
+    from agck.errors import CorruptCheckpointError
+    store = agck.open_store(str(tmp_path))
+    store.log_append("r", [jr.record("s", "L", bytes(16), 0, *jr.encode_value([0, 1, 2]))])
+    tree = {"state": {"L": {"__agck__": "log", "name": "L", "count": count, "chain": chain}}}
+    with pytest.raises(CorruptCheckpointError):
+        applog.resolve(store, "r", tree, "ref")

@@ -185,8 +185,8 @@ def _cited(path) -> set[str]:
 def test_rule_ids_are_defined_once_and_every_citation_names_one():
     defined = _defined_rules()
     assert len(defined) == len(set(defined)), "a rule id is defined twice"
-    assert {d.split(".")[0] for d in defined} == {"10", "12", "13"}
-    for section in ("10", "12", "13"):    # numbered from 1 without a gap
+    assert {d.split(".")[0] for d in defined} == {"10", "12", "13", "17"}
+    for section in ("10", "12", "13", "17"):    # numbered from 1 without a gap
         numbers = [int(d.split(".")[1]) for d in defined if d.split(".")[0] == section]
         assert numbers == list(range(1, len(numbers) + 1)), section
     for path in _sources():
@@ -194,8 +194,8 @@ def test_rule_ids_are_defined_once_and_every_citation_names_one():
         assert not unknown, f"{path.relative_to(ROOT)} cites rules FORMAT.md does not define: {sorted(unknown)}"
 
 
-def test_sections_12_and_13_rules_are_cited_by_the_code_and_held_by_tests():
-    defined = [d for d in _defined_rules() if d.split(".")[0] in ("12", "13")]
+def test_sections_12_13_and_17_rules_are_cited_by_the_code_and_held_by_tests():
+    defined = [d for d in _defined_rules() if d.split(".")[0] in ("12", "13", "17")]
     code = set().union(*(_cited(p) for p in sorted((ROOT / "agck").rglob("*.py"))))
     others = [p for p in sorted((ROOT / "tests").glob("test_*.py")) if p.name != Path(__file__).name]
     tests = set().union(*map(_cited, others))
@@ -214,6 +214,26 @@ def test_journal_record_example_is_what_the_writer_writes_and_reads_back():
     assert data == jr.record("r", "embed", key, 0, *jr.encode_value({"n": 3, "ok": True}))
     (found,) = jr.scan(data).entries
     assert found[1].name == "embed" and jr.decode_value(found[1]) == {"n": 3, "ok": True}
+
+
+def test_file_log_batch_example_is_what_the_file_store_appends(tmp_path):
+    """FORMAT.md 17.6 and 17.7: the worked batch, as the file store writes it; cut short, torn."""
+    import agck
+    from agck import journalrec as jr
+    from agck.journal import Journal
+    data = example_bytes("hex batch")
+    key = jr.fingerprint(("doc-1",), {})
+    assert data == jr.batch(jr.record("r", "embed", key, 0, *jr.encode_value({"n": 3, "ok": True})))
+    with Journal(str(tmp_path), "r") as j:
+        j.step("embed", lambda doc: {"n": 3, "ok": True}, "doc-1")
+    assert open(agck.open_store(str(tmp_path)).log_ref("r"), "rb").read() == data
+    for cut in range(17, len(data)):
+        found = jr.scan(data[:cut])
+        assert found.torn and found.end == 0 and not found.entries and not found.damaged, cut
+    flipped = bytearray(data)
+    flipped[40] ^= 1
+    found = jr.scan(bytes(flipped))
+    assert not found.torn and found.end == len(data) and "cannot tell" in found.damaged[0][1]
 
 
 def test_append_log_segment_example_is_what_a_snapshot_writes_and_resume_reads(tmp_path):

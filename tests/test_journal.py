@@ -38,6 +38,7 @@ plain = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) 
 @settings(max_examples=200, deadline=None)
 @given(values=st.lists(plain, min_size=1, max_size=5), name=st.text(min_size=1, max_size=20))
 def test_records_round_trip(values, name):
+    """FORMAT.md 17.1: what a writer frames, a reader reads back."""
     key = jr.fingerprint((name,), {})
     log = b"".join(jr.record("i", name, key, i, *jr.encode_value(v)) for i, v in enumerate(values))
     found = jr.scan(log)
@@ -104,8 +105,8 @@ def _batches(n=3):
 
 
 def test_rot_in_any_byte_of_any_batch_is_damage_never_a_torn_tail():
-    """FORMAT.md 17: a whole batch (its checked length all there) that fails is damage,
-    the last included: nothing of it is cut off, and every other record reads back."""
+    """FORMAT.md 17.7 and 17.8: a whole batch (its checked length all there) that fails is
+    damage, the last included: nothing of it is cut off, and every other record reads back."""
     log, starts = _batches()
     for i, start in enumerate(starts):
         stop = starts[i + 1] if i + 1 < len(starts) else len(log)
@@ -121,8 +122,9 @@ def test_rot_in_any_byte_of_any_batch_is_damage_never_a_torn_tail():
 
 
 def test_a_torn_batch_is_told_apart_and_its_records_are_not_read():
-    """A batch shorter than its checked length says, or zeros where it should be, is a
-    torn tail (never acknowledged): cut off, its records not taken, nothing reported."""
+    """FORMAT.md 17.6 and 17.7: a batch shorter than its checked length says, or zeros where
+    it should be, is a torn tail (never acknowledged): cut off, its records not taken, nothing
+    reported."""
     log, starts = _batches()
     last = starts[-1]
     for cut in range(last + 1, len(log)):
@@ -141,7 +143,8 @@ def test_a_torn_batch_is_told_apart_and_its_records_are_not_read():
 
 
 def test_in_a_database_or_an_object_every_failure_is_damage():
-    """A row or an object is written whole or not at all: a record cut short there is damage."""
+    """FORMAT.md 17.5: a row or an object is written whole or not at all: a record cut short
+    there is damage."""
     log = b"".join(jr.record("r", f"s{i}", bytes(16), 0, "t", b"\x01") for i in range(3))
     for cut in range(len(log) - 20, len(log)):
         found = jr.scan(log[:cut], tears=False)
@@ -613,7 +616,7 @@ def test_a_store_without_claims_refuses_a_shared_journal(tmp_path, request):
 @pytest.mark.parametrize("which", [0, 1, 2])
 def test_an_acknowledged_record_damaged_later_is_reported_by_every_reader(tmp_path, kind, which, request,
                                                                           monkeypatch, capsys):
-    """One bit flipped in any of three acknowledged (sync) records, the last included:
+    """FORMAT.md 17.8 and 17.9. One bit flipped in any of three acknowledged (sync) records, the last included:
     `agck journal` and `agck verify` exit 1 naming it, the journal reports it and runs
     its step again, and nothing of the log is cut off (it was once taken for a torn
     tail: reported as nothing, and truncated by the next append)."""
@@ -742,3 +745,37 @@ def test_a_group_commit_step_that_returns_after_close_is_written(tmp_path):
     calls = []
     with Journal(str(tmp_path), "r") as again:
         assert again.step("slow", lambda: calls.append(1) or 0) == 42 and calls == []
+
+
+def test_records_that_verify_but_break_rule_17_2_or_17_3_are_one_damaged_record_each(tmp_path, capsys):
+    """FORMAT.md 17.2 and 17.3: an empty name, a result of index 5, an end whose value is
+    not nil, and a "c" record holding a chunked container are each one damaged record
+    (the log read on past them), never the whole log refused; FORMAT.md 17.4: of two
+    records of a key, the first decides."""
+    import struct
+    import msgpack
+    import xxhash
+    from agck.cli import main as cli
+
+    def raw(fields):          # a record whose check holds, whatever its fields
+        body = msgpack.packb(fields, use_bin_type=True)
+        head = struct.pack("<4sI", b"AGJR", len(body))
+        return head + body + struct.pack("<Q", xxhash.xxh3_64_intdigest(head + body))
+
+    key = jr.fingerprint((1,), {})
+    listing = agck.format.dumps_chunked(run=None, step=None, parent=None, meta=None, addresses=[bytes(32)],
+                                        sizes=[10])
+    bad = [raw(["r", "", key, 0, "t", b"\x01"]), raw(["r", "s", key, 5, "t", b"\x01"]),
+           raw(["e", "s", key, 3, "t", b"\x01"])]
+    for rec in bad:
+        found = jr.scan(rec + jr.record("r", "ok", key, 0, "t", b"\x02"))
+        assert [e.name for _, e in found.entries] == ["ok"] and "malformed" in found.damaged[0][1]
+    store = agck.open_store(str(tmp_path))
+    store.log_append("r", [raw(["r", "c", key, 0, "c", listing]), jr.record("r", "first", key, 0, "t", b"\x01"),
+                           jr.record("r", "first", key, 0, "t", b"\x02")])
+    capsys.readouterr()
+    assert cli(["journal", str(tmp_path), "--run", "r", "--json"]) == 1       # one damaged record, not exit 2
+    [rep] = json.loads(capsys.readouterr().out)
+    assert len(rep["damaged"]) == 1 and "chunked container" in rep["damaged"][0]["reason"]
+    with Journal(store, "r") as j:
+        assert j.step("first", lambda x: 9, 1) == 1

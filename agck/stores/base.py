@@ -490,8 +490,8 @@ def iter_hashed(parts: Iterable, hasher) -> Iterable:
 
 
 def check_identity(ck: Checkpoint, run: str, step: int, ref: str) -> None:
-    """A container must say it is (run, step): catches a file or row swapped in
-    from another run or step, which its own checksums cannot."""
+    """A container must say it is (run, step), rule 10.20: catches a file or row
+    swapped in from another run or step, which its own checksums cannot."""
     if ck.run != run or ck.step != step:
         raise CorruptCheckpointError(
             f"holds run {ck.run!r} step {ck.step}, expected run {run!r} step {step}: "
