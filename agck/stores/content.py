@@ -388,7 +388,7 @@ def assemble(listed: format.ChunkedContainer, fetch: Callable[[bytes, int], obje
     pos = 0
     for i, (a, n) in enumerate(zip(listed.addresses, listed.sizes)):
         data = first if i == 0 and first is not None else _fetched(i, a, n, fetch(a, n), ref)
-        view[pos:pos + n] = data
+        view[pos:pos + n] = memoryview(data).cast("B")
         pos += n
     if pos != listed.length:
         raise CorruptCheckpointError(f"chunks add up to {pos} bytes, the listing says {listed.length}", ref=ref,
@@ -404,15 +404,14 @@ def _check_got(i: int, address: bytes, size: int, got: int | None, ref: str | No
         raise _chunk_error(i, address, f"holds {got} bytes, its listing says {size}", ref)
 
 
-def _fetched(i: int, address: bytes, size: int, data, ref: str | None) -> memoryview:
+def _fetched(i: int, address: bytes, size: int, data, ref: str | None):
     """Chunk ``i`` as ``fetch`` returned it, checked to be there at its listed size (12.3)."""
-    data = None if data is None else memoryview(data).cast("B")
-    _check_got(i, address, size, None if data is None else data.nbytes, ref)
+    _check_got(i, address, size, None if data is None else memoryview(data).nbytes, ref)
     return data
 
 
 def _buffer_for(listed: format.ChunkedContainer, fetch: Callable[[bytes, int], object], ref: str | None,
-                fetch_into=None) -> tuple[np.ndarray, memoryview | None]:
+                fetch_into=None) -> tuple[np.ndarray, object]:
     """The buffer for a listed container's bytes, and its first chunk if that was read
     to get it. A listing of a few hundred bytes can claim terabytes (up to 2^24 chunks
     of 4 GiB each): before a large buffer is mapped, its first chunk must be in the
@@ -464,7 +463,7 @@ def _in_shares(listed: format.ChunkedContainer, work: Callable[[int, int, list[i
 
 def _read_into(listed: format.ChunkedContainer, fetch_into, view: memoryview, ref: str | None,
                threads: int | None = None, checked: chunking.CheckedChunks | None = None,
-               first: memoryview | None = None) -> None:
+               first=None) -> None:
     """Each chunk read into its place (:func:`_in_shares`); hashed there too when
     ``checked`` is given (a mismatch is left for :func:`_raise_mismatch` to report).
     ``first``: chunk 0, already read (:func:`_buffer_for`), copied into place."""
@@ -474,7 +473,7 @@ def _read_into(listed: format.ChunkedContainer, fetch_into, view: memoryview, re
         for i in range(lo, hi):
             a, n = listed.addresses[i], listed.sizes[i]
             if i == 0 and first is not None:
-                view[:n] = first
+                view[:n] = memoryview(first).cast("B")
                 got = n
             else:
                 got = fetch_into(a, view[starts[i]:starts[i] + n])
