@@ -45,6 +45,8 @@ DIRECT_WRITE = 32 * MiB
 LISTING_PROBE = 64 * MiB
 #: SQLite and Postgres, whole mode: a container is split into rows of this size.
 SQL_CHUNK_ROW = 64 * MiB
+#: Postgres: a journal batch this large is sent by binary COPY (no hex-escaped bytea in the statement).
+JOURNAL_COPY = 64 * KiB
 #: s3: an object this large goes up as a multipart upload ...
 MULTIPART_MIN = 16 * MiB
 #: ... in parts of this size.

@@ -137,6 +137,21 @@ class ObjectsIn(CopyStream):
         yield _COPY_TRAILER
 
 
+class LogRowIn(CopyStream):
+    """``COPY {log} (run, seq, data) FROM STDIN (FORMAT binary)``: one journal batch."""
+
+    def __init__(self, run: str, seq: int, data: bytes):
+        self.run, self.seq, self.data = run.encode("utf-8", "surrogatepass"), seq, memoryview(data)
+        super().__init__()
+
+    def _stream(self):
+        yield _COPY_HEADER + struct.pack("!h", 3) + _I32.pack(len(self.run)) + self.run
+        yield struct.pack("!iqi", 8, self.seq, self.data.nbytes)
+        for i in range(0, self.data.nbytes, COPY_IO_SIZE):
+            yield self.data[i:i + COPY_IO_SIZE]
+        yield _COPY_TRAILER
+
+
 class ObjectsOut:
     """A file-like whose write() parses ``COPY (SELECT address, data ...) TO STDOUT
     (FORMAT binary)`` into ``found`` (address -> bytes). Like :class:`CopyOut` it
