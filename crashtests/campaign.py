@@ -33,6 +33,15 @@ disturb each other):
 * ``dbpower``    (:mod:`crashtests.dbpower`) the power cut under SQLite and a Postgres server
                  (unsynced writes dropped or torn by an LD_PRELOAD shim), then reopened.
 
+Profiles. ``cfg.profile`` sizes the workload's state: ``small`` (about 355 KiB) or
+``large`` (about 190 MiB more: :data:`crashtests.workload.LARGE`), passed to every
+workload subprocess and used for the in-process trees; with ``large`` every trial of
+``kill``, ``failpoint``, ``pgkill``, ``s3kill``, ``netcut`` and ``chunkrot`` writes to
+a store of its own (:mod:`crashtests.trialstores`), and ``dbpower`` writes a 128 MiB
+base, on Postgres into tables of its own. :func:`run_campaigns` runs
+campaigns of several profiles one after another and reports them as one, each
+trial's row naming its profile.
+
 Contract. :class:`Campaign` owns what the fault kinds share: the private Postgres
 cluster and the stores' URLs (:meth:`Campaign.setup`, :meth:`Campaign.cleanup`),
 spawning the workload subprocess, the reference run every subprocess trial is
@@ -63,12 +72,16 @@ import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from . import checker, pgcluster, s3server
 from .checker import FAULTS, STORES, Trial
 from .report import exit_code, markdown, report, write_report
+from .trialstores import TrialStores
+from .workload import PROFILES
 
-__all__ = ["STORES", "FAULTS", "PREFIX", "PG_STORES", "Config", "Campaign", "report", "markdown", "write_report", "exit_code"]
+__all__ = ["STORES", "FAULTS", "PREFIX", "PG_STORES", "PROFILES", "Config", "Campaign", "run_campaigns", "report",
+           "markdown", "write_report", "exit_code"]
 
 # each store's fail points; "pgs3" is a Postgres store whose chunks are in the object store (agck_objects)
 PREFIX = {"file": ("file.",), "sqlite": ("sqlite.",), "postgres": ("pg.",), "s3": ("s3.",), "pgs3": ("pg.", "pgobj.")}
@@ -97,6 +110,7 @@ class Config:
     time_limit: float = 3600.0          # stop starting new trials after this many seconds
     min_kills: int = 0                  # per store: top random kills up to this many delivered SIGKILLs
     ranks: int = 2                      # processes per job in the ``dist`` trials
+    profile: str = "small"              # the workload's state size (crashtests.workload.PROFILES)
 
     def n(self, store: str, fault: str) -> int:
         return self.counts.get((store, fault), self.counts.get(fault, self.trials))
@@ -111,7 +125,9 @@ def _log(cfg: Config, msg: str) -> None:
 
 
 class Campaign:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, first_id: int = 0):
+        if cfg.profile not in PROFILES:
+            raise ValueError(f"profile must be one of {PROFILES}, not {cfg.profile!r}")
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
         self.trials: list[Trial] = []
@@ -122,7 +138,7 @@ class Campaign:
         self.ref: dict = {}
         self.est: dict[str, float] = {}       # store -> estimated workload duration (s)
         self._lock = threading.Lock()
-        self._ids = 0
+        self._ids = first_id                  # trial ids go on from an earlier campaign's
         self.t0 = time.monotonic()
         self.pg_skipped: str | None = None
         self.s3: s3server.Seaweed | None = None
@@ -130,12 +146,14 @@ class Campaign:
         self.proxy = None                     # the fault proxy of the netcut trials
         self.pair = None                      # the primary and standby of the failover trials
         self.power = None                     # the cluster of the dbpower trials, its server under the shim
+        self.own = TrialStores(self)          # the large profile's stores of one trial each
 
     # -- trials and the time limit ---------------------------------------------------------
     def _new_trial(self, store: str, fault: str, run_prefix: str, url: str) -> Trial:
         with self._lock:
             self._ids += 1
-            t = Trial(id=self._ids, store=store, fault=fault, run=f"{run_prefix}{self._ids}", url=url)
+            t = Trial(id=self._ids, store=store, fault=fault, run=f"{run_prefix}{self._ids}", url=url,
+                      profile=self.cfg.profile)
             self.trials.append(t)
         return t
 
@@ -227,6 +245,11 @@ class Campaign:
         self.urls["file"] = os.path.join(self.work, "kill-file")
         self.urls["sqlite"] = f"sqlite:///{self.work}/kill.db"
 
+    def trial_url(self, store: str) -> str:
+        """Where a subprocess trial on ``store`` writes: the store's shared one, or with the
+        large profile an empty one of its own (:mod:`crashtests.trialstores`)."""
+        return self.urls[store] if self.cfg.profile == "small" else self.own.url(store)
+
     def s3_url(self, prefix: str) -> str:
         return self.s3.url(S3_BUCKET, prefix)
 
@@ -263,6 +286,7 @@ class Campaign:
         c = self.cfg
         return [sys.executable, "-m", "crashtests.workload", "--store", url, "--run", run,
                 "--steps", str(c.steps), "--every", str(c.every), "--device", c.device, "--mode", mode,
+                "--profile", c.profile,
                 "--step-sleep", str(c.step_sleep), "--ack-log", os.path.join(d, "acks"),
                 "--out", os.path.join(d, "out.json"), *extra]
 
@@ -403,11 +427,12 @@ class Campaign:
         n = self.cfg.n(store, fault)
         _log(self.cfg, f"{what} kills: {n}")
         for i in range(n):
-            t = self._new_trial(store, fault, prefix, self.urls[store])
+            t = self._new_trial(store, fault, prefix, "")
             if not self._time_left():
                 self._skip(t)
                 continue
             try:
+                t.url = self.trial_url(store)
                 trial(self, t, i)
             except Exception as e:
                 t.reasons.append(f"harness error: {type(e).__name__}: {e}")
@@ -416,13 +441,19 @@ class Campaign:
 
     def recheck_older(self, t: Trial, faults: tuple) -> None:
         """After a server kill in trial ``t``: every earlier trial of ``faults`` on the same
-        store must still recover to the step it recovered to before (else it is corrupt)."""
-        store = self._open(self.urls[t.store])
-        try:
-            checker.recheck(store, [old for old in self.trials if old is not t and old.store == t.store
-                                    and old.fault in faults], self.ref["full"], f"server kill in trial {t.id}")
-        finally:
-            store.close()
+        server must still recover to the step it recovered to before (else it is corrupt);
+        of the large profile's, those whose stores are still there."""
+        by_url: dict[str, list[Trial]] = {}
+        for old in self.trials:
+            if old is not t and old.store == t.store and old.fault in faults and old.url \
+                    and not old.skipped and not self.own.gone(old.url):
+                by_url.setdefault(old.url, []).append(old)
+        for url, olds in by_url.items():
+            store = self._open(url)
+            try:
+                checker.recheck(store, olds, self.ref["full"], f"server kill in trial {t.id}")
+            finally:
+                store.close()
 
     # -- in-process trials: shared pipeline trees -----------------------------------------------
     def trees(self) -> dict:
@@ -437,8 +468,8 @@ class Campaign:
         torch.use_deterministic_algorithms(True)
         torch.set_num_threads(1)
         cfg = self.cfg
-        state = build_state(cfg.steps, "cpu")
-        trees, full = {}, {}
+        state = build_state(cfg.steps, "cpu", profile=cfg.profile)
+        trees, full, prev = {}, {}, {}
         for i in range(cfg.steps):
             state = run_step(state, i)
             k = i + 1
@@ -446,6 +477,11 @@ class Campaign:
                 tree = {"state": capture(state), "step": k, "rng": rng_state()}
                 full[k] = state_hash(tree)
                 trees[k] = checkpoint.loads(checkpoint.dumps(tree)).state   # a private copy
+                big = trees[k]["state"].get("large", {})
+                for name, x in big.items():    # the large profile's unchanged tensors: one copy for all steps
+                    if name in prev and torch.equal(prev[name], x):
+                        big[name] = prev[name]
+                prev = big
         self._final_cpu = state_hash(state)
         if self.ref and self.cfg.device == "cpu":
             for k, h in full.items():
@@ -469,7 +505,7 @@ class Campaign:
         def step(state, i):
             return run_step(state, i)
 
-        state = build_state(cfg.steps, "cpu")
+        state = build_state(cfg.steps, "cpu", profile=cfg.profile)
         for i in range(cfg.steps):
             state = step(state, i)
         start = step.snapshotter.start_step
@@ -483,37 +519,45 @@ class Campaign:
         by_url: dict[str, list[Trial]] = {}
         for t in self.trials:
             # (a journal trial's run holds no checkpoints: its journal is judged by its own module;
-            # a failover trial that resumed its pipeline has run on to the end since it was judged)
-            if t.recovered != "raised" and not t.skipped and t.fault != "journal" \
+            # a failover trial that resumed its pipeline has run on to the end since it was judged;
+            # a large trial whose store was dropped was checked before)
+            if t.recovered != "raised" and not t.skipped and t.fault != "journal" and t.cli_step == "unchecked" \
                     and not (t.fault == "failover" and t.resume is not None):
                 by_url.setdefault(t.url, []).append(t)
         if not by_url:
             return
         _log(self.cfg, f"CLI cross-check: `agck recover STORE --json` on {len(by_url)} stores")
-
-        def one(urls):
-            try:
-                found = checker.cli_recover_many(urls)
-            except Exception as e:
-                found = {url: e for url in urls}
-            for url in urls:
-                steps = found[url]
-                for t in by_url[url]:
-                    if isinstance(steps, Exception):
-                        t.cli_step = "error"
-                        t.reasons.append(f"agck recover failed: {steps}")
-                    elif t.load is not None:    # many runs: each must recover to its last step
-                        short = {r: steps.get(r) for r in t.load["runs"] if steps.get(r) != t.load["last"]}
-                        t.cli_step = t.recovered if not short else None
-                        if short:
-                            t.reasons.append(f"the CLI recovered {dict(list(short.items())[:3])}, "
-                                             f"not step {t.load['last']}")
-                    else:
-                        t.cli_step = steps.get(t.run)
         urls = list(by_url)
         n = max(1, self.cfg.jobs)
         with ThreadPoolExecutor(max_workers=n) as ex:   # one interpreter per worker, each a share of the stores
-            list(ex.map(one, [urls[i::n] for i in range(n)]))
+            list(ex.map(lambda share: self.cli_check({url: by_url[url] for url in share}),
+                        [urls[i::n] for i in range(n)]))
+
+    @staticmethod
+    def cli_check(by_url: dict) -> None:
+        """`agck recover STORE --json` on the stores of ``by_url`` ({url: its trials}), in one
+        interpreter: each trial's ``cli_step`` is what the CLI recovered of its run."""
+        urls = list(by_url)
+        if not urls:
+            return
+        try:
+            found = checker.cli_recover_many(urls)
+        except Exception as e:
+            found = {url: e for url in urls}
+        for url in urls:
+            steps = found[url]
+            for t in by_url[url]:
+                if isinstance(steps, Exception):
+                    t.cli_step = "error"
+                    t.reasons.append(f"agck recover failed: {steps}")
+                elif t.load is not None:    # many runs: each must recover to its last step
+                    short = {r: steps.get(r) for r in t.load["runs"] if steps.get(r) != t.load["last"]}
+                    t.cli_step = t.recovered if not short else None
+                    if short:
+                        t.reasons.append(f"the CLI recovered {dict(list(short.items())[:3])}, "
+                                         f"not step {t.load['last']}")
+                else:
+                    t.cli_step = steps.get(t.run)
 
     def resumes(self) -> None:
         from . import dist, kill
@@ -521,7 +565,7 @@ class Campaign:
         picks, done = [], set()
         for t in self.trials:
             key = (t.store, t.fault)
-            if t.reached and t.recovered != "raised" and key not in done \
+            if t.reached and t.recovered != "raised" and key not in done and not self.own.gone(t.url) \
                     and sum(1 for p in picks if (p.store, p.fault) == key) < cfg.resume_samples:
                 picks.append(t)
                 if sum(1 for p in picks if (p.store, p.fault) == key) >= cfg.resume_samples:
@@ -552,11 +596,16 @@ class Campaign:
 
     # -- the whole campaign --------------------------------------------------------------------
     def run(self) -> dict:
+        t0 = time.monotonic()
+        self.execute()
+        return report(self, time.monotonic() - t0)
+
+    def execute(self) -> None:
+        """Every configured trial run, checked and classified."""
         # the fault kinds' modules import this one: imported once it is whole
         from . import (chunkrot, corrupt, dbpower, dist, journalfault, kill, netcut, pgfailover, pgkill, pgload,
                        powerloss, s3kill, stale)
         cfg = self.cfg
-        t0 = time.monotonic()
         try:
             self.setup()
             if set(cfg.faults) & {"kill", "failpoint", "pgkill", "s3kill", "stale", "netcut"} and self._time_left():
@@ -576,10 +625,34 @@ class Campaign:
             journalfault.trials(self)
             self.cli_checks()
             self.resumes()
+            if self.own.summary():
+                self.notes.append(self.own.summary())
         finally:
             self.cleanup()
         for t in self.trials:
             checker.classify(t)
             if t.fault == "kill" and t.reached:
                 t.point = f"after-ack-{t.last_ack}" + ("+in-flight" if t.in_flight else "")
-        return report(self, time.monotonic() - t0)
+
+
+def run_campaigns(cfgs: list) -> dict:
+    """The campaigns of ``cfgs`` one after another (each with its own servers; trial ids go
+    on from one to the next), reported as one: the first's configuration, every trial, the
+    notes and server kills of all. Each trial's row names its profile."""
+    t0 = time.monotonic()
+    done: list[Campaign] = []
+    for cfg in cfgs:
+        c = Campaign(cfg, first_id=done[-1]._ids if done else 0)
+        c.execute()
+        done.append(c)
+    if len(done) == 1:
+        return report(done[0], time.monotonic() - t0)
+    notes = [n for c in done for n in c.notes]
+    for c in done[1:]:
+        counts = ", ".join(f"{k}: {v}" for k, v in c.cfg.counts.items()) or f"{c.cfg.trials} per store and fault"
+        notes.append(f"a campaign of the {c.cfg.profile} profile followed ({', '.join(c.cfg.faults)}; {counts})")
+    both = SimpleNamespace(cfg=cfgs[0], trials=[t for c in done for t in c.trials], notes=notes,
+                           pg_kills=sum(getattr(c, "pg_kills", 0) or 0 for c in done) if any(
+                               getattr(c, "pg_kills", None) is not None for c in done) else None,
+                           s3_kills=sum(c.s3_kills for c in done))
+    return report(both, time.monotonic() - t0)

@@ -64,6 +64,7 @@ class Trial:
     detail: str = ""
     skipped: bool = False           # never started (the campaign's time limit): not judged
     load: dict | None = None        # a pgload trial: its runs, their last step, acknowledged, lost, corrupt
+    profile: str = "small"          # the workload's state: small, or large (crashtests.workload.LARGE)
 
     @property
     def last_ack(self):

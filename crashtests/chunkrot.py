@@ -22,7 +22,9 @@ Judged from what the harness knows, as the rest of the campaign is:
   the fault destroyed its only copy; reported as damaged, not lost); and recovery
   must find the newest step, bit-identical.
 
-A trial not started before the campaign's time limit is skipped (not judged).
+Each trial has a store of its own; with the large profile one of
+:mod:`crashtests.trialstores`, dropped once judged. A trial not started before the
+campaign's time limit is skipped (not judged).
 """
 
 from __future__ import annotations
@@ -167,7 +169,11 @@ def trials(c) -> None:
                 break
             # a store of its own per trial: the check after each put scrubs the whole store
             i = c._ids + 1
-            if s == "file":
+            if cfg.profile == "large":
+                from agck.stores import open_store
+                url = c.own.url(s, db="corrupt")
+                def opener(mode, url=url): return open_store(url, verify_reused=mode)
+            elif s == "file":
                 url = f"{c.work}/chunkrot-{i}"
                 def opener(mode, url=url): return FileStore(url, verify_reused=mode)
             elif s == "sqlite":
@@ -192,6 +198,7 @@ def trials(c) -> None:
             t = c._new_trial(s, "chunkrot", "rot", url)
             try:
                 trial(c, t, opener, trees)
+                c.own.done(t)
             except Exception as e:
                 t.reasons.append(f"harness error: {type(e).__name__}: {e}")
                 t.recovered = "raised"

@@ -17,7 +17,8 @@ directory fsync may vanish. The mode goes round per trial.
   (:class:`crashtests.pgpower.PowerCluster`; ``fsync=on``, ``full_page_writes=on``);
   each trial's workload puts on it and the whole server is SIGKILLed at a random
   instant, the workload after it; the cut is applied and the server restarted (WAL
-  recovery on what survived).
+  recovery on what survived). With the large profile each trial has tables of its
+  own, so that each writes its 128 MiB base (on shared tables only the first would).
 
 Judged as a ``kill`` trial (:func:`crashtests.checker.check_library`): every
 acknowledged step must be there and verify with the state it was put with (else
@@ -56,7 +57,8 @@ def trials(c: Campaign) -> None:
     cfg = c.cfg
     if "dbpower" not in cfg.faults:
         return
-    stores = [s for s in ("sqlite", "postgres") if s in cfg.stores]
+    # (a store of no trials starts nothing: a cluster under the shim takes seconds)
+    stores = [s for s in ("sqlite", "postgres") if s in cfg.stores and cfg.n(s, "dbpower")]
     if not stores:
         return
     if not c._time_left():
@@ -68,7 +70,7 @@ def trials(c: Campaign) -> None:
         return
     from crashtests.dbpowerwork import tree
     from crashtests.workload import state_hash
-    ref = {k: state_hash(tree(k)) for k in range(1, STEPS + 1)}
+    ref = {k: state_hash(tree(k, cfg.profile)) for k in range(1, STEPS + 1)}
     if "sqlite" in stores:
         n = cfg.n("sqlite", "dbpower")
         _log(cfg, f"power cuts under SQLite: {n}")
@@ -90,7 +92,7 @@ def _spawn(c: Campaign, url: str, run: str, d: str, tracked: str | None) -> subp
     err = open(os.path.join(d, "stderr"), "wb")
     try:
         return subprocess.Popen([sys.executable, "-m", "crashtests.dbpowerwork", url, run, str(STEPS),
-                                 os.path.join(d, "acks")], cwd=checker.REPO, env=env,
+                                 os.path.join(d, "acks"), c.cfg.profile], cwd=checker.REPO, env=env,
                                 stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL)
     finally:
         err.close()
@@ -188,26 +190,36 @@ def _sqlite_trials(c: Campaign, n: int, ref: dict) -> None:
 
 
 def _postgres_trials(c: Campaign, n: int, ref: dict) -> None:
-    from agck.stores.postgres import PostgresStore
+    from agck.stores import open_store
     from .pgpower import PowerCluster
     root = os.path.join(c.work, "dbpower-postgres")
     os.makedirs(root)
     c.power = cluster = PowerCluster(settings={"recovery_init_sync_method": "syncfs"}).start()
     done: list[Trial] = []
     cluster.create_db("power")
-    url = cluster.dsn("power")
-    PostgresStore(url, init=True).close()
-    est = _dry_run(c, url, os.path.join(root, "dry"), None) * 1.2
+
+    shared = cluster.dsn("power")
+    open_store(shared, init=True).close()
+
+    def tables(name: str) -> str:
+        """The trials' store: one for all, or with the large profile tables of their own."""
+        if c.cfg.profile == "small":
+            return shared
+        url = shared + f"&agck_prefix={name}"
+        open_store(url, init=True).close()
+        return url
+    est = _dry_run(c, tables("dry"), os.path.join(root, "dry"), None) * 1.2
     for i in range(n):
         d = os.path.join(root, str(i))
         os.makedirs(d)
-        t = c._new_trial("postgres", "dbpower", "pp", url)
+        t = c._new_trial("postgres", "dbpower", "pp", "")
         if not c._time_left():
             c._skip(t)
             continue
         mode = powercut.MODES[i % len(powercut.MODES)]
         p = None
         try:
+            t.url = url = tables(t.run)
             p = _spawn(c, url, t.run, d, None)
 
             def kill():
@@ -221,7 +233,7 @@ def _postgres_trials(c: Campaign, n: int, ref: dict) -> None:
             t.point = f"{mode}" + ("+in-flight" if t.in_flight else "")
             restart = cluster.restart()
             t.detail = f"{_describe(cut)}; restart {restart:.2f}s"
-            store = PostgresStore(url)
+            store = open_store(url)
             try:
                 _judge(c, store, t, d, ref)
             finally:
@@ -236,17 +248,18 @@ def _postgres_trials(c: Campaign, n: int, ref: dict) -> None:
             if cluster.proc is None or cluster.proc.poll() is not None:
                 cluster.cut("drop", c.rng)
                 cluster.restart()
-    _recheck(c, url, done, ref)
+    _recheck(done, ref)
 
 
-def _recheck(c: Campaign, url: str, done: list[Trial], ref: dict) -> None:
+def _recheck(done: list[Trial], ref: dict) -> None:
     """Every trial's run still recovers to the step it did before the later cuts."""
-    from agck.stores.postgres import PostgresStore
-    store = PostgresStore(url)
-    try:
-        checker.recheck(store, done, ref, "the later power cuts")
-    finally:
-        store.close()
+    from agck.stores import open_store
+    for url in dict.fromkeys(t.url for t in done):
+        store = open_store(url)
+        try:
+            checker.recheck(store, [t for t in done if t.url == url], ref, "the later power cuts")
+        finally:
+            store.close()
 
 
 def _describe(cut: dict) -> str:

@@ -50,6 +50,7 @@ POINTS = {"file": ("journal.file.before_write", "journal.file.before_sync", "jou
           "s3": ("journal.s3.before_put", "journal.s3.after_put")}
 STEPS = 40
 SLEEP = 0.02
+DAY_MS = 86_400_000     # the longest group-commit wait a Journal takes: in the power cuts the count flushes
 
 
 def trials(c: Campaign) -> None:
@@ -168,13 +169,13 @@ def _powerloss(c: Campaign, ref: str, t: Trial, commit: str, d: str, u: float) -
     ran: list[list[str]] = [[]]
     acks: list[list[str]] = [[]]
     count = SimFS(os.path.join(d, "count"))      # a dry run counts the operations
-    with Journal(FileStore(count.root, fs=count), t.run, commit=commit, every=4, ms=1e9) as j:
+    with Journal(FileStore(count.root, fs=count), t.run, commit=commit, every=4, ms=DAY_MS) as j:
         journalwork.pipeline(j, STEPS, lambda _: None, lambda _: None)
     crash_at = max(1, int(u * count.ops))
     sim = SimFS(os.path.join(d, "live"), crash_at=crash_at)
     store = FileStore(sim.root, fs=sim)
     try:
-        j = Journal(store, t.run, commit=commit, every=4, ms=1e9)   # flushed by count: one recorded order
+        j = Journal(store, t.run, commit=commit, every=4, ms=DAY_MS)   # flushed by count: one recorded order
         journalwork.pipeline(j, STEPS, ran[0].append, acks[0].append)
         t.detail = "finished before the power cut"
     except Crash:

@@ -10,8 +10,9 @@
 
 Contract: :func:`trials` runs both kinds' trials of a campaign, shuffled across the
 stores and run ``cfg.jobs`` at a time; each trial is judged from the workload's ack
-log by recovering its run (:meth:`crashtests.campaign.Campaign._check`). A trial not
-started before the time limit is skipped. :func:`resume` runs a crashed run to the
+log by recovering its run (:meth:`crashtests.campaign.Campaign._check`); a large
+trial's store is then handed to :mod:`crashtests.trialstores`. A trial not started
+before the time limit is skipped. :func:`resume` runs a crashed run to the
 end and compares it with the uninterrupted reference run (also used for ``pgkill``).
 """
 
@@ -35,7 +36,7 @@ def trials(c: Campaign) -> None:
     for store in cfg.stores:
         if "kill" in cfg.faults:
             for _ in range(cfg.n(store, "kill")):
-                t = c._new_trial(store, "kill", "k", c.urls[store])
+                t = c._new_trial(store, "kill", "k", c.trial_url(store))
                 jobs.append((t, None, c.rng.choice(("sync", "async"))))
         if "failpoint" in cfg.faults:
             points = [p for p in POINTS if p.startswith(PREFIX[store] + ("snapshot.",))]
@@ -44,7 +45,7 @@ def trials(c: Campaign) -> None:
                 action = "raise" if j % 10 == 9 else "kill"   # now and then an EIO instead
                 spec = f"{point}={action}@{c.rng.randint(1, nputs)}"
                 mode = "async" if point == "snapshot.after_stage" else c.rng.choice(("sync", "async"))
-                t = c._new_trial(store, "failpoint", "f", c.urls[store])
+                t = c._new_trial(store, "failpoint", "f", c.trial_url(store))
                 jobs.append((t, spec, mode))
     if not jobs:
         return
@@ -61,7 +62,7 @@ def trials(c: Campaign) -> None:
             got = sum(1 for t in c.trials if t.store == store and t.fault in ("kill", "failpoint")
                       and t.reached and (t.fault == "kill" or t.point.split("=")[1].startswith("kill")))
             for _ in range(min(cfg.min_kills - got, 20)):
-                t = c._new_trial(store, "kill", "k", c.urls[store])
+                t = c._new_trial(store, "kill", "k", c.trial_url(store))
                 extra.append((t, None, c.rng.choice(("sync", "async"))))
         if not extra:
             return
@@ -110,6 +111,7 @@ def trial(c: Campaign, t: Trial, spec: str | None, mode: str) -> None:
     if t.store in PG_STORES:
         c._wait_backend_gone(t)
     c._check(t, d)
+    c.own.done(t)
 
 
 def resume(c: Campaign, t: Trial) -> None:

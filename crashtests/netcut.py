@@ -39,7 +39,7 @@ def trials(c: Campaign) -> None:
     jobs = []
     for s in stores:
         for _ in range(cfg.n(s, "netcut")):
-            t = c._new_trial(s, "netcut", "n", c.urls[s])
+            t = c._new_trial(s, "netcut", "n", c.trial_url(s))
             jobs.append((t, _through_proxy(c, c._client_url(t))))
     _log(cfg, f"connection cuts: {len(jobs)} workload processes through a fault proxy, {cfg.jobs} at a time")
     try:
@@ -92,3 +92,4 @@ def trial(c: Campaign, t: Trial, client_url: str) -> None:
             p.kill()
             p.wait()
     c._check(t, d)
+    c.own.done(t)

@@ -1,8 +1,9 @@
-"""The crash campaign's report: a table per (store, fault), JSON, markdown, a chart, the exit status.
+"""The crash campaign's report: a table per (store, fault, profile), JSON, markdown, a chart, the exit status.
 
 Contract: :func:`report` reads a finished campaign (any object with ``trials``, a
 list of classified :class:`crashtests.checker.Trial`; ``cfg``, its Config;
-``notes``; optionally ``pg_kills``) and returns a JSON-able dict. A trial that
+``notes``; optionally ``pg_kills``) and returns a JSON-able dict, a row per store,
+fault and profile (the workload's state size: small, or large). A trial that
 never started (``skipped``, the time limit) is counted apart: a row's ``trials``
 and outcome counts are of the trials that ran, its ``skipped`` those that did
 not, and ``rep["skipped"]`` sums them up, naming every fault kind of which no
@@ -17,17 +18,18 @@ import os
 import statistics
 
 from .checker import FAULTS, OUTCOMES, SKIPPED, STORES
+from .workload import PROFILES
 
 
 def report(c, wall: float) -> dict:
     rows = []
-    keys = sorted({(t.store, t.fault) for t in c.trials},
-                  key=lambda k: (STORES.index(k[0]), FAULTS.index(k[1])))
-    for store, fault in keys:
-        every = [t for t in c.trials if (t.store, t.fault) == (store, fault)]
+    keys = sorted({(t.store, t.fault, t.profile) for t in c.trials},
+                  key=lambda k: (STORES.index(k[0]), FAULTS.index(k[1]), PROFILES.index(k[2])))
+    for store, fault, profile in keys:
+        every = [t for t in c.trials if (t.store, t.fault, t.profile) == (store, fault, profile)]
         ts = [t for t in every if not t.skipped]
         secs = [t.rec_seconds for t in ts if t.rec_seconds is not None]
-        row = {"store": store, "fault": fault, "trials": len(ts), SKIPPED: len(every) - len(ts),
+        row = {"store": store, "fault": fault, "profile": profile, "trials": len(ts), SKIPPED: len(every) - len(ts),
                "faults_delivered": sum(t.reached for t in ts),
                "crash_points": len({t.point for t in ts if t.reached and t.point}),
                **{o: sum(t.outcome == o for t in ts) for o in OUTCOMES},
@@ -40,7 +42,8 @@ def report(c, wall: float) -> dict:
     cfg = c.cfg
     ran = {f: sum(r["trials"] for r in rows if r["fault"] == f) for f in FAULTS}
     skipped = {"total": totals[SKIPPED], "time_limit": cfg.time_limit,
-               "rows": [{"store": r["store"], "fault": r["fault"], SKIPPED: r[SKIPPED]} for r in rows if r[SKIPPED]],
+               "rows": [{"store": r["store"], "fault": r["fault"], "profile": r["profile"], SKIPPED: r[SKIPPED]}
+                        for r in rows if r[SKIPPED]],
                "faults_not_run": [f for f in FAULTS if not ran[f] and any(r[SKIPPED] for r in rows
                                                                           if r["fault"] == f)]}
     out = {"config": {k: v for k, v in vars(cfg).items() if k != "counts"} | {
@@ -59,7 +62,7 @@ def skipped_summary(rep: dict) -> list[str]:
     sk = rep.get("skipped") or {}
     if not sk.get("total"):
         return []
-    where = ", ".join(f"{r['store']}/{r['fault']} {r[SKIPPED]}" for r in sk["rows"])
+    where = ", ".join(f"{r['store']}/{r['fault']}{_large(r)} {r[SKIPPED]}" for r in sk["rows"])
     lines = [f"**skipped**: {sk['total']} trials not started before the campaign time limit "
              f"({sk['time_limit']:g} s): {where}. They were not run, so they are not judged: the exit "
              f"status counts only the {rep['totals']['trials']} trials that ran."]
@@ -70,11 +73,15 @@ def skipped_summary(rep: dict) -> list[str]:
     return lines
 
 
+def _large(row: dict) -> str:
+    return " (large)" if row.get("profile", "small") != "small" else ""
+
+
 def markdown(rep: dict) -> str:
-    cols = ["store", "fault", "trials", SKIPPED, "faults_delivered", "crash_points", "ok", "indeterminate", "lost",
-            "corrupt", "error", "median_recovery_ms", "resumes_ok"]
-    heads = ["store", "fault", "trials", "skipped", "faults hit", "distinct points", "ok", "indeterminate", "lost",
-             "corrupt", "error", "median recovery (ms)", "resumes ok"]
+    cols = ["store", "fault", "profile", "trials", SKIPPED, "faults_delivered", "crash_points", "ok", "indeterminate",
+            "lost", "corrupt", "error", "median_recovery_ms", "resumes_ok"]
+    heads = ["store", "fault", "state", "trials", "skipped", "faults hit", "distinct points", "ok", "indeterminate",
+             "lost", "corrupt", "error", "median recovery (ms)", "resumes ok"]
     lines = ["| " + " | ".join(heads) + " |", "|" + "|".join("---:" if i > 1 else "---" for i in range(len(cols))) + "|"]
     for r in rep["rows"]:
         cells = []
@@ -85,7 +92,7 @@ def markdown(rep: dict) -> str:
             cells.append("-" if v is None else str(v))
         lines.append("| " + " | ".join(cells) + " |")
     t = rep["totals"]
-    lines.append(f"| **total** | | {t['trials']} | {t.get(SKIPPED, 0)} | {t['faults_delivered']} | | {t['ok']} | "
+    lines.append(f"| **total** | | | {t['trials']} | {t.get(SKIPPED, 0)} | {t['faults_delivered']} | | {t['ok']} | "
                  f"{t['indeterminate']} | {t['lost']} | {t['corrupt']} | {t['error']} | | "
                  f"{t['resumes_ok']}/{t['resumes_checked']} |")
     text = "\n".join(lines)
@@ -99,7 +106,7 @@ def markdown(rep: dict) -> str:
     for n in rep["notes"]:
         text += f"\n\nnote: {n}"
     for f in rep["failures"][:50]:
-        text += (f"\n\n**{f['outcome']}** trial {f['id']} ({f['store']}/{f['fault']}, run {f['run']}, "
+        text += (f"\n\n**{f['outcome']}** trial {f['id']} ({f['store']}/{f['fault']}{_large(f)}, run {f['run']}, "
                  f"point {f['point']!r}): " + "; ".join(f["reasons"]))
     return text
 
@@ -114,7 +121,7 @@ def chart(rep: dict, path: str) -> bool:
     rows = rep["rows"]
     if not rows:
         return False
-    labels = [f"{r['store']}\n{r['fault']}" for r in rows]
+    labels = [f"{r['store']}\n{r['fault']}{_large(r)}" for r in rows]
     colors = {"ok": "#4caf50", "indeterminate": "#90caf9", "lost": "#e53935", "corrupt": "#8e24aa",
               "error": "#ffb300", SKIPPED: "#e0e0e0"}
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows) + 2), 4.5))

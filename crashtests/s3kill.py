@@ -73,3 +73,4 @@ def trial(c: Campaign, t: Trial, i: int) -> None:
     c._check(t, d)
     # an older run's recovery must not change because the server crashed later
     c.recheck_older(t, ("kill", "failpoint", "s3kill", "stale"))
+    c.own.done(t)

@@ -12,6 +12,12 @@ on (the out-of-band record the checker trusts).
 With ``--world N --rank R --rendezvous FILE`` it is rank R of an N-rank job (gloo;
 each rank's state is seeded by its rank): the Snapshotter then writes one part per
 rank and a commit record, and every rank acknowledges the committed steps.
+
+``--profile large`` adds :data:`LARGE` tensors to the state (about 190 MiB): frozen
+weights that never change, a cache of which one slice changes every step and
+moments rewritten every step, so a checkpoint after the first writes tens of MiB.
+They cross the sizes where agck changes what it does (chunk grids, parallel reads,
+multipart uploads, direct writes, the listing probe, SQL chunk rows).
 """
 
 from __future__ import annotations
@@ -29,9 +35,55 @@ import torch
 import xxhash
 
 VOCAB, DIM, DOC_LEN, BATCH = 512, 64, 32, 8
+PROFILES = ("small", "large")
+# the large profile's tensors: name -> (dtype, shape); about 190 MiB in all
+LARGE = {"frozen.proj": (torch.float32, (4096, 4096)),      # 64 MiB
+         "frozen.embed": (torch.bfloat16, (8192, 2048)),    # 32 MiB
+         "frozen.codes": (torch.int8, (4096, 4096)),        # 16 MiB
+         "cache": (torch.float32, (16, 1 << 20)),           # 64 MiB: one row (4 MiB) changes a step
+         "moments": (torch.float32, (1 << 22,))}            # 16 MiB: rewritten every step
+LARGE_BYTES = sum(dtype.itemsize * int(np.prod(shape)) for dtype, shape in LARGE.values())
 
 
-def build_state(steps: int, device: str = "cpu", seed: int = 1234) -> dict:
+def large_state(device: str = "cpu", seed: int = 1234) -> dict:
+    """The large profile's tensors, made in a fraction of a second: floats from an arange
+    (exact below 2**24), integers from a period of 251 bytes; either way every 1 MiB differs
+    from every other, so content addressing finds nothing to share inside them."""
+    out = {}
+    for j, (name, (dtype, shape)) in enumerate(LARGE.items()):
+        n = 1
+        for d in shape:
+            n *= d
+        if dtype.is_floating_point:
+            x = torch.arange(n, dtype=torch.float32).mul_(1e-6).add_(seed % 97 + j).to(dtype)
+        else:
+            x = torch.arange(251, dtype=torch.uint8).add_(seed + j).to(dtype).repeat(n // 251 + 1)[:n]
+        out[name] = x.reshape(shape).to(device)
+    return out
+
+
+def state_bytes(state) -> int:
+    """Bytes of tensor and array data in ``state`` (what the profile's size is)."""
+    from agck.snapshot import capture
+    total = 0
+
+    def walk(x):
+        nonlocal total
+        if isinstance(x, torch.Tensor):
+            total += x.numel() * x.element_size()
+        elif isinstance(x, np.ndarray):
+            total += x.nbytes
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+    walk(capture(state))
+    return total
+
+
+def build_state(steps: int, device: str = "cpu", seed: int = 1234, profile: str = "small") -> dict:
     torch.manual_seed(seed)
     np.random.seed(seed)
     random.seed(seed)
@@ -43,13 +95,18 @@ def build_state(steps: int, device: str = "cpu", seed: int = 1234) -> dict:
     encoder = encoder.to(device).eval()
     adapter = torch.nn.Linear(DIM, DIM).to(device)
     opt = torch.optim.Adam(adapter.parameters(), lr=1e-3)
-    return {
+    state = {
         "encoder": encoder, "adapter": adapter, "opt": opt,
         "embeddings": torch.zeros(steps, BATCH, DIM, device=device),
         "summaries": [],
         "rng": np.random.default_rng(seed),
         "stats": {"tokens": 0, "loss": 0.0},
     }
+    if profile == "large":
+        state["large"] = large_state(device, seed)
+    elif profile != "small":
+        raise ValueError(f"profile must be one of {PROFILES}, not {profile!r}")
+    return state
 
 
 def run_step(state: dict, i: int) -> dict:
@@ -73,6 +130,11 @@ def run_step(state: dict, i: int) -> dict:
     opt.step()
     state["stats"]["tokens"] += BATCH * DOC_LEN
     state["stats"]["loss"] = float(loss.item())
+    big = state.get("large")
+    if big is not None:     # from this step's output, so a wrong restore shows in the hash
+        with torch.no_grad():
+            big["cache"][i % big["cache"].shape[0]].add_(emb.sum())
+            big["moments"].add_(pred.detach().mean())
     return state
 
 
@@ -85,10 +147,10 @@ def state_hash(state) -> str:
         if isinstance(x, torch.Tensor):
             t = x.detach().cpu().contiguous()
             h.update(str((t.dtype, tuple(t.shape))).encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(t.reshape(-1).view(torch.uint8).numpy())     # no copy: large states are hashed often
         elif isinstance(x, np.ndarray):
             h.update(str((x.dtype, x.shape)).encode())
-            h.update(np.ascontiguousarray(x).tobytes())
+            h.update(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
         elif isinstance(x, dict):
             for k in sorted(x, key=repr):
                 h.update(repr(k).encode())
@@ -130,6 +192,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--profile", default="small", choices=PROFILES, help="the state's size (module docstring)")
     p.add_argument("--mode", default="auto")
     p.add_argument("--ack-log")
     p.add_argument("--out")
@@ -162,7 +225,7 @@ def main(argv=None) -> int:
             sys.stdin.read()     # a signal's handler runs meanwhile and the read goes on (PEP 475)
         return state
 
-    state = build_state(a.steps, a.device, seed=1234 + a.rank)
+    state = build_state(a.steps, a.device, seed=1234 + a.rank, profile=a.profile)
     hashes, full_hashes = {}, {}
     for i in range(a.steps):
         state = step(state, i)

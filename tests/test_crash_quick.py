@@ -1,4 +1,5 @@
-"""A quick crash campaign (every fault kind, a few trials each) and unit tests of the simulated FS.
+"""A quick crash campaign (every fault kind, a few trials each), unit tests of the simulated FS, and the
+size of the large profile's state.
 
 The full campaign is ``scripts/crash_campaign`` (``--ci`` for the short one).
 """
@@ -145,6 +146,39 @@ def test_writeback_hint_failures_never_fail_a_write(tmp_path, monkeypatch):
         assert open(path, "rb").read() == bytes(5000)
         assert len(calls) == (5 if keeps_calling else 1), (err, calls)
         assert (durable._sync_file_range is None) == (not keeps_calling)
+
+
+# --- the large profile ------------------------------------------------------------------
+
+def test_large_profile_state_is_100_to_300_mib(tmp_path):
+    """The large profile's state, built without a campaign: 100-300 MiB, most of it the same
+    from step to step and tens of MiB changed by a step (what an incremental put writes);
+    the power cuts under the databases write a base of 100 MiB or more; every workload
+    the campaign spawns is told the profile."""
+    import numpy as np
+    import torch
+    from crashtests import dbpowerwork
+    from crashtests.workload import LARGE_BYTES, build_state, run_step, state_bytes
+
+    state = build_state(4, profile="large")
+    assert 100 << 20 <= state_bytes(state) <= 300 << 20
+    assert state_bytes(state) - state_bytes(build_state(4)) == LARGE_BYTES
+
+    def blocks(x):     # the 1 MiB pieces of a tensor's bytes, as a chunk grid cuts them
+        b = x.reshape(-1).view(torch.uint8).numpy()
+        return [b[i:i + (1 << 20)] for i in range(0, len(b), 1 << 20)]
+    before = {k: [bytes(p) for p in blocks(v)] for k, v in state["large"].items()}
+    run_step(state, 0)
+    changed = sum(len(p) for k, v in state["large"].items() for p, old in zip(blocks(v), before[k]) if bytes(p) != old)
+    assert 8 << 20 <= changed <= 64 << 20, changed >> 20
+    assert dbpowerwork.base("large").nbytes >= 100 << 20 and isinstance(dbpowerwork.base("large"), np.ndarray)
+
+    c = campaign.Campaign(campaign.Config(profile="large", quiet=True))
+    try:
+        cmd = c._workload_cmd(str(tmp_path / "store"), "r", str(tmp_path))
+        assert cmd[cmd.index("--profile") + 1] == "large"
+    finally:
+        c.cleanup()
 
 
 # --- the quick campaign ----------------------------------------------------------------

@@ -52,8 +52,8 @@ def test_skipped_trials_are_counted_apart_and_do_not_fail(tmp_path):
     assert campaign.exit_code(rep) == 0
 
     md = campaign.markdown(rep)
-    assert "| store | fault | trials | skipped |" in md
-    assert "| file | kill | 2 | 1 |" in md
+    assert "| store | fault | state | trials | skipped |" in md
+    assert "| file | kill | small | 2 | 1 |" in md
     assert "**skipped**: 5 trials not started" in md and "file/kill 1" in md and "sqlite/corrupt 2" in md
     assert "**WARNING: no `dist` trial ran** (all 2 skipped by the time limit)" in md
     assert "`kill` trial ran" not in md
@@ -62,6 +62,22 @@ def test_skipped_trials_are_counted_apart_and_do_not_fail(tmp_path):
     saved = json.loads(open(paths["json"]).read())
     assert saved["skipped"]["total"] == 5 and saved["totals"]["skipped"] == 5
     assert sum(tr["outcome"] == "skipped" for tr in saved["trials"]) == 5
+
+
+def test_large_trials_have_rows_of_their_own():
+    """A campaign of the large profile reported with a small one: a row per profile, marked."""
+    small = _trial(1, "file", "kill", acked=[2], recovered=2)
+    large = [_trial(2, "file", "kill", acked=[2], recovered=2), _trial(3, "file", "kill", skipped=True),
+             _trial(4, "file", "kill", acked=[4], recovered=2)]
+    for t in large:
+        t.profile = "large"
+    rep = _report([small, *large])
+    rows = {(r["store"], r["fault"], r["profile"]): r for r in rep["rows"]}
+    assert [(r["profile"], r["trials"]) for r in rep["rows"]] == [("small", 1), ("large", 2)]
+    assert (rows["file", "kill", "large"]["lost"], rows["file", "kill", "large"]["skipped"]) == (1, 1)
+    md = campaign.markdown(rep)
+    assert "| file | kill | small | 1 | 0 |" in md and "| file | kill | large | 2 | 1 |" in md
+    assert "file/kill (large) 1" in md and "trial 4 (file/kill (large)," in md
 
 
 def test_exit_status_depends_only_on_trials_that_ran():
