@@ -31,7 +31,9 @@ disturb each other):
 * ``failover``   (:mod:`crashtests.pgfailover`) the Postgres primary SIGKILLed during puts,
                  its synchronous standby promoted, the store carrying on or the pipeline resumed;
 * ``dbpower``    (:mod:`crashtests.dbpower`) the power cut under SQLite and a Postgres server
-                 (unsynced writes dropped or torn by an LD_PRELOAD shim), then reopened.
+                 (unsynced writes dropped or torn by an LD_PRELOAD shim), then reopened;
+* ``applog``     (:mod:`crashtests.applogfault`) a snapshotted pipeline holding an AppendLog
+                 SIGKILLed, or killed between a segment and its checkpoint, then resumed.
 
 Profiles. ``cfg.profile`` sizes the workload's state: ``small`` (about 355 KiB) or
 ``large`` (about 190 MiB more: :data:`crashtests.workload.LARGE`), passed to every
@@ -603,8 +605,8 @@ class Campaign:
     def execute(self) -> None:
         """Every configured trial run, checked and classified."""
         # the fault kinds' modules import this one: imported once it is whole
-        from . import (chunkrot, corrupt, dbpower, dist, journalfault, kill, netcut, pgfailover, pgkill, pgload,
-                       powerloss, s3kill, stale)
+        from . import (applogfault, chunkrot, corrupt, dbpower, dist, journalfault, kill, netcut, pgfailover, pgkill,
+                       pgload, powerloss, s3kill, stale)
         cfg = self.cfg
         try:
             self.setup()
@@ -623,6 +625,7 @@ class Campaign:
             corrupt.trials(self)
             chunkrot.trials(self)
             journalfault.trials(self)
+            applogfault.trials(self)
             self.cli_checks()
             self.resumes()
             if self.own.summary():

@@ -34,7 +34,7 @@ OUTCOMES = ("ok", "indeterminate", "lost", "corrupt", "error")
 SKIPPED = "skipped"     # the outcome of a trial that never started: no outcome of the code under test
 STORES = ("file", "sqlite", "postgres", "s3", "pgs3")   # pgs3: a Postgres catalog, chunks in SeaweedFS
 FAULTS = ("kill", "failpoint", "pgkill", "pgload", "s3kill", "netcut", "powerloss", "corrupt", "stale", "dist",
-          "distpower", "chunkrot", "journal", "failover", "dbpower")
+          "distpower", "chunkrot", "journal", "failover", "dbpower", "applog")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

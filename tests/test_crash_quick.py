@@ -313,3 +313,34 @@ def test_the_journal_judge_has_teeth(tmp_path, monkeypatch):
     assert set(run(4)) == {"ok"}
     monkeypatch.setattr(SimFS, "datasync", lambda self, fd: self._tick("datasync"))
     assert "lost" in run(6)
+
+
+def test_the_applog_judge_has_teeth(tmp_path):
+    """An acknowledged checkpoint whose AppendLog segments are gone is lost; one whose
+    items differ is corrupt; an untouched run is ok."""
+    import shutil
+    from crashtests import applogfault, applogwork
+    from crashtests.checker import Trial, classify
+    import agck
+    ref = applogfault.reference()
+
+    def judged(tamper):
+        d = tmp_path / tamper
+        d.mkdir()
+        url = str(d / "store")
+        out = applogwork.run(url, "a", str(d), "sync", applogfault.STEPS, 0.0)
+        store = agck.open_store(url)
+        if tamper == "gone":
+            os.remove(store.log_ref("a"))
+        t = Trial(id=1, store="file", fault="applog", run="a", url=url)
+        wrong = [dict(x, draw=x["draw"] + 1) for x in ref] if tamper == "wrong" else ref
+        applogfault._judge(t, wrong, applogwork.acks(str(d / "acks")), out, store)
+        store.close()
+        shutil.rmtree(d)
+        return classify(t), t.reasons
+
+    assert judged("none")[0] == "ok"
+    outcome, reasons = judged("gone")
+    assert outcome == "lost" and any("does not restore" in r for r in reasons)
+    outcome, reasons = judged("wrong")
+    assert outcome == "corrupt" and any("differ" in r for r in reasons)
