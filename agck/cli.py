@@ -407,7 +407,11 @@ def _journal_line(r: dict) -> str:
 
 
 def _journal_damage(r: dict) -> list[str]:
-    return [f"  DAMAGED at byte {d['at']} of {r['ref']}: {d['reason']} (its step runs again)" for d in r["damaged"]]
+    def fate(d: dict) -> str:
+        if d.get("kind") == "s":
+            return "an AppendLog segment: a checkpoint counting its items walks back"
+        return "its step runs again"
+    return [f"  DAMAGED at byte {d['at']} of {r['ref']}: {d['reason']} ({fate(d)})" for d in r["damaged"]]
 
 
 def cmd_recover(args) -> int:

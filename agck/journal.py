@@ -534,8 +534,9 @@ def inspect_journal(store: Store, run: str, *, decode: bool = True) -> dict:
         names[name] = names.get(name, 0) + 1
     damaged, healed = [], []
     for off, why in found.damaged:
-        (healed if _healed(journalrec.identity_at(data, off), results, items, ends) else damaged).append(
-            {"at": off, "reason": why})
+        who = journalrec.identity_at(data, off)
+        (healed if _healed(who, results, items, ends) else damaged).append(
+            {"at": off, "reason": why, "kind": who[0] if who else None})
     damaged += undecodable
     return {"run": run, "ref": store.log_ref(run), "bytes": len(data), "records": len(found.entries),
             "results": len(results), "steps": dict(sorted(names.items())),
