@@ -91,13 +91,7 @@ def trial(c: Campaign, ref: list[dict], t: Trial, kind: str, mode: str, u: float
                 t.reached = True
         c._finish(p, 120)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    if kind == "failpoint":
-        t.reached = p.returncode == -9
-    if not t.reached:
-        t.detail = f"finished before the fault (exit {p.returncode})"
+        c._crashed(t, p, kind == "failpoint")
     p = c._spawn(cmd, d)
     hung = c._finish(p, 180)
     if p.returncode != 0:

@@ -320,6 +320,18 @@ class Campaign:
             p.wait()
             return True
 
+    @staticmethod
+    def _crashed(t: Trial, p: subprocess.Popen, failpoint: bool) -> None:
+        """A crashed workload's end: killed if it still runs, and whether the trial's fault
+        was reached (a fail point's kill is the process's SIGKILL)."""
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        if failpoint:
+            t.reached = p.returncode == -9
+        if not t.reached:
+            t.detail = f"finished before the fault (exit {p.returncode})"
+
     def reference(self) -> None:
         """One uninterrupted run: per-step hashes, final hash, and how long the phases take."""
         d = os.path.join(self.work, "reference")

@@ -122,13 +122,7 @@ def trial(c: Campaign, ref: str, t: Trial, kind: str, commit: str, u: float) -> 
                     c.cluster.restart()
         c._finish(p, 120)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    if kind == "failpoint":
-        t.reached = p.returncode == -9
-    if not t.reached:
-        t.detail = f"finished before the fault (exit {p.returncode})"
+        c._crashed(t, p, kind == "failpoint")
     # run on to the end (a server kill may fail a resume's first try: once more after it)
     for attempt in range(3):
         p = c._spawn(cmd, d)
