@@ -410,6 +410,9 @@ def _journal_damage(r: dict) -> list[str]:
     def fate(d: dict) -> str:
         if d.get("kind") == "s":
             return "an AppendLog segment: a checkpoint counting its items walks back"
+        if d.get("kind") == "batch":
+            from .journal import FRAMING_FATE
+            return FRAMING_FATE
         return "its step runs again"
     return [f"  DAMAGED at byte {d['at']} of {r['ref']}: {d['reason']} ({fate(d)})" for d in r["damaged"]]
 

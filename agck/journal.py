@@ -68,6 +68,8 @@ log = logging.getLogger("agck.journal")
 
 COMMITS = ("sync", "group")
 _MAX_MS = 86_400_000          # a day: the longest a group commit waits (a larger wait overflows the clock)
+# FORMAT.md 17.9: a damaged batch header alone; its records verify and are read
+FRAMING_FATE = "a batch header only: the records after it verify and are read, nothing is lost"
 _OPEN: "weakref.WeakValueDictionary[str, Journal]" = weakref.WeakValueDictionary()   # unshared journals, by log
 _OPEN_LOCK = threading.Lock()
 
@@ -137,8 +139,11 @@ class Journal:
                 self._ends.setdefault(key, e.index)
             # "s": a segment of an AppendLog (agck.applog), not a step. The first of a key decides: rule 17.4
         for off, why in found.damaged:
-            if not _healed(journalrec.identity_at(data, off), self._results, self._items, self._ends):
-                self._report(f"{self.ref}, byte {off} of the records after position {self._pos}: {why}")
+            where = f"{self.ref}, byte {off} of the records after position {self._pos}: {why}"
+            if journalrec.framing_only(found, off):
+                self._report(where, FRAMING_FATE)
+            elif not journalrec.healed(found, data, off):
+                self._report(where)
         if found.end == len(data):
             self._pos = end
         elif self.store.log_positions_are_bytes:
@@ -147,9 +152,9 @@ class Journal:
             self._report(f"{self.ref}: the records after position {self._pos} end in a record cut short")
             self._pos = end
 
-    def _report(self, what: str) -> None:
+    def _report(self, what: str, fate: str = "its step runs again") -> None:
         self.damaged.append(what)
-        log.warning("journal %s: damaged, its step runs again: %s", self.run, what)
+        log.warning("journal %s: damaged, %s: %s", self.run, fate, what)
 
     def _value(self, name: str, stored: tuple[str, bytes]) -> tuple[bool, Any]:
         try:
@@ -534,8 +539,11 @@ def inspect_journal(store: Store, run: str, *, decode: bool = True) -> dict:
         names[name] = names.get(name, 0) + 1
     damaged, healed = [], []
     for off, why in found.damaged:
+        if journalrec.framing_only(found, off):
+            damaged.append({"at": off, "reason": why, "kind": "batch"})
+            continue
         who = journalrec.identity_at(data, off)
-        (healed if _healed(who, results, items, ends) else damaged).append(
+        (healed if journalrec.healed(found, data, off) else damaged).append(
             {"at": off, "reason": why, "kind": who[0] if who else None})
     damaged += undecodable
     return {"run": run, "ref": store.log_ref(run), "bytes": len(data), "records": len(found.entries),
@@ -543,18 +551,3 @@ def inspect_journal(store: Store, run: str, *, decode: bool = True) -> dict:
             "streams": len(set(items) | set(ends)), "streams_complete": len(ends),
             "log_segments": dict(sorted(segments.items())),
             "damaged": sorted(damaged, key=lambda d: d["at"]), "healed": healed, "torn_tail": found.torn}
-
-
-def _healed(identity: tuple | None, results, items, ends) -> bool:
-    """FORMAT.md 17.9: whether a damaged record (``identity``: :func:`agck.journalrec.identity_at`) was
-    written again whole: its step's result, item or end is in the log, so nothing it
-    held is lost (a damaged AppendLog segment is judged by the checkpoints that count it)."""
-    if identity is None:
-        return False
-    kind, name, key, index = identity
-    k = (name, key)
-    if kind == "r":
-        return k in results
-    if kind == "i":
-        return index in items.get(k, ())
-    return kind == "e" and k in ends

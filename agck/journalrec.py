@@ -254,6 +254,38 @@ def scan(buf, start: int = 0, *, tears: bool = True) -> Scan:
     return Scan(entries, damaged, end, torn)
 
 
+def framing_only(found: Scan, at: int) -> bool:
+    """Whether the damaged region at ``at`` is a batch header alone (FORMAT.md 17.9): a
+    record that verifies starts right after its 16 bytes, so the records it framed are
+    read and nothing of them is lost; no step holds it, so it is never healed."""
+    return any(off == at + BATCH_HEAD_SIZE for off, _ in found.entries)
+
+
+def healed(found: Scan, buf, at: int) -> bool:
+    """FORMAT.md 17.9: whether the damaged record at ``at`` (in ``buf``, as ``found`` read
+    it) was written again whole since: a record that verifies, after it, holds its
+    step's result; or, for an item or an end, after it the same item or end, and its
+    stream is whole (an end, and every item it counts). The stream's rule catches rot
+    in an item's index, which reads as a sibling's: its own item is then missing. A
+    damaged AppendLog segment is judged by the checkpoints that count it (17.11)."""
+    who = identity_at(buf, at)
+    if who is None:
+        return False
+    kind, name, key, index = who
+    mine = [(off, e) for off, e in found.entries if e.name == name and e.key == key]
+    later = [e for off, e in mine if off > at]
+    if kind == "r":
+        return any(e.kind == "r" for e in later)
+    if kind not in ("i", "e"):
+        return False
+    ends = [e.index for _, e in mine if e.kind == "e"]
+    if not ends or not set(range(ends[0])) <= {e.index for _, e in mine if e.kind == "i"}:
+        return False
+    if kind == "i":
+        return index < ends[0] and any(e.kind == "i" and e.index == index for e in later)
+    return any(e.kind == "e" for e in later)
+
+
 def identity_at(buf, at: int) -> tuple | None:
     """Which record damaged bytes at ``at`` held, if the fields before its value can still
     be read (no check: for telling when it was written again, FORMAT.md 17.9): (kind,

@@ -27,13 +27,17 @@ disturb each other):
 * ``chunkrot``   (:mod:`crashtests.chunkrot`) stored chunks of a frozen base damaged
                  between checkpoints, then detected;
 * ``journal``    (:mod:`crashtests.journalfault`) step journals SIGKILLed, killed at fail
-                 points, under a Postgres server kill, or power-cut on SimFS, then resumed;
+                 points, under a Postgres server kill, or power-cut (SimFS, and the preload
+                 shim under the file and SQLite stores), then resumed;
 * ``failover``   (:mod:`crashtests.pgfailover`) the Postgres primary SIGKILLed during puts,
                  its synchronous standby promoted, the store carrying on or the pipeline resumed;
 * ``dbpower``    (:mod:`crashtests.dbpower`) the power cut under SQLite and a Postgres server
                  (unsynced writes dropped or torn by an LD_PRELOAD shim), then reopened;
 * ``applog``     (:mod:`crashtests.applogfault`) a snapshotted pipeline holding an AppendLog
-                 SIGKILLed, or killed between a segment and its checkpoint, then resumed.
+                 SIGKILLed, or killed between a segment and its checkpoint, then resumed;
+* ``journalrot`` (:mod:`crashtests.journalrot`) one bit of an acknowledged journal record
+                 flipped where it is stored; every reader must report it, the resume run
+                 that step alone again.
 
 Profiles. ``cfg.profile`` sizes the workload's state: ``small`` (about 355 KiB) or
 ``large`` (about 190 MiB more: :data:`crashtests.workload.LARGE`), passed to every
@@ -400,7 +404,10 @@ class Campaign:
         self._check_store(t, checker.check_library, self.ref["full"])
 
     def _check_store(self, t: Trial, check, ref) -> None:
-        """``check(store, t, ref)`` on ``t``'s store, opened for it and closed after."""
+        """``check(store, t, ref)`` on ``t``'s store, opened for it and closed after; on
+        Postgres, only once the trial's workload backends are gone (their transactions settled)."""
+        if t.store in PG_STORES:
+            self._wait_backend_gone(t)
         store = self._open(t.url)
         try:
             check(store, t, ref)
@@ -617,8 +624,8 @@ class Campaign:
     def execute(self) -> None:
         """Every configured trial run, checked and classified."""
         # the fault kinds' modules import this one: imported once it is whole
-        from . import (applogfault, chunkrot, corrupt, dbpower, dist, journalfault, kill, netcut, pgfailover, pgkill,
-                       pgload, powerloss, s3kill, stale)
+        from . import (applogfault, chunkrot, corrupt, dbpower, dist, journalfault, journalrot, kill, netcut,
+                       pgfailover, pgkill, pgload, powerloss, s3kill, stale)
         cfg = self.cfg
         try:
             self.setup()
@@ -638,6 +645,7 @@ class Campaign:
             chunkrot.trials(self)
             journalfault.trials(self)
             applogfault.trials(self)
+            journalrot.trials(self)
             self.cli_checks()
             self.resumes()
             if self.own.summary():

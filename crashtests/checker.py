@@ -34,7 +34,8 @@ OUTCOMES = ("ok", "indeterminate", "lost", "corrupt", "error")
 SKIPPED = "skipped"     # the outcome of a trial that never started: no outcome of the code under test
 STORES = ("file", "sqlite", "postgres", "s3", "pgs3")   # pgs3: a Postgres catalog, chunks in SeaweedFS
 FAULTS = ("kill", "failpoint", "pgkill", "pgload", "s3kill", "netcut", "powerloss", "corrupt", "stale", "dist",
-          "distpower", "chunkrot", "journal", "failover", "dbpower", "applog")
+          "distpower", "chunkrot", "journal", "failover", "dbpower", "applog",
+          "journalrot")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -63,6 +64,7 @@ class Trial:
     reasons: list = field(default_factory=list)
     detail: str = ""
     skipped: bool = False           # never started (the campaign's time limit): not judged
+    hung: bool = False              # a workload did not end in time after its fault and was killed: an error
     load: dict | None = None        # a pgload trial: its runs, their last step, acknowledged, lost, corrupt
     profile: str = "small"          # the workload's state: small, or large (crashtests.workload.LARGE)
 
@@ -222,6 +224,8 @@ def classify(t: Trial) -> str:
             reasons.append(f"recovered step {rec}, expected {exp}")
     if t.unreadable:
         lost = True
+    if t.hung:
+        error = True
     if t.hash_ok is False and rec != "raised":
         corrupt = True
     if t.cli_step != "unchecked" and rec != "raised":

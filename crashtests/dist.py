@@ -30,7 +30,7 @@ import subprocess
 import time
 
 from . import checker
-from .campaign import PG_STORES, PREFIX, STORES, Campaign, _log
+from .campaign import PREFIX, STORES, Campaign, _log
 from .checker import Trial
 
 KINDS = ("kill-one", "kill-all", "failpoint", "stale")
@@ -176,8 +176,6 @@ def trial(c: Campaign, t: Trial, kind: str, rank: int, spec: str | None, mode: s
         t.detail = f"ranks exited {codes}: {c._stderr(os.path.join(d, f'r{rank}'))[-300:]}"
         t.reasons.append(f"the job failed on its own (exit codes {codes})")
         t.recovered = "raised"
-    if t.store in PG_STORES:
-        c._wait_backend_gone(t)
     t.acked = sorted(_acked(c, d))
     c._check_store(t, checker.check_sharded, c.dist_ref["full"])
 
@@ -239,8 +237,6 @@ def stale_trial(c: Campaign, t: Trial, mode: str) -> None:
     ok = finals == c.dist_ref["final"]
     t.resume = {"ok": ok, "from": resumed_from,
                 "why": None if ok else f"final hashes {finals} (uninterrupted {c.dist_ref['final']})"}
-    if t.store in PG_STORES:
-        c._wait_backend_gone(t)
     after = _acked(c, d_old)
     t.acked = sorted(after | _acked(c, d_new))
     c._check_store(t, checker.check_sharded, c.dist_ref["full"])

@@ -11,7 +11,12 @@ what its store can suffer:
                  random instant, then restarted (Postgres);
 * ``powerloss``  the file store on SimFS, the power cut at operation N and the
                  post-crash image built with the unsynced writes dropped, partly
-                 applied, reordered or torn (in-process).
+                 applied, reordered or torn (in-process);
+* ``shimcut``    the workload's own file or SQLite store (a directory of the trial)
+                 under the preload shim (:mod:`crashtests.powercut`), SIGKILLed at a
+                 random instant, then its files left as a power cut would have left
+                 them (unsynced writes dropped, a prefix, torn or a subset; the mode
+                 goes round per trial).
 
 then runs the workload again to the end on what survived. A trial is judged:
 
@@ -37,12 +42,12 @@ import sys
 import tempfile
 import time
 
-from . import journalwork
+from . import checker, journalwork, powercut
 from .campaign import Campaign, _log
 from .checker import Trial
 
 STORES = ("file", "sqlite", "postgres", "s3")
-KINDS = {"file": ("kill", "failpoint", "powerloss"), "sqlite": ("kill", "failpoint"),
+KINDS = {"file": ("kill", "failpoint", "powerloss", "shimcut"), "sqlite": ("kill", "failpoint", "shimcut"),
          "postgres": ("kill", "failpoint", "pgkill"), "s3": ("kill", "failpoint")}
 POINTS = {"file": ("journal.file.before_write", "journal.file.before_sync", "journal.file.after_sync"),
           "sqlite": ("journal.sqlite.before_commit", "journal.sqlite.after_commit"),
@@ -81,12 +86,12 @@ def trials(c: Campaign) -> None:
             c.revive_cluster()
 
 
-def reference() -> str:
+def reference(steps: int = STEPS) -> str:
     """The hash of an uninterrupted run's values (in-process, on a fresh file store)."""
     from agck.journal import Journal
     with tempfile.TemporaryDirectory(prefix="agck-journal-ref-") as d:
         with Journal(os.path.join(d, "s"), "ref", commit="group") as j:
-            return journalwork.pipeline(j, STEPS, lambda _: None, lambda _: None)
+            return journalwork.pipeline(j, steps, lambda _: None, lambda _: None)
 
 
 def trial(c: Campaign, ref: str, t: Trial, kind: str, commit: str, u: float) -> None:
@@ -95,6 +100,8 @@ def trial(c: Campaign, ref: str, t: Trial, kind: str, commit: str, u: float) -> 
     t.point = f"{kind}/{commit}"
     if kind == "powerloss":
         return _powerloss(c, ref, t, commit, d, u)
+    if kind == "shimcut":
+        return _shimcut(c, ref, t, commit, d, u)
     url = c._client_url(t)
     cmd = [sys.executable, "-m", "crashtests.journalwork", url, t.run, d, commit, str(STEPS), str(SLEEP)]
     fp = None
@@ -123,7 +130,12 @@ def trial(c: Campaign, ref: str, t: Trial, kind: str, commit: str, u: float) -> 
         c._finish(p, 120)
     finally:
         c._crashed(t, p, kind == "failpoint")
-    # run on to the end (a server kill may fail a resume's first try: once more after it)
+    _resume(c, ref, t, cmd, d)
+
+
+def _resume(c: Campaign, ref: str, t: Trial, cmd: list, d: str) -> None:
+    """Run the crashed pipeline ``cmd`` on to its end, then judge the trial."""
+    # (a server kill may fail a resume's first try: once more after it)
     for attempt in range(3):
         p = c._spawn(cmd, d)
         hung = c._finish(p, 180)
@@ -154,6 +166,43 @@ def _wait_ran(p: subprocess.Popen, d: str, timeout: float = 120) -> None:
         if os.path.exists(path) and os.path.getsize(path) > 12:
             return
         time.sleep(0.005)
+
+
+def _shimcut(c: Campaign, ref: str, t: Trial, commit: str, d: str, u: float) -> None:
+    reason = powercut.available()
+    if reason:
+        t.skipped = True
+        t.detail = f"the preload shim is not available: {reason}"
+        return
+    tracked = os.path.join(d, "store")
+    os.makedirs(tracked)
+    t.url = tracked if t.store == "file" else f"sqlite:///{tracked}/s.db"
+    log = os.path.join(d, "cut.log")
+    cmd = [sys.executable, "-m", "crashtests.journalwork", t.url, t.run, d, commit, str(STEPS), str(SLEEP)]
+    err = open(os.path.join(d, "stderr"), "wb")
+    try:
+        p = subprocess.Popen(cmd, cwd=checker.REPO, env=powercut.env(c._env(), tracked, log),
+                             stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL)
+    finally:
+        err.close()
+    try:
+        _wait_ran(p, d)
+        try:
+            p.wait(timeout=u * STEPS * SLEEP * 1.5)
+            t.detail = "finished before the kill"
+        except subprocess.TimeoutExpired:
+            t.reached = True
+    finally:
+        c._crashed(t, p, False)
+    if p.returncode not in (0, -9):
+        t.reasons.append(f"the workload failed under the shim (exit {p.returncode}): {c._stderr(d)[-400:]}")
+        t.recovered = "raised"
+        return
+    mode = powercut.MODES[t.id % len(powercut.MODES)]
+    cut = powercut.cut(tracked, log, mode, c.rng)
+    t.reached = True        # the cut itself is the fault, killed mid-run or not
+    t.point += f" {mode}: {cut['unsynced']} unsynced ops, {cut['dropped']} dropped, {cut['torn']} torn"
+    _resume(c, ref, t, cmd, d)
 
 
 def _powerloss(c: Campaign, ref: str, t: Trial, commit: str, d: str, u: float) -> None:

@@ -24,7 +24,7 @@ import signal
 import subprocess
 import time
 
-from .campaign import PG_STORES, PREFIX, Campaign, _log
+from .campaign import PREFIX, Campaign, _log
 from .checker import Trial
 
 
@@ -108,8 +108,6 @@ def trial(c: Campaign, t: Trial, spec: str | None, mode: str) -> None:
             with c._lock:
                 c.est[t.store] = max(c.est[t.store], took * 1.05)
         t.detail = "finished before the fault"
-    if t.store in PG_STORES:
-        c._wait_backend_gone(t)
     c._check(t, d)
     c.own.done(t)
 

@@ -83,7 +83,7 @@ def trial(c: Campaign, t: Trial, client_url: str) -> None:
             t.detail = "the workload finished before the first cut"
         if c._finish(p, 300):
             t.reasons.append("the workload hung after the connections were cut")
-            t.recovered = "raised"
+            t.hung = True
         if p.returncode not in (0, None):
             err = c._stderr(d).strip()
             t.detail = f"workload exited {p.returncode} after {cuts} cuts: {err.splitlines()[-1][:200] if err else ''}"

@@ -90,6 +90,7 @@ def trial(c: Campaign, t: Trial, i: int) -> None:
         for p in procs:
             if c._finish(p, 300):
                 t.reasons.append("a workload process hung")
+                t.hung = True
     finally:
         for p in procs:
             c._finish(p, 0)

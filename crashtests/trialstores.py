@@ -84,7 +84,7 @@ class TrialStores:
         """A line for the report: how many stores were made and dropped; None when none was made."""
         if not self._n:
             return None
-        return (f"{self._n} trial stores of their own (large profile): {len(self._gone)} dropped after their "
+        return (f"{self._n} trial stores of their own: {len(self._gone)} dropped after their "
                 f"`agck recover` cross-check, {sum(self._kept.values())} kept for the resumes and rechecks")
 
     def done(self, t) -> None:

@@ -666,6 +666,68 @@ def test_an_acknowledged_record_damaged_later_is_reported_by_every_reader(tmp_pa
         assert j.damaged == [] and calls == [which]
 
 
+@pytest.mark.parametrize("byte", range(jr.BATCH_HEAD_SIZE))
+def test_a_damaged_batch_header_alone_loses_nothing_and_stays_reported(tmp_path, byte, capsys):
+    """FORMAT.md 17.9: a bit flipped in any byte of a batch header whose records verify:
+    the records are read (no step runs again), and the damage is reported as kind
+    `batch` by every reader, before and after more appends (never taken as healed)."""
+    from agck.cli import main as cli
+    from agck.journal import FRAMING_FATE
+    url = str(tmp_path / "s")
+    with Journal(url, "r") as j:
+        for x in range(3):
+            j.step("f", lambda x: x + 1, x)
+    store = agck.open_store(url)
+    path = store.log_ref("r")
+    raw = bytearray(open(path, "rb").read())
+    second = jr.scan(bytes(raw)).entries[1][0] - jr.BATCH_HEAD_SIZE
+    raw[second + byte] ^= 0x04
+    open(path, "wb").write(bytes(raw))
+    for appended in range(2):
+        capsys.readouterr()
+        assert cli(["journal", url, "--run", "r"]) == 1
+        assert FRAMING_FATE in capsys.readouterr().out
+        assert cli(["journal", url, "--run", "r", "--json"]) == 1
+        rep = json.loads(capsys.readouterr().out)[0]
+        assert [d["kind"] for d in rep["damaged"]] == ["batch"] and rep["healed"] == [] and rep["results"] == 3 + appended
+        assert cli(["verify", url, "--json"]) == 1
+        calls = []
+        with Journal(url, "r") as j:
+            assert [j.step("f", lambda x: calls.append(x) or x + 1, x) for x in range(4)] == [1, 2, 3, 4]
+            assert calls in ([], [3]) and len(j.damaged) == 1 and FRAMING_FATE not in j.damaged[0]
+
+
+def test_rot_in_an_items_index_is_not_taken_for_a_sibling_written_again(tmp_path):
+    """FORMAT.md 17.9: a bit flipped in item 0's index makes it read as item 1, which a
+    later record holds: it must still be reported (the stream is not whole), and its
+    stream runs again; once the stream is whole again it is healed."""
+    url = str(tmp_path / "s")
+
+    def items(n):
+        yield from range(n)
+    with Journal(url, "r") as j:
+        assert list(j.stream("g", items, 3)) == [0, 1, 2]
+    store = agck.open_store(url)
+    path = store.log_ref("r")
+    raw = bytearray(open(path, "rb").read())
+    off, e = jr.scan(bytes(raw)).entries[0]
+    assert e.kind == "i" and e.index == 0
+    raw[off + jr.HEAD_SIZE + 1 + 2 + 2 + 18] ^= 1     # array, "i", "g", the key: then the index, 0
+    open(path, "wb").write(bytes(raw))
+    assert jr.identity_at(bytes(raw), off)[3] == 1
+    ran = []
+
+    def counted(n):
+        for k in range(n):
+            ran.append(k)
+            yield k
+    with Journal(url, "r") as j:
+        assert len(j.damaged) == 1
+        assert list(j.stream("g", counted, 3)) == [0, 1, 2] and ran == [0, 1, 2]
+    rep = agck.journal.inspect_journal(store, "r")
+    assert rep["damaged"] == [] and len(rep["healed"]) == 1
+
+
 def test_a_step_or_stream_that_calls_itself_is_refused_not_a_hang(tmp_path):
     """Re-entrant calls with the same inputs in one thread would wait for their own result
     forever: each is one UsageError, and the journal goes on working after it."""
