@@ -23,6 +23,15 @@ PG_DSN_DEFAULT = "postgresql://postgres@127.0.0.1:5432/test"
 # object store started for the session; "s3-moto": moto's server, a second S3 implementation;
 # "postgres-s3": a Postgres catalog whose chunks are in the SeaweedFS server (agck_objects)
 BACKENDS = ("file", "sqlite", "postgres", "s3", "postgres-s3")
+# AGCK_FULL=1 (scripts/full_suite) runs every combination of the multi-process matrices; CI runs
+# each store once in each, the crash campaign's dist trials covering the rest on every store
+FULL = os.environ.get("AGCK_FULL") == "1"
+
+
+def ci_subset(combination: tuple, chosen: set) -> None:
+    """Skip ``combination`` of a multi-process matrix unless it is ``chosen`` or AGCK_FULL=1."""
+    if not FULL and combination not in chosen:
+        pytest.skip("one of the full matrix's combinations: AGCK_FULL=1 (scripts/full_suite) runs it")
 # the contract suite (test_store_contract.py) also runs on a second S3 implementation, so no
 # SeaweedFS quirk becomes an assumption
 CONTRACT_BACKENDS = BACKENDS + ("s3-moto",)
