@@ -279,3 +279,109 @@ print("done", flush=True)
     with agck.open_store(url, grace=0) as s:
         s.collect_garbage()
         assert [o.key for o in s.c.list("runs/m/data/")] == []
+
+
+# -- hostile inputs at the object store's surface ------------------------------------------
+
+SECRET = "SECRETxyzzy42"
+
+
+def _cli(argv, env_extra=None, timeout=120):
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "agck.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("bad", [f"s3://AKIAQQ:{SECRET}@bucket/p?endpoint=http://127.0.0.1:9",
+                                 f"s3://bucket/p?endpoint=http://AKIAQQ:{SECRET}@127.0.0.1:9",
+                                 f"s3://bucket/p?endpoint=http%3A%2F%2FAKIAQQ%3A{SECRET}%40127.0.0.1%3A9"])
+def test_credentials_in_a_url_are_refused_and_never_shown(bad):
+    with pytest.raises(UsageError) as e:
+        agck.open_store(bad)
+    assert SECRET not in str(e.value) and "credentials" in str(e.value)
+    r = _cli(["ls", bad])
+    assert r.returncode == 2 and SECRET not in r.stdout + r.stderr, r
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr
+    # nor through a catalog: refused before anything reaches the database
+    dsn = os.environ.get("AGCK_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+    from urllib.parse import quote
+    with pytest.raises(UsageError) as e:
+        agck.open_store(f"{dsn}{'&' if '?' in dsn else '?'}agck_objects={quote(bad, safe='')}")
+    assert SECRET not in str(e.value)
+
+
+@pytest.mark.parametrize("env, query", [({"AWS_REGION": "us-east-1\r"}, ""), ({}, "&region=us-east-1%0D"),
+                                        ({"AWS_ACCESS_KEY_ID": "AKIA\r"}, ""),
+                                        ({"AWS_SECRET_ACCESS_KEY": SECRET + "\r"}, ""),
+                                        ({"AWS_SESSION_TOKEN": "tok\nen"}, "")])
+def test_header_values_are_checked_before_the_client_sees_them(url, env, query):
+    """Values that cannot go in an HTTP header made the client panic (a Rust panic and a
+    traceback, exit 1): now one UsageError line naming where the value came from."""
+    r = _cli(["ls", url + query], env)
+    assert r.returncode == 2, r
+    assert "Traceback" not in r.stderr and "panicked" not in r.stderr and SECRET not in r.stderr, r.stderr
+    assert ("region" in r.stderr.lower()) or any(k in r.stderr for k in env), r.stderr
+
+
+def test_a_missing_profile_is_one_clear_error(url):
+    r = _cli(["ls", url + "&profile=nope-no-such"])
+    assert r.returncode == 2 and "no AWS profile named 'nope-no-such'" in r.stderr and "Traceback" not in r.stderr, r
+
+
+@pytest.mark.parametrize("query, msg", [("?endpoint=", "empty endpoint"), ("&region=a&region=b", "more than once"),
+                                        ("&allow_http=maybe", "neither true nor false"),
+                                        ("&read_timeout=0", "seconds"), ("&retry_for=inf", "seconds"),
+                                        ("&connect_timeout=x", "seconds")])
+def test_parameters_that_mean_nothing_are_refused(url, query, msg):
+    with pytest.raises(UsageError, match=msg):
+        agck.open_store(url.partition("?")[0] + query if query.startswith("?") else url + query)
+
+
+def test_a_server_that_never_answers_fails_within_the_stated_bound():
+    """A server that accepts connections and never answers: `agck ls` was silent for more
+    than 900 s. Every request is bounded (TIMEOUTS; settable per URL): with 1 s read and
+    2 s retry timeouts it fails in seconds, with one line; the defaults bound it under a minute."""
+    import socket
+    import time
+    from agck.stores.objclient import TIMEOUTS
+    assert TIMEOUTS["retry_for"] + TIMEOUTS["read_timeout"] < 60
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held = []
+    stop = threading.Event()
+
+    def accept():
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                pass
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        port = listener.getsockname()[1]
+        t0 = time.monotonic()
+        r = _cli(["ls", f"s3://bucket/p?endpoint=http://127.0.0.1:{port}&read_timeout=1&retry_for=2"
+                        "&connect_timeout=1"], timeout=60)
+        took = time.monotonic() - t0
+        assert r.returncode not in (0, 1) and "Traceback" not in r.stderr, r
+        assert len(r.stderr.strip().splitlines()) <= 2, r.stderr
+        assert took < 20, took
+    finally:
+        stop.set()
+        listener.close()
+        for c in held:
+            c.close()
+
+
+def test_a_refusal_with_a_4xx_is_definite_and_names_its_code(seaweed):
+    """A 400 is an answer: nothing was written. It was a DurabilityError ("may or may not
+    have been written") with the S3 code cut off."""
+    from agck.errors import DurabilityError, StoreError
+    base = s3_url(seaweed)
+    query = base.partition("?")[2]
+    with pytest.raises(StoreError) as e:
+        with agck.open_store(f"s3://Bad_Bucket/p?{query}") as s:
+            s.put("r", 1, {"x": np.arange(3)})
+    assert not isinstance(e.value, DurabilityError) and "400" in str(e.value), e.value

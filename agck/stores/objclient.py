@@ -9,7 +9,8 @@ a prefix, delete. Errors become agck's: a write that failed without an answer
 cannot be reached is a :class:`StoreConnectionError`. A request that failed
 without an answer from the server (a connection reset or refused, a timeout) is
 sent again, :data:`TRANSPORT_RETRIES` times with a growing pause, on top of the
-client's own retries: every request here may be repeated (a create-only PUT whose
+client's own retries, while ``retry_for`` seconds have not passed (:data:`TIMEOUTS`:
+every request is bounded): every request here may be repeated (a create-only PUT whose
 first try went through answers "exists" the second time, and its callers ask
 whether the object there is theirs).
 
@@ -18,11 +19,14 @@ optional parameters (``endpoint``, ``region``, ``profile``, ``allow_http``),
 then the usual environment (``AWS_ENDPOINT_URL``, ``AWS_REGION``,
 ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``,
 ``AWS_PROFILE`` through boto3 when it is installed). Credentials are never part
-of ``url`` or of any message.
+of ``url`` or of any message: a URL or endpoint carrying them is refused, and
+values that cannot go in an HTTP header are refused by name before the client
+(which panics on them) sees them. A 4xx answer is a refusal, not an uncertain write.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import threading
@@ -30,15 +34,26 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator
-from urllib.parse import parse_qsl, unquote
+from urllib.parse import parse_qsl, quote, unquote
 
 from .. import thresholds
 from ..errors import DependencyError, DurabilityError, StoreConnectionError, StoreError, UsageError
 
 SCHEMES = ("s3://",)
 _STATUS_RE = re.compile(r"status(?: code)?[:= ]+(\d{3})", re.IGNORECASE)
+# How long a request may take, in seconds: settable per URL (``?read_timeout=5``). A request
+# with no answer is cut after ``read_timeout`` without a byte (reset at each byte: a slow
+# transfer of a large object is not cut), a connection not made in ``connect_timeout`` is given
+# up, and a request without an answer is sent again only until ``retry_for`` has passed since
+# its first try: a server that accepts connections and never answers fails in about
+# retry_for + read_timeout (55 s by default), one that is down in about retry_for.
+TIMEOUTS = {"connect_timeout": 5.0, "read_timeout": 15.0, "retry_for": 40.0}
 # URL parameters agck reads itself; any other is refused by name (a typo must not be ignored).
-_PARAMS = ("endpoint", "region", "profile", "allow_http")
+_PARAMS = ("endpoint", "region", "profile", "allow_http", *TIMEOUTS)
+_BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+# what may go in an HTTP header of a signed request (the client panics on anything else)
+_HEADER_SAFE = re.compile(r"[\x21-\x7e]+")
+_CREDENTIAL_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 MULTIPART_PART = thresholds.MULTIPART_PART        # bytes per part of a multipart upload
 MULTIPART_MIN = thresholds.MULTIPART_MIN        # below this an object goes up in one request
 UPLOAD_CONCURRENCY = 8          # parts in flight per multipart upload
@@ -56,21 +71,95 @@ class ObjectInfo:
     modified: float          # the server's clock, seconds since the epoch
 
 
+def redact_url(url: str) -> str:
+    """``url`` with any credentials taken out: userinfo before an s3:// bucket, and in an
+    ``endpoint`` parameter (for messages: agck refuses both, never sends or stores them)."""
+    def strip(u: str) -> str:
+        scheme, sep, rest = u.partition("://")
+        if not sep:
+            return u
+        head, tail = re.match(r"([^/?#]*)(.*)\Z", rest, re.DOTALL).groups()
+        return f"{scheme}://{head.rpartition('@')[2]}{tail}"
+    base, sep, query = url.partition("?")
+    if not sep:
+        return strip(base)
+    parts = []
+    for p in query.split("&"):
+        k, eq, v = p.partition("=")
+        parts.append(f"{k}={quote(strip(unquote(v)), safe=':/')}" if unquote(k) == "endpoint" and eq else p)
+    return strip(base) + "?" + "&".join(parts)
+
+
 def parse_url(url: str) -> tuple[str, str, dict[str, str]]:
     """(bucket, prefix without slashes at its ends, parameters) of ``s3://bucket/prefix?k=v``."""
     if not url.startswith(SCHEMES):
-        raise UsageError(f"not an object store URL: {url!r}", hint="use s3://bucket/prefix")
+        raise UsageError(f"not an object store URL: {redact_url(url)!r}", hint="use s3://bucket/prefix")
     rest = url[len("s3://"):]
     rest, _, query = rest.partition("?")
     bucket, _, prefix = rest.partition("/")
+    if "@" in bucket:
+        raise UsageError(f"an s3:// URL with credentials before its bucket: {redact_url(url)!r}",
+                         hint="agck never takes credentials from a URL: set AWS_ACCESS_KEY_ID and "
+                              "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in the environment")
     if not bucket:
-        raise UsageError(f"no bucket in {url!r}", hint="use s3://bucket/prefix")
-    params = dict(parse_qsl(query, keep_blank_values=True))
+        raise UsageError(f"no bucket in {redact_url(url)!r}", hint="use s3://bucket/prefix")
+    pairs = parse_qsl(query, keep_blank_values=True)
+    params = dict(pairs)
     unknown = sorted(set(params) - set(_PARAMS))
     if unknown:
         raise UsageError(f"unknown parameter(s) {', '.join(unknown)} in an s3:// URL",
                          hint=f"agck reads {', '.join(_PARAMS)}; credentials come from the environment")
+    twice = sorted({k for k, _ in pairs if sum(1 for j, _ in pairs if j == k) > 1})
+    if twice:
+        raise UsageError(f"parameter(s) {', '.join(twice)} given more than once in an s3:// URL",
+                         hint="give each parameter once")
+    if params.get("endpoint") == "":
+        raise UsageError("an empty endpoint parameter in an s3:// URL",
+                         hint="give ?endpoint=http(s)://host[:port], or leave it out for AWS_ENDPOINT_URL or AWS")
+    if "endpoint" in params:
+        _check_endpoint(params["endpoint"])
+    if "allow_http" in params and params["allow_http"].lower() not in _BOOL:
+        raise UsageError(f"allow_http={params['allow_http']!r} in an s3:// URL is neither true nor false",
+                         hint="give allow_http=true or allow_http=false")
+    if "region" in params:
+        _check_region(params["region"], "the region parameter")
+    for k in TIMEOUTS:
+        if k in params:
+            _seconds_param(k, params[k])
     return bucket, unquote(prefix).strip("/"), params
+
+
+def _seconds_param(name: str, text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not (0 < v <= 3600):
+        raise UsageError(f"{name}={text!r} in an s3:// URL is not a number of seconds above 0 and up to 3600",
+                         hint=f"e.g. {name}={TIMEOUTS[name]:g}")
+    return v
+
+
+def _check_region(region: str, where: str) -> None:
+    if not re.fullmatch(r"[A-Za-z0-9-]{1,64}", region):
+        raise UsageError(f"{where} is not a region name (letters, digits and '-' only): {_shown(region)}",
+                         hint="e.g. us-east-1")
+
+
+def _shown(text: str) -> str:
+    """A value for a message: escaped, cut at 60 characters."""
+    r = repr(text)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _check_credentials_env() -> None:
+    """Credentials in the environment must fit in an HTTP header; named, never shown."""
+    for var in _CREDENTIAL_VARS:
+        v = os.environ.get(var)
+        if v and not _HEADER_SAFE.fullmatch(v):
+            raise UsageError(f"{var} holds a character that cannot go in an HTTP header (a space, a control "
+                             f"character such as a carriage return, or a non-ASCII one)",
+                             hint=f"set {var} again without it (a file with Windows line ends leaves '\\r')")
 
 
 def _check_endpoint(endpoint: str) -> None:
@@ -80,15 +169,16 @@ def _check_endpoint(endpoint: str) -> None:
         u = urlsplit(endpoint)
         ok = u.scheme in ("http", "https") and bool(u.hostname)
         u.port           # raises on a port that is not a number in range
+        userinfo = "@" in u.netloc
     except ValueError:
-        ok = False
+        ok, userinfo = False, "@" in endpoint
+    if userinfo:
+        raise UsageError(f"an endpoint with credentials in it: {redact_url(endpoint)!r}",
+                         hint="agck never takes credentials from a URL: set AWS_ACCESS_KEY_ID and "
+                              "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in the environment")
     if not ok:
-        raise UsageError(f"not an endpoint URL: {endpoint!r}", hint="give http(s)://host[:port], e.g. "
-                                                                   "?endpoint=http://127.0.0.1:8333")
-
-
-def _truthy(v: str) -> bool:
-    return v.lower() in ("1", "true", "yes", "on")
+        raise UsageError(f"not an endpoint URL: {_shown(endpoint)}", hint="give http(s)://host[:port], e.g. "
+                                                                         "?endpoint=http://127.0.0.1:8333")
 
 
 class ObjectClient:
@@ -114,12 +204,17 @@ class ObjectClient:
         endpoint = params.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
             "AWS_ENDPOINT_URL")
         region = params.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if region and "region" not in params:
+            _check_region(region, "AWS_REGION (or AWS_DEFAULT_REGION)")
+        _check_credentials_env()
+        timeouts = {k: _seconds_param(k, params[k]) if k in params else v for k, v in TIMEOUTS.items()}
+        self.timeouts = timeouts
         config: dict = {"conditional_put": "etag"}
         if endpoint:
             _check_endpoint(endpoint)
             config["endpoint"] = endpoint
         config["region"] = region or "us-east-1"
-        allow_http = _truthy(params["allow_http"]) if "allow_http" in params else bool(
+        allow_http = _BOOL[params["allow_http"].lower()] if "allow_http" in params else bool(
             endpoint and endpoint.startswith("http://"))
         provider = None
         profile = params.get("profile") or (None if os.environ.get("AWS_ACCESS_KEY_ID")
@@ -130,15 +225,30 @@ class ObjectClient:
                 from obstore.auth.boto3 import Boto3CredentialProvider
             except ImportError:
                 raise DependencyError("an AWS profile needs boto3 to read it", hint="pip install boto3") from None
-            provider = Boto3CredentialProvider(boto3.Session(profile_name=profile))
+            import botocore.exceptions
+            try:
+                provider = Boto3CredentialProvider(boto3.Session(profile_name=profile))
+            except botocore.exceptions.ProfileNotFound:
+                raise UsageError(f"no AWS profile named {_shown(profile)} (given by "
+                                 f"{'the profile parameter' if 'profile' in params else 'AWS_PROFILE'})",
+                                 hint="name a profile of ~/.aws/config or ~/.aws/credentials, or set "
+                                      "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY") from None
+            except botocore.exceptions.BotoCoreError as e:
+                raise UsageError(f"cannot read the AWS profile {_shown(profile)}: {type(e).__name__}",
+                                 hint="check ~/.aws/config and ~/.aws/credentials") from None
         self.url = f"s3://{bucket}/{prefix}" + (f"?endpoint={endpoint}" if endpoint else "")
         try:
             self._store = _S3(bucket, prefix=prefix or None, config=config, credential_provider=provider,
-                              client_options={"allow_http": allow_http, "connect_timeout": "5s",
-                                              "timeout": "300s"},
-                              retry_config={"max_retries": 4, "retry_timeout": _seconds(60)})
-        except Exception as e:
-            raise StoreConnectionError(f"cannot configure the object store client: {e}", ref=self.url) from None
+                              client_options={"allow_http": allow_http,
+                                              "connect_timeout": _seconds(timeouts["connect_timeout"]),
+                                              "read_timeout": _seconds(timeouts["read_timeout"]),
+                                              "timeout": "3600s"},
+                              retry_config={"max_retries": 3, "retry_timeout": _seconds(timeouts["retry_for"])})
+        except BaseException as e:       # (a Rust panic is a BaseException)
+            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+                raise
+            raise StoreConnectionError(f"cannot configure the object store client: {_first_line(e)}",
+                                       ref=self.url) from None
 
     def child(self, sub: str) -> "ObjectClient":
         """The same bucket, credentials and endpoint, under ``<prefix>/<sub>``."""
@@ -157,12 +267,19 @@ class ObjectClient:
         return [p.rstrip("/") + "/" for p in found["common_prefixes"]]
 
     def _again(self, fn):
-        """``fn()``, sent again while it fails without the server's answer (see the module)."""
+        """``fn()``, sent again while it fails without the server's answer (see the module),
+        until ``retry_for`` seconds have passed since the first try."""
+        deadline = time.monotonic() + self.timeouts["retry_for"]
         for attempt in range(TRANSPORT_RETRIES + 1):
             try:
                 return fn()
-            except Exception as e:
-                if attempt == TRANSPORT_RETRIES or not self._unanswered(e):
+            except BaseException as e:
+                if not isinstance(e, Exception):
+                    if type(e).__name__ == "PanicException":     # the client refused its input by panicking
+                        raise StoreError(f"the object store client failed on its input: {_first_line(e)}",
+                                         hint="check the URL's parameters and the AWS_* environment") from None
+                    raise
+                if attempt == TRANSPORT_RETRIES or not self._unanswered(e) or time.monotonic() >= deadline:
                     raise
                 self._count("retry")
                 time.sleep(0.1 * 2 ** attempt)
@@ -194,6 +311,14 @@ class ObjectClient:
             return StoreConnectionError(f"the object store refused to {doing}: {text}", ref=ref,
                                         hint="check the credentials (AWS_ACCESS_KEY_ID, AWS_PROFILE) and the "
                                              "bucket's policy")
+        status = _status(e)
+        if status is not None and 400 <= status < 500 and status not in (408, 429):
+            code = re.search(r"<Code>([^<]{1,64})</Code>", str(e))
+            return StoreError(f"the object store refused to {doing}: HTTP {status}"
+                              + (f" {code.group(1)}" if code else "")
+                              + (" (nothing was written)" if write else ""), ref=ref,
+                              hint="check the bucket's name, the key's length and the endpoint" if status == 400
+                              else "check the URL and the bucket")
         if write:
             return DurabilityError(f"could not {doing}; it may or may not have been written: {text}", ref=ref,
                                    hint="check that the object store is reachable, then retry")
@@ -282,6 +407,7 @@ class ObjectClient:
         """The objects whose keys start with ``prefix``, in key order (after ``after``)."""
         self._count("list")
         last = after
+        deadline = time.monotonic() + self.timeouts["retry_for"]
         for attempt in range(TRANSPORT_RETRIES + 1):
             try:      # a listing cut off is taken up after the last key it gave
                 for batch in self._ob.list(self._store, prefix, offset=last, chunk_size=1000):
@@ -289,8 +415,13 @@ class ObjectClient:
                         last = m["path"]
                         yield ObjectInfo(m["path"], m["size"], m["last_modified"].timestamp())
                 return
-            except Exception as e:
-                if attempt == TRANSPORT_RETRIES or not self._unanswered(e):
+            except BaseException as e:
+                if not isinstance(e, Exception):
+                    if type(e).__name__ == "PanicException":
+                        raise StoreError(f"the object store client failed on its input: {_first_line(e)}",
+                                         hint="check the URL's parameters and the AWS_* environment") from None
+                    raise
+                if attempt == TRANSPORT_RETRIES or not self._unanswered(e) or time.monotonic() >= deadline:
                     raise self._error(e, prefix, "list objects") from None
                 self._count("retry")
                 time.sleep(0.1 * 2 ** attempt)
@@ -306,11 +437,22 @@ def _seconds(n: float):
     return timedelta(seconds=n)
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def _status(e: BaseException) -> int | None:
+    """The HTTP status the server answered a failed request with, if it did."""
+    m = _STATUS_RE.search(str(e))
+    return int(m.group(1)) if m else None
+
+
 def _no_answer(e: Exception) -> bool:
     """Whether a request failed without a final answer from the server: no HTTP status
     at all (a reset, a refused connection, a timeout), or a 5xx (the server says: again)."""
-    m = _STATUS_RE.search(str(e))
-    return m is None or m.group(1).startswith("5")
+    status = _status(e)
+    return status is None or status >= 500
 
 
 def _unreachable(text: str) -> bool:

@@ -179,6 +179,8 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
         if not isinstance(url, str) or not url:
             raise StoreConnectionError(f"not a Postgres URL: {type(url).__name__}",
                                        hint="use postgresql://user@host:port/dbname")
+        if isinstance(objects, str):
+            parse_url(objects)       # refused before any connection (a URL with credentials never reaches the database)
         self._dsn = url
         self._secrets = _secrets(url)
         self.url = redact_dsn(url)
