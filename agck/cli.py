@@ -155,6 +155,13 @@ def _clip(text: str, width: int = MAX_COLUMN) -> str:
     return text[:width - 1 - tail] + "\u2026" + text[len(text) - tail:]
 
 
+def _shown(text: str, width: int = MAX_COLUMN) -> str:
+    """A name or message from a store, safe for a terminal: every character that does
+    not print (control characters, escapes, CR, NUL, bidi overrides) escaped as Python
+    writes it, and the whole clipped to ``width``."""
+    return _clip("".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text)), width)
+
+
 def _table(rows: list, right: tuple = ()) -> list[str]:
     """``rows`` (lists of cells) as aligned lines: each column as wide as its widest
     cell, cells clipped to MAX_COLUMN; the last column is neither clipped nor padded.
@@ -396,10 +403,10 @@ def _journal_runs(store, run: str | None) -> list[str]:
 
 def _journal_line(r: dict) -> str:
     """What a journal holds (:func:`agck.journal.inspect_journal`), in one line."""
-    steps = ", ".join(f"{n} {k}" for n, k in r["steps"].items())
+    steps = ", ".join(f"{_shown(n)} {k}" for n, k in r["steps"].items())
     return (f"{_n(r['results'], 'result')} ({steps or 'none'}), {_n(r['streams'], 'stream')} "
             f"({r['streams_complete']} complete), "
-            + "".join(f"AppendLog {n} in {_n(k, 'segment')}, " for n, k in r["log_segments"].items())
+            + "".join(f"AppendLog {_shown(n)} in {_n(k, 'segment')}, " for n, k in r["log_segments"].items())
             + _n(r["records"], "record")
             + (f", {_n(len(r['damaged']), 'damaged record')}" if r["damaged"] else "")
             + (f", {_n(len(r['healed']), 'damaged record')} written again since" if r.get("healed") else "")
@@ -414,7 +421,8 @@ def _journal_damage(r: dict) -> list[str]:
             from .journal import FRAMING_FATE
             return FRAMING_FATE
         return "its step runs again"
-    return [f"  DAMAGED at byte {d['at']} of {r['ref']}: {d['reason']} ({fate(d)})" for d in r["damaged"]]
+    return [f"  DAMAGED at byte {d['at']} of {_shown(r['ref'], 300)}: {_shown(d['reason'], 300)} ({fate(d)})"
+            for d in r["damaged"]]
 
 
 def cmd_recover(args) -> int:

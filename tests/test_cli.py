@@ -623,3 +623,21 @@ def test_recover_clean_refuses_a_directory_that_is_not_an_agck_store(tmp_path, c
         assert main(args) == 4
         assert "checkpoints" in capsys.readouterr().err
         assert all(p.exists() for p in mine)
+
+
+def test_names_from_a_store_reach_the_terminal_escaped_and_capped(tmp_path, capsys):
+    """Step and AppendLog names are the user's strings: terminal escapes, CR, NUL,
+    newlines and bidi overrides reached the terminal raw, and a 1 MiB name printed a
+    line of a million characters. Every text command escapes and caps them."""
+    from agck.journal import Journal
+    url = str(tmp_path / "s")
+    evil = "\x1b]0;owned\x07\x1b[2J\r\x00\n\u202e" + "x" * (1 << 20)
+    with Journal(url, "r") as j:
+        j.step(evil, lambda x: x, 1)
+    for argv in (["journal", url], ["ls", url], ["recover", url]):
+        capsys.readouterr()
+        main(argv)
+        out, err = capsys.readouterr()
+        for text in (out, err):
+            assert not any(c in text for c in "\x1b\x07\r\x00\u202e"), (argv, text[:200])
+            assert max(map(len, text.splitlines() or [""])) < 1000, argv
