@@ -351,3 +351,32 @@ def test_a_stale_epoch_cannot_delete_or_prune(store):
     store.delete("r", 1, epoch=new)
     assert store.prune("r", keep_last=1, epoch=new) == [2]
     assert store.steps("r") == [3]
+
+
+def test_bad_arguments_are_one_usage_error_line(store_spec):
+    """Raw Python errors from argument checks (TypeError, ValueError, AttributeError,
+    OverflowError) are one UsageError naming the argument, on every store; the awaitable
+    methods exist on every store."""
+    import asyncio
+    from agck.stores import PutEntry, open_store
+    kind, url, opts = store_spec
+    with pytest.raises(UsageError, match="takes no option 'no_such_option'"):
+        open_store(url, no_such_option=1, **opts)
+    s = open_store(url, **opts)
+    try:
+        for bad in ("ab" * 32, None, 5, [b"short"], ["ab" * 32]):
+            with pytest.raises(UsageError, match="chunk address"):
+                s.quarantine(bad)
+        with pytest.raises(UsageError, match="progress must be callable"):
+            s.scrub(progress="x")
+        for bad in (None, 5, "x"):
+            with pytest.raises(UsageError, match="put_many"):
+                s.put_many(bad)
+            with pytest.raises(UsageError, match="put_many"):
+                asyncio.run(s.aput_many(bad))
+        asyncio.run(s.aput_many([PutEntry("r", 1, {"x": np.arange(3)})]))
+        assert asyncio.run(s.asteps("r")) == [1]
+        assert asyncio.run(s.aread("r", 1)).state["x"].tolist() == [0, 1, 2]
+        assert asyncio.run(s.aread_newest("r")).step == 1
+    finally:
+        s.close()

@@ -481,3 +481,15 @@ def test_errors_about_a_run_say_which_tables_were_searched(pg, pg_dsn, capsys):
     pg.put("r", 1, {"x": 1})
     assert main(["ls", url, "--run", "nope"]) == 4
     assert tables in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option, value, msg", [("pool_timeout", float("inf"), "pool_timeout=inf is not"),
+                                                ("pool_timeout", "5", "pool_timeout must be a number"),
+                                                ("pool_timeout", None, "pool_timeout must be a number"),
+                                                ("pool_timeout", float("nan"), "pool_timeout=nan is not"),
+                                                ("objects", 5, "objects must be an s3:// URL")])
+def test_postgres_options_out_of_range_are_refused_by_name(pg_dsn, pg_schema, option, value, msg):
+    from agck.errors import UsageError
+    from agck.stores.postgres import PostgresStore
+    with pytest.raises(UsageError, match=msg):
+        PostgresStore(pg_dsn, prefix=pg_prefix(), schema=pg_schema, init=True, **{option: value})

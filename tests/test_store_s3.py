@@ -385,3 +385,12 @@ def test_a_refusal_with_a_4xx_is_definite_and_names_its_code(seaweed):
         with agck.open_store(f"s3://Bad_Bucket/p?{query}") as s:
             s.put("r", 1, {"x": np.arange(3)})
     assert not isinstance(e.value, DurabilityError) and "400" in str(e.value), e.value
+
+
+@pytest.mark.parametrize("option, value, msg", [("grace", "1h", "grace must be a number of seconds"),
+                                                ("stale_after", -1, "stale_after=-1 is not"),
+                                                ("grace", float("nan"), "grace=nan is not"),
+                                                ("client", 5, "client must be")])
+def test_s3_options_out_of_range_are_refused_by_name(url, option, value, msg):
+    with pytest.raises(UsageError, match=msg):
+        agck.open_store(url, **{option: value})

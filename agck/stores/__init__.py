@@ -16,9 +16,10 @@ otherwise create a missing one; Postgres creates tables only with ``init=True``)
 
 from __future__ import annotations
 
+import inspect
 import os
 
-from ..errors import DependencyError, StoreConnectionError
+from ..errors import DependencyError, StoreConnectionError, UsageError
 from .base import CheckpointInfo, PutEntry, Store, check_run, check_step
 from .dsn import dsn_secrets, dsn_without_password, is_kv_dsn, redact_dsn, split_agck_params
 
@@ -41,19 +42,31 @@ def open_store(url, *, create: bool = True, **options) -> Store:
     if url.startswith(("postgresql:", "postgres:")) or (not os.path.exists(url) and is_kv_dsn(url)):
         PostgresStore = postgres_store_class()
         url, own = split_agck_params(url)
-        return PostgresStore(url, **{**own, **options})
+        return _construct(PostgresStore, url, {**own, **options})
     if url.startswith("s3://"):
         from .s3 import S3Store
-        return S3Store(url, create=create, **options)
+        return _construct(S3Store, url, dict(options, create=create))
     if url.startswith("sqlite:"):
         from .sqlite import SqliteStore
-        return SqliteStore(url, create=create, **options)
+        return _construct(SqliteStore, url, dict(options, create=create))
     if url.startswith("file://"):
         url = url[len("file://"):]
     elif "://" in url:
         raise StoreConnectionError(f"unknown store scheme {url.split('://')[0]!r}", hint=_URL_HINT)
     from .file import FileStore
-    return FileStore(url, create=create, **options)
+    return _construct(FileStore, url, dict(options, create=create))
+
+
+def _construct(cls, url: str, options: dict) -> Store:
+    """``cls(url, **options)``; an option the store does not take is refused by name (it
+    was Python's TypeError about ``__init__``)."""
+    params = list(inspect.signature(cls.__init__).parameters.values())[2:]     # after self and the URL
+    takes = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    unknown = sorted(set(options) - set(takes))
+    if unknown:
+        raise UsageError(f"{cls.__name__} takes no option {', '.join(map(repr, unknown))}",
+                         hint=f"its options: {', '.join(takes)}")
+    return cls(url, **options)
 
 
 def postgres_store_class():

@@ -11,6 +11,7 @@ a step whose old checkpoint failed verification.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import numbers
@@ -22,6 +23,7 @@ from typing import Any, Collection, Iterable, Sequence
 from typing import ClassVar, Protocol
 
 from .. import checkpoint, format, thresholds
+from ..args import check_addresses, check_callable
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StaleEpochError, UsageError
 from ..names import check_run, check_step
@@ -291,6 +293,23 @@ class Store(ABC):
         ``verify`` may be a :class:`agck.chunking.CheckedChunks` shared by several
         reads: each chunk is then checked against its address once for all."""
 
+    # -- awaitable forms: on Postgres its own (pgasync), here the method on a worker thread --
+    async def aput_many(self, entries: Sequence[PutEntry]) -> list[str]:
+        """:meth:`put_many`, awaited."""
+        return await asyncio.to_thread(self.put_many, check_entries(entries))
+
+    async def aread(self, run: str, step: int, *, verify: bool = True, map_location=None) -> Checkpoint:
+        """:meth:`read`, awaited."""
+        return await asyncio.to_thread(self.read, run, step, verify=verify, map_location=map_location)
+
+    async def aread_newest(self, run: str, *, verify: bool = True, map_location=None) -> Checkpoint | None:
+        """:meth:`read_newest`, awaited."""
+        return await asyncio.to_thread(self.read_newest, run, verify=verify, map_location=map_location)
+
+    async def asteps(self, run: str, *, last: int | None = None) -> list[int]:
+        """:meth:`steps`, awaited."""
+        return await asyncio.to_thread(self.steps, run, last=last)
+
     def read_newest(self, run: str, *, verify: bool = True, map_location=None) -> Checkpoint | None:
         """The checkpoint at the run's newest step, read and verified as :meth:`read`
         reads it (a damaged one raises; :meth:`get` walks back past it instead), or
@@ -394,6 +413,7 @@ class Store(ABC):
         lists it. Returns each address's verdict: ``quarantined``, ``missing`` or
         ``intact`` (its stored bytes match: a misread, left in place). Stores that
         share no content between checkpoints have nothing to quarantine."""
+        addresses = check_addresses(addresses)
         return {}
 
     def quarantined(self) -> list[QuarantinedChunk]:
@@ -406,7 +426,7 @@ class Store(ABC):
         with the checkpoints it breaks; with ``quarantine`` (the default) quarantine
         them (:meth:`quarantine`). Standalone containers hold no shared chunks:
         ``agck verify`` checks them. ``progress(nbytes)`` is called per chunk."""
-        rep = self._scrub(progress)
+        rep = self._scrub(check_callable(progress, "progress"))
         bad = rep.damaged + rep.missing
         if quarantine and bad:
             verdicts = self.quarantine([bytes.fromhex(d.address) for d in bad])
@@ -468,6 +488,8 @@ class Store(ABC):
 
 def check_entries(entries: Sequence[PutEntry]) -> list[PutEntry]:
     """``entries`` of a put_many as a list, their names checked, no (run, step) twice."""
+    if isinstance(entries, (str, bytes, PutEntry)) or not hasattr(entries, "__iter__"):
+        raise UsageError(f"put_many: entries must be a list of agck.stores.PutEntry, not {type(entries).__name__}")
     out, seen = [], set()
     for i, e in enumerate(entries):
         if not isinstance(e, PutEntry):

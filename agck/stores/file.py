@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Collection, Sequence
 
 from .. import checkpoint, durable, format
+from ..args import check_addresses
 from ..checkpoint import Checkpoint
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                       DamagedChunkError,
@@ -379,6 +380,7 @@ class FileStore(Store):
 
     # -- damaged chunks --------------------------------------------------------
     def quarantine(self, addresses) -> dict[bytes, str]:
+        addresses = check_addresses(addresses)
         if not os.path.isdir(self.objects.dir):
             return {bytes(a): "missing" for a in addresses}
         return self.objects.quarantine(bytes(a) for a in addresses)

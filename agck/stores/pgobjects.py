@@ -51,6 +51,7 @@ import psycopg2
 import psycopg2.errors
 
 from .. import failpoints
+from ..args import check_addresses
 from ..errors import DurabilityError
 from . import content, damage, pgschema
 from .pgcopy import COPY_IO_SIZE, ObjectsIn, ObjectsOut
@@ -285,6 +286,7 @@ class SharedObjects:
             self._objects.delete(list(outside))
 
     def quarantine(self, addresses) -> dict[bytes, str]:
+        addresses = check_addresses(addresses)
         wanted = list(dict.fromkeys(bytes(a) for a in addresses))
 
         def body(cur):

@@ -58,6 +58,7 @@ import psycopg2.errors
 import psycopg2.extensions
 
 from .. import failpoints, thresholds
+from ..args import check_seconds
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, DurabilityError,
                       SchemaUninitializedError, StoreConnectionError, StoreError, UsageError)
 from . import content, damage, pgschema
@@ -181,6 +182,10 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
                                        hint="use postgresql://user@host:port/dbname")
         if isinstance(objects, str):
             parse_url(objects)       # refused before any connection (a URL with credentials never reaches the database)
+        elif objects is not None and not isinstance(objects, ObjectChunks):
+            raise UsageError(f"objects must be an s3:// URL (str) or None, not {type(objects).__name__}",
+                             hint="e.g. objects='s3://bucket/prefix'")
+        pool_timeout = check_seconds(pool_timeout, "pool_timeout")
         self._dsn = url
         self._secrets = _secrets(url)
         self.url = redact_dsn(url)

@@ -44,6 +44,7 @@ from typing import Any, Callable, Collection, Iterable
 import xxhash
 
 from .. import checkpoint, chunking, failpoints, thresholds
+from ..args import check_addresses, check_seconds
 from ..checkpoint import Checkpoint
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                       DamagedChunkError, DurabilityError, StoreConnectionError, StoreError, UsageError)
@@ -81,6 +82,8 @@ class S3Store(JournalLogs, Store):
                  client: ObjectClient | None = None, stale_after: float | None = None, grace: float = 3600.0,
                  chunk_grid: int = CHUNK_GRID):
         super().__init__()
+        if client is not None and not isinstance(client, ObjectClient):
+            raise UsageError(f"client must be an agck.stores.objclient.ObjectClient, not {type(client).__name__}")
         self._set_policy(incremental, full_every, min_chunked, verify_reused)
         try:
             self.large = chunking.grid(chunk_grid)
@@ -89,8 +92,9 @@ class S3Store(JournalLogs, Store):
         self.chunk_grid = chunk_grid
         self.c = client or ObjectClient(url)
         self.url = self.c.url
-        self.stale_after = float(stale_after or STALE_AFTER)
-        self.grace = float(grace)      # an unlisted data object younger than this may be a put in flight
+        self.stale_after = STALE_AFTER if stale_after is None else check_seconds(stale_after, "stale_after")
+        # an unlisted data object younger than this may be a put in flight
+        self.grace = check_seconds(grace, "grace", maximum=365 * 86_400.0, zero=True)
         self._states: dict[str, s3log.RunState] = {}
         self._states_lock = threading.Lock()
         self._journal_lock = threading.Lock()
@@ -613,6 +617,7 @@ class S3Store(JournalLogs, Store):
         return key
 
     def quarantine(self, addresses) -> dict[bytes, str]:
+        addresses = check_addresses(addresses)
         addresses = [bytes(a) for a in addresses]
         with self._locked(exclusive=True):
             found = self._read_chunks(addresses)

@@ -60,6 +60,7 @@ from functools import partial
 from typing import Any
 
 from .. import codec, failpoints
+from ..args import check_addresses
 from ..checkpoint import Checkpoint
 from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                       DurabilityError, SchemaMismatchError, StoreConnectionError, StoreError,
@@ -626,6 +627,7 @@ class SqliteStore(TransactionalPuts, Store):
             c.execute(f"DELETE FROM {o} WHERE address = ?", (a,))
 
     def quarantine(self, addresses) -> dict[bytes, str]:
+        addresses = check_addresses(addresses)
         with self._lock:
             c = self._db()
             try:
