@@ -180,10 +180,11 @@ def _unknown_run(command: str, store, run: str) -> _Exit:
                                    f"(runs: {', '.join(store.runs()) or 'none'})")
 
 
-def _nothing_stored(command: str, store) -> _Exit:
-    """A store with no checkpoint at all: verify and recover have nothing to judge, which is not a success."""
+def _nothing_stored(command: str, store, doing: str | None = None) -> _Exit:
+    """A store with no checkpoint at all: verify, recover, scrub and gc have nothing to do,
+    which is not a success."""
     return _Exit(EXIT_UNAVAILABLE, f"agck {command}: {store.where} holds no checkpoints, so there is nothing to "
-                                   f"{command} (check the path: an empty store, or not an agck store)")
+                                   f"{doing or command} (check the path: an empty store, or not an agck store)")
 
 
 def _open(url: str):
@@ -378,6 +379,7 @@ def cmd_journal(args) -> int:
     with _open(args.store) as store:
         runs = store.log_runs()
         if args.run is not None:
+            check_run(args.run)
             if args.run not in runs:
                 raise _Exit(EXIT_UNAVAILABLE, f"agck journal: no journal of run {args.run!r} in {store.where} "
                                               f"(journals: {', '.join(runs) or 'none'})")
@@ -511,6 +513,8 @@ def cmd_gc(args) -> int:
     with _open(args.store) as store:
         got = store.collect_garbage()
         stored = sum(len(store.steps(r)) for r in store.runs()) if got is not None else 0
+        if not stored and not store.log_runs() and (got is None or not (got.deleted_chunks or got.live_chunks)):
+            raise _nothing_stored("gc", store, "collect")
     if got is None:
         _emit(args, {"collected": None}, lambda: f"{store.url}: this store shares no content; nothing to collect")
         return EXIT_OK
@@ -535,6 +539,8 @@ def cmd_scrub(args) -> int:
     with _open(args.store) as store:
         with _progress(None, "scrub", args.quiet, unit="B") as bar:
             rep = store.scrub(quarantine=not args.no_quarantine, progress=bar.update)
+        if not (rep.chunks or rep.listings or rep.damaged or rep.missing or store.runs() or store.log_runs()):
+            raise _nothing_stored("scrub", store)
     def text():
         lines = [f"{_n(rep.chunks, 'chunk')} ({_size(rep.bytes)}) of {_n(rep.listings, 'chunked checkpoint')} "
                  "checked: " + ("no damage" if rep.ok else

@@ -403,13 +403,15 @@ def test_db_takes_the_prefix_in_the_url_and_its_hints_run_verbatim(pg_dsn, pg_sc
     assert code == 2 and "disagrees" in err
 
 
-def test_gc_of_a_directory_that_holds_no_chunks_creates_nothing(tmp_path, capsys):
+def test_gc_and_scrub_of_a_directory_that_is_no_store_create_nothing_and_exit_4(tmp_path, capsys):
+    """As verify and recover do: nothing to judge is not a success (they exited 0)."""
     d = tmp_path / "Documents"
     d.mkdir()
     (d / "notes.txt").write_text("mine")
-    code, out, _ = run_cli(capsys, "gc", d)
-    assert code == 0 and "deleted 0 chunks" in out
-    assert sorted(os.listdir(d)) == ["notes.txt"]
+    for command in ("gc", "scrub"):
+        code, _, err = run_cli(capsys, command, d)
+        assert code == 4 and "holds no checkpoints" in err, (command, err)
+        assert sorted(os.listdir(d)) == ["notes.txt"]
 
 
 # --- what a new user meets first ----------------------------------------------------------------
@@ -623,6 +625,24 @@ def test_recover_clean_refuses_a_directory_that_is_not_an_agck_store(tmp_path, c
         assert main(args) == 4
         assert "checkpoints" in capsys.readouterr().err
         assert all(p.exists() for p in mine)
+
+
+def test_python_dash_m_agck_is_the_command():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "agck", "journal", "/nonexistent", "--run", "../x"],
+                       capture_output=True, text=True)
+    assert r.returncode in (2, 4) and "Traceback" not in r.stderr, r
+    r = subprocess.run([sys.executable, "-m", "agck", "--version"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip(), r
+
+
+def test_journal_with_a_run_name_that_is_not_one_is_a_usage_error(tmp_path, capsys):
+    from agck.journal import Journal
+    with Journal(str(tmp_path / "s"), "r") as j:
+        j.step("f", lambda x: x, 1)
+    code, _, err = run_cli(capsys, "journal", tmp_path / "s", "--run", "../x")
+    assert code == 2 and "invalid run name" in err, err
 
 
 def test_names_from_a_store_reach_the_terminal_escaped_and_capped(tmp_path, capsys):

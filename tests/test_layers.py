@@ -59,7 +59,7 @@ FLOORS = [
     (5, ["agck.recovery", "agck.sharded", "agck.journal", "agck.applog"]),
     (6, ["agck.distributed", "agck.snapshot", "agck.snapshot_run", "agck.capture", "agck.staging", "agck.dcp",
          "agck.integrations"]),
-    (7, ["agck.cli"]),
+    (7, ["agck.cli", "agck.__main__"]),
     (8, ["agck"]),
 ]
 

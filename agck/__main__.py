@@ -1,0 +1,7 @@
+"""``python -m agck``: the ``agck`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
