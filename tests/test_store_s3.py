@@ -394,3 +394,20 @@ def test_a_refusal_with_a_4xx_is_definite_and_names_its_code(seaweed):
 def test_s3_options_out_of_range_are_refused_by_name(url, option, value, msg):
     with pytest.raises(UsageError, match=msg):
         agck.open_store(url, **{option: value})
+
+
+def test_no_credentials_at_all_says_so(url):
+    """With no key, no profile and the metadata service off (AWS_EC2_METADATA_DISABLED, which
+    the tests set), the error says that no credentials were found: it named the instance
+    metadata address and a 403."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") or k in ("AWS_REGION",)}
+    env["AWS_EC2_METADATA_DISABLED"] = "true"
+    r = subprocess.run([sys.executable, "-m", "agck", "ls", url], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 2 and "no AWS credentials" in r.stderr and "169.254" not in r.stderr, r
+
+
+def test_a_prefix_that_is_not_utf8_is_refused_not_replaced():
+    from agck.stores.objclient import parse_url
+    with pytest.raises(UsageError, match="not UTF-8"):
+        parse_url("s3://b/a%FFb")
+    assert parse_url("s3://b/caf%C3%A9")[1] == "café"

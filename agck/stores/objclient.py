@@ -126,7 +126,12 @@ def parse_url(url: str) -> tuple[str, str, dict[str, str]]:
     for k in TIMEOUTS:
         if k in params:
             _seconds_param(k, params[k])
-    return bucket, unquote(prefix).strip("/"), params
+    try:
+        prefix = unquote(prefix, errors="strict")
+    except UnicodeDecodeError:
+        raise UsageError(f"the prefix of {redact_url(url)!r} is not UTF-8 once its %-escapes are decoded",
+                         hint="escape the prefix's UTF-8 bytes, e.g. %C3%A9 for é") from None
+    return bucket, prefix.strip("/"), params
 
 
 def _seconds_param(name: str, text: str) -> float:
@@ -138,6 +143,10 @@ def _seconds_param(name: str, text: str) -> float:
         raise UsageError(f"{name}={text!r} in an s3:// URL is not a number of seconds above 0 and up to 3600",
                          hint=f"e.g. {name}={TIMEOUTS[name]:g}")
     return v
+
+
+def _truth(v: str | None) -> bool:
+    return bool(v) and v.strip().lower() in ("1", "true", "yes", "on")
 
 
 def _check_region(region: str, where: str) -> None:
@@ -207,6 +216,13 @@ class ObjectClient:
         if region and "region" not in params:
             _check_region(region, "AWS_REGION (or AWS_DEFAULT_REGION)")
         _check_credentials_env()
+        if _truth(os.environ.get("AWS_EC2_METADATA_DISABLED")) and not params.get("profile") and not any(
+                os.environ.get(v) for v in ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                                            "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                                            "AWS_CONTAINER_CREDENTIALS_FULL_URI")):
+            raise UsageError("no AWS credentials: none in the environment, no profile, and the instance metadata "
+                             "service is off (AWS_EC2_METADATA_DISABLED)",
+                             hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE")
         timeouts = {k: _seconds_param(k, params[k]) if k in params else v for k, v in TIMEOUTS.items()}
         self.timeouts = timeouts
         config: dict = {"conditional_put": "etag"}
@@ -307,6 +323,10 @@ class ObjectClient:
         ex = self._ob.exceptions
         ref = self.ref(key)
         text = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        if "169.254.169.254" in str(e) or "169.254.170.2" in str(e):
+            return StoreConnectionError(f"no AWS credentials were found to {doing}: none in the environment, no "
+                                        f"profile, and the instance metadata service did not give any", ref=ref,
+                                        hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE")
         if isinstance(e, (PermissionError, ex.PermissionDeniedError, ex.UnauthenticatedError)):
             return StoreConnectionError(f"the object store refused to {doing}: {text}", ref=ref,
                                         hint="check the credentials (AWS_ACCESS_KEY_ID, AWS_PROFILE) and the "
