@@ -63,6 +63,9 @@ class AppendLog(Sequence):
         if name is not None and (not isinstance(name, str) or not name):
             raise UsageError(f"an AppendLog's name must be a non-empty str, not {name!r}")
         self.name = name or uuid.uuid4().hex
+        if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+            raise UsageError(f"an AppendLog starts from an iterable of items, not a {type(items).__name__}",
+                             hint="AppendLog() or AppendLog([first, second])")
         self._items: list = list(items)
         self._dests: dict[str, _Destination] = {}   # what each destination's log holds of this one
         self._lock = threading.Lock()
@@ -72,6 +75,8 @@ class AppendLog(Sequence):
         self._items.append(item)
 
     def extend(self, items: Iterable) -> None:
+        if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+            raise UsageError(f"AppendLog.extend takes an iterable of items, not a {type(items).__name__}")
         self._items.extend(items)
 
     def __len__(self) -> int:

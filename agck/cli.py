@@ -61,7 +61,10 @@ def _redact_args(message: str, argv: list[str]) -> str:
 
 
 def _one_line(text: str) -> str:
-    return re.sub(r"\s*[\r\n]+\s*", " ", str(text)).strip()
+    """One line, safe for a terminal: line breaks joined, any other character that does not
+    print (escapes, NUL, bidi overrides: from a path, a name or a store) escaped."""
+    text = re.sub(r"\s*[\r\n]+\s*", " ", str(text)).strip()
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class _NoBar:

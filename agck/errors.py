@@ -31,7 +31,9 @@ class AgckError(Exception):
         text = f"{self.ref}: {self.reason}" if self.ref else self.reason
         if self.hint:
             text += f" ({self.hint})"
-        return text
+        # one line, safe for a terminal: a name or a path from the caller or a store may hold
+        # newlines, escapes or bidi overrides; they are shown escaped, as Python writes them
+        return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
     def at(self, ref: str) -> "AgckError":
         """Attach a location if none is set yet; returns self for ``raise e.at(...)``."""

@@ -38,7 +38,9 @@ def open_store(url, *, create: bool = True, **options) -> Store:
     if isinstance(url, os.PathLike):
         url = os.fspath(url)
     if not isinstance(url, str) or not url:
-        raise StoreConnectionError(f"not a store URL: {url!r}", hint=_URL_HINT)
+        raise StoreConnectionError(f"not a store URL: {url!r}"[:200], hint=_URL_HINT)
+    if "\x00" in url:
+        raise StoreConnectionError(f"a store URL or path with a NUL character in it: {url!r}"[:200], hint=_URL_HINT)
     if url.startswith(("postgresql:", "postgres:")) or (not os.path.exists(url) and is_kv_dsn(url)):
         PostgresStore = postgres_store_class()
         url, own = split_agck_params(url)

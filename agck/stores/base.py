@@ -26,7 +26,7 @@ from .. import checkpoint, format, thresholds
 from ..args import check_addresses, check_callable
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StaleEpochError, UsageError
-from ..names import check_run, check_step
+from ..names import MAX_STEP, check_run, check_step
 from .content import WriteCache, WriteCaches, cannot_confirm
 from .damage import DEFAULT_VERIFY_REUSED, QuarantinedChunk, ScrubReport, check_verify_reused
 
@@ -84,7 +84,7 @@ def check_last(last: Any) -> int | None:
     if last is None:
         return None
     if isinstance(last, numbers.Integral) and not isinstance(last, bool) and last > 0:
-        return int(last)
+        return min(int(last), MAX_STEP)        # more than a run can hold is every step
     raise UsageError(f"last must be a positive integer or None, not {last!r}")
 
 
@@ -484,6 +484,24 @@ class Store(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.url}>"
+
+
+def check_records(records: Any) -> list:
+    """The records of a log_append: a list of bytes-like objects."""
+    if isinstance(records, (str, bytes, bytearray, memoryview)) or not hasattr(records, "__iter__"):
+        raise UsageError(f"log_append: records must be a list of bytes, not {type(records).__name__}")
+    out = list(records)
+    for i, r in enumerate(out):
+        if not isinstance(r, (bytes, bytearray, memoryview)):
+            raise UsageError(f"log_append: record {i} is a {type(r).__name__}, not bytes")
+    return out
+
+
+def check_position(start: Any) -> int:
+    """Where a log_read starts: an int >= 0."""
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise UsageError(f"log_read: start must be an int >= 0, not {start!r}"[:200])
+    return start
 
 
 def check_entries(entries: Sequence[PutEntry]) -> list[PutEntry]:

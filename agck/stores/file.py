@@ -39,7 +39,8 @@ from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError,
                       DurabilityError, FormatError, StoreConnectionError, StoreError, UnsupportedVersionError)
 from ..names import MAX_STEP, is_run_name
 from . import content, damage
-from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
+from .base import (CheckpointInfo, MIN_CHUNKED, Store, check_identity,
+                   check_last, check_position, check_records, check_run, check_step)
 from .filelog import CLAIMS_NAME, LOG_NAME, FileLogs
 from .logclaims import FileClaims
 from .objectdir import ObjectDir
@@ -106,6 +107,7 @@ class FileStore(Store):
 
     def log_append(self, run: str, records: Sequence[bytes], *, sync: bool = True) -> tuple[int, int]:
         """Append journal records to the run's log (see :meth:`Store.log_append`)."""
+        records = check_records(records)
         path = self.log_ref(run)
         if path in self._logs_durable:     # its directory made, its entry durable: append
             return self._logs.append(path, records, sync)
@@ -130,6 +132,7 @@ class FileStore(Store):
 
     def log_read(self, run: str, start: int = 0) -> tuple[bytes, int]:
         """The run's log from ``start`` and where it was read to (see :meth:`Store.log_read`)."""
+        start = check_position(start)
         data = self._logs.read(self.log_ref(run), start)
         return data, start + len(data)
 

@@ -25,6 +25,7 @@ import time
 import psycopg2
 import psycopg2.errors
 
+from .base import check_position, check_records
 from .. import failpoints, thresholds
 from ..errors import DurabilityError, SchemaUninitializedError, StoreConnectionError
 from ..names import check_run
@@ -57,6 +58,7 @@ class JournalLogs:
         again, once, on a new connection. Records that end up twice in the log are
         harmless (a reader takes the first of a key: FORMAT.md 17), so the step's
         result is kept rather than thrown away."""
+        records = check_records(records)
         check_run(run)
         n = self.names
         data = b"".join(records)     # one row per batch: its records delimit themselves
@@ -161,6 +163,7 @@ class JournalLogs:
             return []
 
     def log_read(self, run: str, start: int = 0) -> tuple[bytes, int]:
+        start = check_position(start)
         check_run(run)
         try:
             rows = self._query(f"SELECT seq, data FROM {self.names.log} WHERE run = %s AND seq > %s ORDER BY seq",

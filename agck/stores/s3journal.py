@@ -19,6 +19,7 @@ at once): ``log_claims`` is refused here (the base's UsageError).
 
 from __future__ import annotations
 
+from .base import check_position, check_records
 from .. import failpoints
 from ..errors import DurabilityError, StoreError
 from ..names import check_run
@@ -49,6 +50,7 @@ class JournalLogs:
         """Append a batch of records as the run's next object (see :meth:`Store.log_append`;
         every batch is durable when this returns, ``sync`` or not). Returns the numbers
         before and after it."""
+        records = check_records(records)
         check_run(run)
         body = b"".join(records)
         with self._journal_lock:
@@ -89,6 +91,7 @@ class JournalLogs:
         return got is not None and bytes(got) == body
 
     def log_read(self, run: str, start: int = 0) -> tuple[bytes, int]:
+        start = check_position(start)
         check_run(run)
         seqs = self._journal_seqs(run, start)
         if not seqs:

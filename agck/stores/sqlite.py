@@ -67,7 +67,8 @@ from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError,
                       UsageError)
 from ..memory import new_buffer
 from . import content, damage
-from .base import MIN_CHUNKED, CheckpointInfo, Store, check_last, check_run, check_step
+from .base import (CheckpointInfo, MIN_CHUNKED, Store, check_last,
+                   check_position, check_records, check_run, check_step)
 from .logclaims import FileClaims
 from .sqlrows import (batch_ref, decode_read, DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalPuts, batches, check_checksum, check_chunk_size,
                       check_identifier, chunk_plan, parts_prefix, split_chunks, sql_row)
@@ -375,6 +376,7 @@ class SqliteStore(TransactionalPuts, Store):
     def log_append(self, run: str, records, *, sync: bool = True) -> tuple[int, int]:
         """Append journal records to the run's log in one transaction (see
         :meth:`Store.log_append`): the batch is one row, numbered on from the run's last."""
+        records = check_records(records)
         check_run(run)
         records = list(records)
         with self._lock:
@@ -410,6 +412,7 @@ class SqliteStore(TransactionalPuts, Store):
         return FileClaims(self.path + "-agck-claims", f"{self._t_log}\0{check_run(run)}")
 
     def log_read(self, run: str, start: int = 0) -> tuple[bytes, int]:
+        start = check_position(start)
         check_run(run)
         with self._lock:
             c = self._db()
