@@ -128,7 +128,7 @@ def planted_secret(monkeypatch):
 
 # -- the stores --------------------------------------------------------------------------------
 
-KINDS = ("file", "sqlite", "postgres", "s3")
+KINDS = ("file", "sqlite", "postgres", "s3", "catalog")      # catalog: Postgres over a bucket
 
 
 @pytest.fixture(params=KINDS)
@@ -138,7 +138,7 @@ def store_url(request, tmp_path, pg_dsn, pg_schema):
         return str(tmp_path / "store")
     if kind == "sqlite":
         return f"sqlite:///{tmp_path}/s.db"
-    if kind == "postgres":
+    if kind in ("postgres", "catalog"):
         scheme, rest = pg_dsn.split("://", 1)
         user_host = rest.split("@", 1)[-1]
         user = rest.split("@", 1)[0].split(":")[0] if "@" in rest else "postgres"
@@ -146,6 +146,8 @@ def store_url(request, tmp_path, pg_dsn, pg_schema):
         # a password (trust auth ignores it): it must never be printed
         url = (f"{scheme}://{user}:{SECRET}@{user_host}{sep}agck_prefix=h{os.getpid()}x{id(request) % 10 ** 6}"
                f"&agck_schema={pg_schema}")
+        if kind == "catalog":       # a Postgres catalog over a bucket
+            url += "&agck_objects=" + quote(s3_url(request.getfixturevalue("seaweed")), safe="")
         agck.open_store(url, init=True).close()
         return url
     return s3_url(request.getfixturevalue("seaweed"))
