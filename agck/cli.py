@@ -611,7 +611,11 @@ def cmd_db(args) -> int:
     if "pool" in own:
         opts["pool"] = own["pool"]
     applied = None
-    with PostgresStore(dsn, check_schema=False, **opts) as store:
+    if "objects" in own and args.action != "init":
+        raise _Exit(EXIT_USAGE, f"agck db {args.action}: agck_objects binds a bucket at init; a catalog keeps the "
+                                "bucket it was bound to (drop agck_objects here)")
+    init = {"init": True, "objects": own["objects"]} if "objects" in own else {"check_schema": False}
+    with PostgresStore(dsn, **init, **opts) as store:
         if args.action == "init":
             store.init_schema()
         elif args.action == "migrate":

@@ -151,3 +151,21 @@ def test_a_chunk_the_bucket_lost_is_uploaded_again_by_the_next_put(spec, detect)
         assert victim in ObjectChunks(spec[2]).stored()
         for step in (1, 2):
             np.testing.assert_array_equal(s.get("r", step).state["f"], frozen)
+
+
+def test_agck_db_init_binds_the_bucket_agck_objects_names(pg_dsn, pg_schema, seaweed, capsys):
+    """`agck db init 'postgresql://...?agck_objects=s3://...'` ignored agck_objects and said
+    no bucket was bound; status and migrate refuse it (a catalog keeps the bucket it has)."""
+    from urllib.parse import quote
+    from agck.cli import main
+    prefix = pg_prefix()
+    bucket = s3_url(seaweed)
+    sep = "&" if "?" in pg_dsn else "?"
+    url = f"{pg_dsn}{sep}agck_prefix={prefix}&agck_schema={pg_schema}&agck_objects={quote(bucket, safe='')}"
+    capsys.readouterr()
+    assert main(["db", "init", url, "--json"]) == 0
+    import json
+    status = json.loads(capsys.readouterr().out)
+    assert status["objects"] and bucket.partition("?")[0] in status["objects"], status
+    assert main(["db", "status", url]) == 2
+    assert "binds a bucket at init" in capsys.readouterr().err
