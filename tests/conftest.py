@@ -21,6 +21,7 @@ except ImportError:
 PG_DSN_DEFAULT = "postgresql://postgres@127.0.0.1:5432/test"
 # no test asks a cloud's instance metadata service for credentials: every request goes to loopback
 os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+os.environ.setdefault("AWS_ENDPOINT_URL", "http://127.0.0.1:9")     # an s3:// URL without an endpoint: loopback
 # a new backend: here and in make_spec (see test_store_contract.py). "s3": SeaweedFS, a real
 # object store started for the session; "s3-moto": moto's server, a second S3 implementation;
 # "postgres-s3": a Postgres catalog whose chunks are in the SeaweedFS server (agck_objects)

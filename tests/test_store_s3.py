@@ -411,3 +411,20 @@ def test_a_prefix_that_is_not_utf8_is_refused_not_replaced():
     with pytest.raises(UsageError, match="not UTF-8"):
         parse_url("s3://b/a%FFb")
     assert parse_url("s3://b/caf%C3%A9")[1] == "café"
+
+
+def test_a_lock_held_from_another_host_is_waited_for_out_loud(url, monkeypatch, caplog):
+    """A collector's lock left by a process on another host blocks chunked puts until it
+    goes stale (600 s): the wait was silent. It is now warned about, naming the lock."""
+    import logging
+    import time
+    from agck.errors import StoreError
+    from agck.stores import s3
+    monkeypatch.setattr(s3, "LOCK_WAIT", 2.0)
+    monkeypatch.setattr(s3, "LOCK_NOTICE", 0.3)
+    with agck.open_store(url) as s:
+        s.c.put(f"locks/gc-{time.time_ns():020d}-abcd.otherhost.4242", b"{}")
+        caplog.set_level(logging.WARNING, logger="agck")
+        with pytest.raises(StoreError, match="stayed locked"):
+            s.put("r", 1, {"w": np.ones(1 << 20, np.float32)})
+    assert "otherhost.4242" in caplog.text and "stops counting" in caplog.text, caplog.text

@@ -61,6 +61,7 @@ MARKER = STORE_MARKER
 STALE_AFTER = 600.0        # seconds a lock stands without a refresh (server clock)
 REFRESH_EVERY = STALE_AFTER / 4
 LOCK_WAIT = 900.0          # how long a writer or collector waits for the other before giving up
+LOCK_NOTICE = 5.0          # a wait this long is warned about, naming the lock it waits for
 REQUESTS = 16              # requests in flight for one put or read (chunks, records)
 # Large tensors are cut every CHUNK_GRID bytes here, not every 1 MiB as on local stores: a
 # request costs money and tens of milliseconds on a cloud, a byte of coarser sharing little
@@ -273,6 +274,7 @@ class S3Store(JournalLogs, Store):
         deadline = time.monotonic() + LOCK_WAIT
         delay = 0.02
         want = None
+        told = False
         try:
             while True:
                 key = f"locks/{kind}-{time.time_ns():020d}-{_token()}.{_holder()}"
@@ -289,6 +291,12 @@ class S3Store(JournalLogs, Store):
                 if not exclusive and want is None:
                     want = f"locks/want-{time.time_ns():020d}-{_token()}.{_holder()}"
                     self.c.put(want, body)
+                if not told and time.monotonic() > deadline - LOCK_WAIT + LOCK_NOTICE:
+                    told = True     # a lock of a process on another host counts until it goes stale: say so
+                    holder = blockers[0].key.rsplit("/", 1)[-1].split(".", 1)[-1]
+                    log.warning("agck: %s waits for the lock %s (held by %s); a lock whose process is gone stops "
+                                "counting %.0f s after it was last refreshed (or delete that object)",
+                                self.url, blockers[0].key, holder, self.stale_after)
                 if time.monotonic() > deadline:
                     raise StoreError(f"the store stayed locked for {LOCK_WAIT:.0f} s by {blockers[0].key}",
                                      ref=self.url, hint="a collection or writer is running; if its process is "
