@@ -183,7 +183,10 @@ class Seaweed(_Server):
                f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3'] + 10000}",
                f"-admin.port={p['admin']}", f"-admin.port.grpc={p['admin'] + 10000}", "-admin.ui=false",
                "-webdav=false", f"-webdav.port={p['webdav']}", f"-debug.port={p['debug']}",
-               f"-s3.debug.port={p['s3debug']}", f"-s3.metricsPort={p['metrics']}"]
+               f"-s3.debug.port={p['s3debug']}", f"-s3.metricsPort={p['metrics']}",
+               # the Iceberg and Lance listeners take fixed ports (8181, 9101): off, so that two servers
+               # (a campaign's and a test session's) never collide on them
+               "-s3.port.iceberg=0", "-s3.port.lance=0"]
         env = dict(os.environ, **CREDENTIALS)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
