@@ -360,3 +360,19 @@ def test_dcp_saves_after_a_detected_damage_read_back(store_spec):
         assert loads("c", 1) and loads("a", 1) and loads("b", 1)    # written afresh: all healed
     finally:
         store.close()
+
+
+def test_scrub_reports_a_directory_where_a_chunk_file_should_be(tmp_path, capsys):
+    """A chunk path that is a directory stopped the scrub with an error: it is a missing chunk."""
+    import os
+    from agck.cli import main
+    url = str(tmp_path / "s")
+    with open_store(url) as s:
+        s.put("r", 1, {"w": np.arange(1 << 19, dtype=np.float32)})
+        chunk = next(path for path, _ in s.objects.entries())
+    os.remove(chunk)
+    os.mkdir(chunk)
+    capsys.readouterr()
+    assert main(["scrub", url]) == 1
+    out = capsys.readouterr().out
+    assert "MISSING" in out and "1 missing" in out, out

@@ -178,7 +178,7 @@ def _store_calls(s: Store, run, step, value, extra) -> list:
 
 # Store attributes that are values, not calls (read only)
 STORE_VALUES = {"where", "incremental", "full_every", "min_chunked", "verify_reused", "log_positions_are_bytes",
-                "policies"}
+                "policies", "native_async"}
 
 
 @HOSTILE

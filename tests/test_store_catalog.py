@@ -169,3 +169,14 @@ def test_agck_db_init_binds_the_bucket_agck_objects_names(pg_dsn, pg_schema, sea
     assert status["objects"] and bucket.partition("?")[0] in status["objects"], status
     assert main(["db", "status", url]) == 2
     assert "binds a bucket at init" in capsys.readouterr().err
+
+
+def test_agck_ls_on_a_catalogs_prefix_sends_the_user_to_the_catalog(spec, capsys):
+    """It suggested agck.open_store(url), which refuses that prefix."""
+    from agck.cli import main
+    with _open(spec) as s:
+        s.put("r", 1, {"w": np.ones(1 << 20, np.float32)})
+    capsys.readouterr()
+    assert main(["ls", spec[2]]) == 4
+    err = capsys.readouterr().err
+    assert "Postgres catalog" in err and "open_store" not in err, err

@@ -330,6 +330,7 @@ def test_a_missing_profile_is_one_clear_error(url):
 
 @pytest.mark.parametrize("query, msg", [("?endpoint=", "empty endpoint"), ("&region=a&region=b", "more than once"),
                                         ("&allow_http=maybe", "neither true nor false"),
+                                        ("&allow_http=false", "http:// endpoint with allow_http=false"),
                                         ("&read_timeout=0", "seconds"), ("&retry_for=inf", "seconds"),
                                         ("&connect_timeout=x", "seconds")])
 def test_parameters_that_mean_nothing_are_refused(url, query, msg):

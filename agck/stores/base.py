@@ -99,6 +99,7 @@ class Store(ABC):
     min_chunked = MIN_CHUNKED
     verify_reused = DEFAULT_VERIFY_REUSED
     log_positions_are_bytes = False     # journal logs: byte offsets, else numbers of batches (log_read)
+    native_async = False     # whether the a* methods run on the event loop (else on a worker thread each)
 
     def __init__(self):
         self._lock = threading.RLock()

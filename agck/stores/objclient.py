@@ -86,7 +86,9 @@ def redact_url(url: str) -> str:
     parts = []
     for p in query.split("&"):
         k, eq, v = p.partition("=")
-        parts.append(f"{k}={quote(strip(unquote(v)), safe=':/')}" if unquote(k) == "endpoint" and eq else p)
+        if unquote(k, errors="surrogateescape") == "endpoint" and eq:   # (any text: this runs on bad URLs)
+            v = quote(strip(unquote(v, errors="surrogateescape")), safe=":/", errors="surrogateescape")
+        parts.append(f"{k}={v}" if eq else p)
     return strip(base) + "?" + "&".join(parts)
 
 
@@ -232,6 +234,9 @@ class ObjectClient:
         config["region"] = region or "us-east-1"
         allow_http = _BOOL[params["allow_http"].lower()] if "allow_http" in params else bool(
             endpoint and endpoint.startswith("http://"))
+        if endpoint and endpoint.startswith("http://") and not allow_http:
+            raise UsageError("an http:// endpoint with allow_http=false: the client would refuse every request",
+                             hint="use an https:// endpoint, or drop allow_http=false")
         provider = None
         profile = params.get("profile") or (None if os.environ.get("AWS_ACCESS_KEY_ID")
                                             else os.environ.get("AWS_PROFILE"))

@@ -231,7 +231,7 @@ class ObjectDir:
         try:
             with open(path, "rb") as f:
                 return f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError):     # a directory where the file should be: no chunk
             return None
         except OSError as e:
             raise StoreError(f"cannot read a chunk: {e.strerror}", ref=path) from None

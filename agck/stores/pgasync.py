@@ -176,6 +176,8 @@ class AsyncConnections:
 class AsyncMethods:
     """The asyncio methods of :class:`~agck.stores.postgres.PostgresStore` (see the module's docstring)."""
 
+    native_async = True
+
     _aconns: AsyncConnections
 
     async def _aread_retrying(self, attempt, error):

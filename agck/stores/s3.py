@@ -112,10 +112,15 @@ class S3Store(JournalLogs, Store):
         marker = self.c.get(MARKER)
         if marker is not None:
             return
+        catalog = self.c.head(CATALOG_MARKER) is not None
+        if not create and catalog:      # (open_store would refuse it: the hint must not send the user there)
+            raise StoreConnectionError("this prefix holds the chunks of a Postgres catalog (agck_objects), not an "
+                                       "s3 store", ref=self.url,
+                                       hint="open the catalog by its postgresql:// URL (agck ls postgresql://...)")
         if not create:
             raise StoreConnectionError("no agck store at this prefix", ref=self.url,
                                        hint="check the URL; agck.open_store(url) creates a store there")
-        if self.c.head(CATALOG_MARKER) is not None:
+        if catalog:
             raise UsageError("this prefix holds the chunks of a database catalog (agck_objects), which a store "
                              "here would delete as garbage", ref=self.url, hint="give the s3 store a prefix of its own")
         try:

@@ -640,7 +640,7 @@ class AgckSaver(_CheckpointReader):
     @property
     def _native(self) -> bool:
         """Whether the store reads and writes on the event loop (Postgres: pgasync)."""
-        return hasattr(self.store, "aput_many")
+        return self.store.native_async
 
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:
         if self._native:
