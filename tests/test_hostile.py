@@ -120,8 +120,10 @@ def logs(caplog):
 
 
 @pytest.fixture(autouse=True)
-def planted_secret(monkeypatch):
-    """The secret key in the environment too: no error may echo it."""
+def planted_secret(monkeypatch, tmp_path):
+    """The secret key in the environment too: no error may echo it. Drawn names become
+    relative paths and sqlite:/// files: they land in a directory of the test's own."""
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY_HOSTILE", SECRET)
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
 
