@@ -212,7 +212,7 @@ def _file_or_store(args, target: str, command: str) -> bool:
 def _listing_in_store(path: str):
     """(store root, run, step) when ``path`` is a chunked checkpoint of a file store,
     whose content is read through that store; else None."""
-    from .stores.file import locate
+    from .stores.file.store import locate
     return locate(path)
 
 

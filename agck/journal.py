@@ -42,10 +42,10 @@ Every record is checksummed. A damaged one is never returned: it is reported
 (:attr:`Journal.damaged`, and a warning) and its step runs again.
 
 Where the records go: a file store keeps one append-only log per run
-(:mod:`agck.stores.filelog`: one ``write`` and one ``fdatasync`` per batch); SQLite
+(:mod:`agck.stores.file.log`: one ``write`` and one ``fdatasync`` per batch); SQLite
 and Postgres a table of records per run (``{prefix}_log``: one transaction per
 batch); an object store an object per batch, created at the run's next number
-(:mod:`agck.stores.s3journal`: one PUT per batch; not ``shared``).
+(:mod:`agck.stores.s3.journal`: one PUT per batch; not ``shared``).
 """
 
 from __future__ import annotations

@@ -224,7 +224,7 @@ class Campaign:
                 # a window in which the server can be killed mid-commit on purpose.
                 self.cluster.create_db("crash", {"commit_delay": 100000, "commit_siblings": 0})
                 self.cluster.create_db("corrupt")
-                from agck.stores.postgres import PostgresStore
+                from agck.stores.postgres.store import PostgresStore
                 for db in ("crash", "corrupt"):
                     PostgresStore(self.cluster.dsn(db), init=True).close()
                 self.urls["postgres"] = self.cluster.dsn("crash")

@@ -33,7 +33,7 @@ import random
 import sqlite3
 import time
 
-from agck.stores.objchunks import chunk_key
+from agck.stores.s3.chunks import chunk_key
 
 KINDS = ("flip", "truncate", "zero", "delete")
 DETECTORS = ("read", "scrub", "verify", "put-full", "put-sample")
@@ -153,8 +153,8 @@ def shared_chunks(store, older, newer, min_size: int = 4096) -> list[bytes]:
 
 def trials(c) -> None:
     """The ``chunkrot`` trials of campaign ``c`` (a :class:`crashtests.campaign.Campaign`)."""
-    from agck.stores.file import FileStore
-    from agck.stores.sqlite import SqliteStore
+    from agck.stores.file.store import FileStore
+    from agck.stores.sqlite.store import SqliteStore
     from crashtests.campaign import _log
     cfg = c.cfg
     if not c._starts("chunkrot"):
@@ -180,18 +180,18 @@ def trials(c) -> None:
                 url = f"sqlite:///{c.work}/chunkrot-{i}.db"
                 def opener(mode, url=url): return SqliteStore(url, verify_reused=mode)
             elif s == "s3":
-                from agck.stores.s3 import S3Store
+                from agck.stores.s3.store import S3Store
                 url = c.s3_url(f"chunkrot-{i}")
                 def opener(mode, url=url): return S3Store(url, verify_reused=mode)
             elif s == "pgs3":
-                from agck.stores.postgres import PostgresStore
+                from agck.stores.postgres.store import PostgresStore
                 url = c.catalog_url("corrupt", f"catrot{i}", f"catrot-{i}")
                 objects = c.s3_url(f"catrot-{i}")
                 def opener(mode, i=i, objects=objects):
                     return PostgresStore(c.cluster.dsn("corrupt"), prefix=f"catrot{i}", init=True,
                                          verify_reused=mode, objects=objects)
             else:
-                from agck.stores.postgres import PostgresStore
+                from agck.stores.postgres.store import PostgresStore
                 url = c.cluster.dsn("corrupt") + f"&agck_prefix=rot{i}"
                 def opener(mode, i=i): return PostgresStore(c.cluster.dsn("corrupt"), prefix=f"rot{i}", init=True,
                                                             verify_reused=mode)

@@ -248,7 +248,7 @@ def corrupt_s3(store, run: str, step: int, kind: str, rng: random.Random, *, don
     follow the record holding it inline. ``fix``: also rewrite the record's size and
     XXH3-64 (and its own checksum) to match the damage, as a tamperer who knows the
     format would, so that only the container's own checksums can tell."""
-    from agck.stores import s3log
+    from agck.stores.s3 import log as s3log
     fix = rng.random() < 0.5 if fix is None else fix
 
     def stored(r, k):
@@ -295,8 +295,8 @@ def kinds_for(store) -> tuple[str, ...]:
 # --- the campaign's trials -----------------------------------------------------------------
 
 def trials(c: Campaign) -> None:
-    from agck.stores.file import FileStore
-    from agck.stores.sqlite import SqliteStore
+    from agck.stores.file.store import FileStore
+    from agck.stores.sqlite.store import SqliteStore
     cfg = c.cfg
     if not c._starts("corrupt"):
         return
@@ -312,7 +312,7 @@ def trials(c: Campaign) -> None:
             url = f"sqlite:///{c.work}/corrupt.db"
             stores = [SqliteStore(url), SqliteStore(url, chunk_size=65536)]
         elif s == "s3":
-            from agck.stores.s3 import S3Store
+            from agck.stores.s3.store import S3Store
             url = c.s3_url("corrupt")
             stores = [S3Store(url)]
         elif s == "pgs3":      # the listings are rows as on Postgres; the chunks are in the object store
@@ -320,7 +320,7 @@ def trials(c: Campaign) -> None:
             url = c.catalog_url("corrupt", "catcorrupt", "corrupt-catalog")
             stores = [open_store(url, init=True)]
         else:
-            from agck.stores.postgres import PostgresStore
+            from agck.stores.postgres.store import PostgresStore
             url = c.cluster.dsn("corrupt")
             stores = [PostgresStore(url), PostgresStore(url, chunk_size=65536)]
         opened += stores

@@ -141,7 +141,7 @@ def _kill_at_random(c: Campaign, p: subprocess.Popen, d: str, est: float, kill) 
 
 
 def _sqlite_trials(c: Campaign, n: int, ref: dict) -> None:
-    from agck.stores.sqlite import SqliteStore
+    from agck.stores.sqlite.store import SqliteStore
     root = os.path.join(c.work, "dbpower-sqlite")
     est = _dry_run(c, f"sqlite:///{root}/dry/db/s.db", os.path.join(root, "dry"), None) * 3   # the shim's cost
     for i in range(n):

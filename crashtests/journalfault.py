@@ -207,7 +207,7 @@ def _shimcut(c: Campaign, ref: str, t: Trial, commit: str, d: str, u: float) -> 
 
 def _powerloss(c: Campaign, ref: str, t: Trial, commit: str, d: str, u: float) -> None:
     from agck.journal import Journal
-    from agck.stores.file import FileStore
+    from agck.stores.file.store import FileStore
     from crashtests.simfs import MODES, Crash, SimFS, materialize
     ran: list[list[str]] = [[]]
     acks: list[list[str]] = [[]]

@@ -71,7 +71,7 @@ def trials(c: Campaign) -> None:
 
 def run_trials(c: Campaign, n: int, *, synchronous: bool) -> list[Trial]:
     """``n`` failover trials on a new pair, kept on the campaign (``c.pair``) for the checks after."""
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     c.pair = pair = PgPair(synchronous=synchronous).start(databases=("crash",))
     url = pair.dsn("crash")
     store = PostgresStore(url, init=True)

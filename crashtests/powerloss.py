@@ -81,7 +81,7 @@ def rank_tree(trees: dict, step: int, rank: int) -> dict:
 
 
 def trials(c: Campaign) -> None:
-    from agck.stores.file import FileStore
+    from agck.stores.file.store import FileStore
     from crashtests.simfs import MODES, Crash, SimFS
     from crashtests.workload import state_hash
     cfg = c.cfg

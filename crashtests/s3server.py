@@ -106,7 +106,7 @@ class _Server:
     def wait_serving(self, timeout: float = 60.0) -> None:
         """Until every bucket made here takes a write and a read: the S3 port answers
         before the storage behind it does (a restarted SeaweedFS answers 500 meanwhile)."""
-        from agck.stores.objclient import ObjectClient
+        from agck.stores.s3.client import ObjectClient
         deadline = time.monotonic() + timeout
         for b in getattr(self, "buckets", ()):
             c = ObjectClient(self.url(b, ".agck-ready"))

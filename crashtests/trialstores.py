@@ -122,7 +122,7 @@ class TrialStores:
                     if os.path.exists(arg + suffix):
                         os.unlink(arg + suffix)
             elif kind == "objects":
-                from agck.stores.objclient import ObjectClient
+                from agck.stores.s3.client import ObjectClient
                 client = ObjectClient(arg)
                 for obj in list(client.list("")):
                     client.delete(obj.key)

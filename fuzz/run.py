@@ -25,7 +25,9 @@ except ImportError:
 with atheris.instrument_imports(include=["agck"]):
     import agck  # noqa: F401
     from agck import checkpoint, chunking, cli, codec, format, journalrec, sharded  # noqa: F401
-    from agck.stores import content, dsn, objclient, s3log, sqlite  # noqa: F401
+    from agck.stores import content, dsn  # noqa: F401
+    from agck.stores.s3 import client, log  # noqa: F401
+    from agck.stores.sqlite import store  # noqa: F401
     if os.environ.get("AGCK_FUZZ_TARGET", sys.argv[1] if len(sys.argv) > 1 else None) == "commit_part":
         try:     # torch.distributed: a "dcp" commit record's metadata; only where it is read
             from agck import dcp  # noqa: F401

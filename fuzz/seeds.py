@@ -14,7 +14,7 @@ import numpy as np
 
 import agck
 from agck import checkpoint, codec, format, journalrec, sharded
-from agck.stores import s3log
+from agck.stores.s3 import log as s3log
 
 from fuzz import targets
 

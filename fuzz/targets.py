@@ -103,7 +103,7 @@ def journal(data: bytes) -> None:
 
 
 def s3_record(data: bytes) -> None:
-    from agck.stores import s3log
+    from agck.stores.s3 import log as s3log
     try:
         record = s3log.decode_record(data, "fuzz")
         s3log.record_inline(data, "fuzz")
@@ -116,8 +116,9 @@ def s3_record(data: bytes) -> None:
 
 
 def store_url(data: bytes) -> None:
-    from agck.stores import dsn, objclient
-    from agck.stores.sqlite import sqlite_path
+    from agck.stores import dsn
+    from agck.stores.s3 import client as objclient
+    from agck.stores.sqlite.store import sqlite_path
     text = data.decode("utf-8", "surrogateescape")
     for fn in (dsn.redact_dsn, dsn.dsn_without_password, dsn.dsn_secrets, dsn.split_agck_params, dsn.is_kv_dsn,
                objclient.parse_url, sqlite_path):

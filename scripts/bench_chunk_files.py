@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchio  # noqa: E402,F401  (puts the checkout on sys.path, before agck is imported)
 
 from agck import chunking, durable  # noqa: E402
-from agck.stores.objectdir import ObjectDir  # noqa: E402
+from agck.stores.file.objects import ObjectDir  # noqa: E402
 
 try:
     import resource

@@ -151,7 +151,7 @@ def main(argv=None) -> int:
 
     from agck import open_store
     from agck.integrations.langgraph import AgckSaver
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
 
     schema = f"bench_lg_{secrets.token_hex(3)}"
     admin = psycopg2.connect(a.dsn)

@@ -110,7 +110,7 @@ async def _open(which: str, dsn: str, schema: str, pool: int):
             await p.close()
         return saver, close
     from agck.integrations.langgraph import AgckSaver
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     store = PostgresStore(dsn, schema=schema, pool=pool)
     saver = AgckSaver(store)
 
@@ -200,7 +200,7 @@ def _run(a, schema: str) -> None:
     with Connection.connect(a.dsn, autocommit=True, options=f"-c search_path={schema}") as c:
         PostgresSaver(c).setup()
     from agck import open_store
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     PostgresStore(a.dsn, schema=schema, init=True).close()
     # every conversation ends holding the opening and a reply per super-step
     final = {"messages": [_opening()] + [_reply(k) for k in range(a.steps)], "n": a.steps}

@@ -86,8 +86,8 @@ def _rank(rank: int, world: int, url: str, case: str, mib: int, epoch: int, barr
     """One rank: its part of new content put into the store's parts (or the same bytes
     uploaded raw), started with the others; reports (start, end, nonce)."""
     from agck import sharded
-    from agck.stores.objclient import ObjectClient
-    from agck.stores.s3 import S3Store
+    from agck.stores.s3.client import ObjectClient
+    from agck.stores.s3.store import S3Store
     state = _state(mib << 20, 100 + rank)
     blob = memoryview(np.concatenate([t.view(np.uint8) for t in state.values()]))
     raw = ObjectClient(url)
@@ -106,7 +106,7 @@ def ranks_case(url: str, case: str, world: int, mib: int) -> float:
     """Seconds from the ranks' shared start to the last one's end (and the commit); the
     store's step is then read back, every rank's part."""
     from agck import open_store, sharded
-    from agck.stores.s3 import S3Store
+    from agck.stores.s3.store import S3Store
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(world), ctx.Queue()
     epoch = 0
@@ -157,8 +157,8 @@ def main(argv=None) -> int:
     dsn = _postgres(a.dsn)
 
     from agck import open_store
-    from agck.stores.objclient import ObjectClient
-    from agck.stores.s3 import S3Store
+    from agck.stores.s3.client import ObjectClient
+    from agck.stores.s3.store import S3Store
 
     server, endpoint = s3server.private_or_given(a.endpoint, a.dir, a.bucket)
     total = a.size_mib << 20
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     rows.update({"raw ranks": [], "store ranks": [], "store get unverified": []})
     requests = []
     try:
-        from agck.stores.postgres import PostgresStore
+        from agck.stores.postgres.store import PostgresStore
     except ImportError:
         PostgresStore = None
     try:

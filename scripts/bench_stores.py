@@ -73,10 +73,10 @@ if _ROOT not in sys.path:
 
 from agck import checkpoint, open_store  # noqa: E402
 from agck.recovery import recover_run  # noqa: E402
-from agck.stores.file import FileStore  # noqa: E402
-from agck.stores.postgres import COPY_IO_SIZE, PostgresStore  # noqa: E402
+from agck.stores.file.store import FileStore  # noqa: E402
+from agck.stores.postgres.store import COPY_IO_SIZE, PostgresStore  # noqa: E402
 from agck import format as agck_format  # noqa: E402
-from agck.stores.sqlite import SqliteStore  # noqa: E402
+from agck.stores.sqlite.store import SqliteStore  # noqa: E402
 from agck.stores.sqlrows import DEFAULT_CHUNK_SIZE, manifest_checksum, meta_json_text  # noqa: E402
 
 MiB = 1 << 20

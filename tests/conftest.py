@@ -123,7 +123,7 @@ def pg_prefix() -> str:
 def make_spec(kind: str, request, tmp_path) -> tuple[str, str, dict]:
     """(kind, url, options) for ``agck.stores.open_store``: picklable, so other processes can open it too."""
     if kind == "file":
-        pytest.importorskip("agck.stores.file", reason="FileStore not available")
+        pytest.importorskip("agck.stores.file.store", reason="FileStore not available")
         return kind, str(tmp_path / "store"), {}
     if kind == "sqlite":
         return kind, f"sqlite:///{tmp_path}/store.db", {}

@@ -13,7 +13,7 @@ import torch
 import agck
 from agck.cli import main
 from agck.recovery import recover_run
-from agck.stores.file import FileStore
+from agck.stores.file.store import FileStore
 
 
 @pytest.fixture

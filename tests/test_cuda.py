@@ -6,7 +6,7 @@ import torch
 
 import agck
 from agck import Snapshotter
-from agck.stores.file import FileStore
+from agck.stores.file.store import FileStore
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

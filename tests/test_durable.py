@@ -403,7 +403,7 @@ def test_chunk_files_follow_the_same_choice_and_a_background_put_writes_them_dir
     import torch
 
     from agck import open_store
-    from agck.stores import objectdir
+    from agck.stores.file import objects as objectdir
     calls = []
     real = durable.write_parts
 
@@ -469,7 +469,8 @@ def test_sigkill_mid_background_put_with_direct_chunks(tmp_path, point):
     code = f"""
 import threading, numpy as np
 from agck import durable
-from agck.stores import objectdir, open_store
+from agck.stores import open_store
+from agck.stores.file import objects as objectdir
 objectdir.DIRECT_CHUNK_MIN = 16 << 10
 def put():
     durable.writes_in_background()

@@ -56,7 +56,7 @@ def test_one_store_object_carries_on_after_a_failover(pair):
     """Acknowledged puts are on the new primary; the same store object reads and writes there
     once libpq finds it, with no reopening."""
     from agck.errors import StoreError
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     s = PostgresStore(pair.dsn("crash"), prefix="carry", init=True)
     try:
         for step in range(3):
@@ -82,7 +82,7 @@ def test_the_failover_judge_has_teeth():
     gone after the failover, and the trial says lost."""
     import psycopg2
 
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     from crashtests import pgfailover
     from crashtests.campaign import Campaign, Config
     from crashtests.checker import classify

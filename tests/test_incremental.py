@@ -339,7 +339,7 @@ def test_power_loss_at_every_operation_of_a_put_then_a_prune(tmp_path, monkeypat
     import random
 
     from agck import durable
-    from agck.stores import objectdir
+    from agck.stores.file import objects as objectdir
     from crashtests.simfs import MODES, Crash, SimFS
     if direct_chunks:
         monkeypatch.setattr(objectdir, "DIRECT_CHUNK_MIN", 16 << 10)
@@ -556,7 +556,7 @@ def test_a_chunk_that_fails_on_a_writer_thread_fails_the_put_and_leaves_nothing(
     """Chunks are written by several threads: one failing fsync fails the put with
     DurabilityError once every other chunk write has ended, and leaves no temp file."""
     from agck import durable
-    from agck.stores.file import FileStore
+    from agck.stores.file.store import FileStore
 
     class FailingThird(durable.FileSystem):
         def __init__(self):

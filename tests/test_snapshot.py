@@ -20,7 +20,7 @@ import agck
 from agck import Snapshotter, checkpoint_every
 from agck.errors import DurabilityError, EncodeError, InvalidRunNameError, SnapshotError, UsageError
 from agck.snapshot import FingerprintWarning
-from agck.stores.file import FileStore
+from agck.stores.file.store import FileStore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -9,7 +9,7 @@ import pytest
 import agck
 from agck import failpoints
 from agck.errors import DurabilityError, UsageError
-from agck.stores.objchunks import ObjectChunks
+from agck.stores.s3.chunks import ObjectChunks
 
 pytest.importorskip("obstore")
 psycopg2 = pytest.importorskip("psycopg2")

@@ -15,7 +15,7 @@ import agck
 
 from agck.errors import AgckError, CheckpointNotFoundError, DurabilityError, StoreConnectionError
 from agck.stores import open_store
-from agck.stores.file import FileStore
+from agck.stores.file.store import FileStore
 
 from storehelpers import assert_state, state_for
 
@@ -25,7 +25,7 @@ from storehelpers import assert_state, state_for
 def test_file_store_opened_by_processes_at_once(tmp_path, monkeypatch):
     """Ranks opening one new store: another one may make the directory between this
     one's look and its mkdir (test_four_ranks once failed so). Opening still succeeds."""
-    import agck.stores.file as file_mod
+    import agck.stores.file.store as file_mod
     root = tmp_path / "store"
     real_isdir = os.path.isdir
     looks = []
@@ -147,7 +147,7 @@ def test_file_store_put_survives_a_delete_removing_its_run_directory(tmp_path):
 def test_file_store_read_racing_a_prune_and_a_collection_is_not_found_not_corrupt(tmp_path):
     """A listing deleted while read, its chunks collected meanwhile: gone, not damaged;
     one replaced meanwhile is read again."""
-    from agck.stores.file import FileStore
+    from agck.stores.file.store import FileStore
     s = FileStore(tmp_path / "s")
     s.put("r", 1, state_for(1, n=200_000))
     real = s.objects.read_into

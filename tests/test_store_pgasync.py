@@ -20,7 +20,7 @@ from conftest import pg_prefix
 
 
 def _store(pg_dsn, pg_schema, app=None, **kw):
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     dsn = pg_dsn if app is None else pg_dsn + ("&" if "?" in pg_dsn else "?") + f"application_name={app}"
     return PostgresStore(dsn, prefix=pg_prefix(), schema=pg_schema, init=True, **kw)
 

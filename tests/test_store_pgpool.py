@@ -61,7 +61,7 @@ def test_threads_share_one_store_within_the_bound(pg_dsn, pg_schema, admin, incr
     """16 threads put and read 20 checkpoints each through one store of 4 connections:
     every checkpoint reads back exact, at most 4 connections are ever open, and more
     than one was used at once."""
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     app = f"agck_pool_{secrets.token_hex(4)}"
     store = PostgresStore(_app_dsn(pg_dsn, app), prefix=pg_prefix(), schema=pg_schema, init=True, pool=4,
                           incremental=incremental, min_chunked=0)
@@ -118,7 +118,7 @@ def test_bad_pool_sizes_are_refused(pg_dsn, pg_schema, bad):
 def test_a_busy_pool_makes_callers_wait_then_says_so(pg_dsn, pg_schema):
     """A thread that finds every connection busy waits for one; past ``pool_timeout`` it
     gets a StoreConnectionError naming the pool and how to enlarge it."""
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     s = PostgresStore(pg_dsn, prefix=pg_prefix(), schema=pg_schema, init=True, pool=1, pool_timeout=0.3)
     s.put("r", 0, {"x": 1})
     held, release = threading.Event(), threading.Event()
@@ -154,7 +154,7 @@ def test_a_broken_connection_is_replaced(pg_dsn, pg_schema, admin):
     """A connection the server ended while it idled (a restart, a failover): a read is made
     again on a new one, since reading twice changes nothing; a write is not (it may have
     been sent): it fails, and the next gets a new connection. The store carries on."""
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     app = f"agck_pool_{secrets.token_hex(4)}"
     s = PostgresStore(_app_dsn(pg_dsn, app), prefix=pg_prefix(), schema=pg_schema, init=True, pool=2)
     s.put("r", 0, {"x": np.arange(10)})
@@ -177,7 +177,7 @@ def test_a_broken_connection_is_replaced(pg_dsn, pg_schema, admin):
 
 def test_a_read_is_made_again_once_only(pg_dsn, pg_schema, admin):
     """A read whose second connection is also ended fails with the connection error."""
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     app = f"agck_pool_{secrets.token_hex(4)}"
     s = PostgresStore(_app_dsn(pg_dsn, app), prefix=pg_prefix(), schema=pg_schema, init=True, pool=2)
     s.put("r", 0, {"x": np.arange(10)})
@@ -204,7 +204,7 @@ def test_a_read_is_made_again_once_only(pg_dsn, pg_schema, admin):
 def test_racing_puts_of_one_key_one_wins(pg_dsn, pg_schema):
     """Threads of one store putting the same (run, step) without overwrite: one commits,
     the others are refused by name; with overwrite all commit and one remains whole."""
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     s = PostgresStore(pg_dsn, prefix=pg_prefix(), schema=pg_schema, init=True, pool=8)
     outcomes: list = []
 
@@ -229,7 +229,7 @@ def test_racing_puts_of_one_key_one_wins(pg_dsn, pg_schema):
 def test_collection_beside_threads_keeps_what_they_commit(pg_dsn, pg_schema):
     """Collections run on one thread while others put and delete through the same store:
     every checkpoint that remains reads back whole."""
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     s = PostgresStore(pg_dsn, prefix=pg_prefix(), schema=pg_schema, init=True, pool=4, min_chunked=0)
     stop = threading.Event()
     gc_errors: list = []
@@ -267,7 +267,7 @@ def test_collection_beside_threads_keeps_what_they_commit(pg_dsn, pg_schema):
 
 def test_fencing_holds_across_the_pool(pg_dsn, pg_schema):
     """A put with an old epoch is refused on whichever connection it runs."""
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     s = PostgresStore(pg_dsn, prefix=pg_prefix(), schema=pg_schema, init=True, pool=4)
     old = s.begin_epoch("r")
     new = s.begin_epoch("r")
@@ -288,7 +288,7 @@ def test_fencing_holds_across_the_pool(pg_dsn, pg_schema):
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
 def test_a_forked_child_opens_its_own_connections(pg_dsn, pg_schema):
     """A child after fork() never talks on the parent's connections; the parent's stay usable."""
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     s = PostgresStore(pg_dsn, prefix=pg_prefix(), schema=pg_schema, init=True, pool=2)
     s.put("r", 0, {"x": np.arange(5)})
     pid = os.fork()
@@ -312,7 +312,7 @@ def test_threads_putting_the_same_new_content_send_it_once(pg_dsn, pg_schema, ad
     large value as a pending write and a channel together): the bytes reach the objects
     table once, not twice (the second sender would block on the first's rows, fail, and
     leave its copy as dead rows)."""
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     s = PostgresStore(pg_dsn, prefix=pg_prefix(), schema=pg_schema, init=True, pool=4)
     x = np.random.default_rng(5).random(1 << 20)          # 8 MiB, new content
 
@@ -333,7 +333,7 @@ def test_a_store_refused_at_open_leaves_no_connection(pg_dsn, pg_schema, admin):
     """Opening tables that do not exist raises, and closes the connection it opened
     (`agck recover` asks for the parts tables of every run it walks)."""
     from agck.errors import SchemaUninitializedError
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     app = f"agck_pool_{secrets.token_hex(4)}"
     for _ in range(10):
         with pytest.raises(SchemaUninitializedError):
@@ -346,7 +346,7 @@ def test_a_store_dropped_without_close_frees_its_connections(pg_dsn, pg_schema, 
     """A store object nobody holds any more closes its connections at once (as one
     connection did before the pool), not at some later garbage collection."""
     import gc
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     app = f"agck_pool_{secrets.token_hex(4)}"
     gc.disable()
     try:
@@ -366,7 +366,7 @@ def test_a_journal_step_keeps_its_result_when_its_idle_connection_died(pg_dsn, p
     records are appended again on a new connection (twice is harmless: the first record
     of a key is its result), not thrown away with a 'may or may not' error."""
     from agck.journal import Journal
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     app = f"agck_pool_{secrets.token_hex(4)}"
     s = PostgresStore(_app_dsn(pg_dsn, app), prefix=pg_prefix(), schema=pg_schema, init=True, pool=2)
     calls = []

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from agck import failpoints
+from agck import failpoints, thresholds
 from agck.errors import (CheckpointNotFoundError, DurabilityError, SchemaMismatchError, SchemaUninitializedError,
                          StoreConnectionError, StoreError)
 from agck.stores import open_store
@@ -30,7 +30,7 @@ torch = pytest.importorskip("torch")
 
 @pytest.fixture
 def pg(pg_dsn, pg_schema):
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     s = PostgresStore(pg_dsn, prefix=pg_prefix(), schema=pg_schema, init=True, chunk_size=4096,
                       min_chunked=0)   # small checkpoints chunked too: each write path is taken
     yield s
@@ -98,7 +98,7 @@ def test_pg_server_errors_at_commit_are_not_called_ambiguous(pg_dsn, pg_schema, 
     """A lock timeout (the server's verdict: rolled back) is a plain write failure, not
     'may or may not have been written', and the store goes on working. (A standalone
     checkpoint's statements and COMMIT travel in one exchange with its COPY.)"""
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     pg = PostgresStore(pg_dsn, prefix=pg_prefix(), schema=pg_schema, init=True, incremental=incremental, pool=1)
     pg.put("r", 0, state_for(0))
     holder = _autocommit(pg_dsn)
@@ -118,10 +118,105 @@ def test_pg_server_errors_at_commit_are_not_called_ambiguous(pg_dsn, pg_schema, 
     pg.close()
 
 
+def test_pg_backend_terminated_mid_copy_is_a_lost_connection_and_prints_nothing(pg_dsn, pg_schema, capfd,
+                                                                                  monkeypatch):
+    """The server ends the put's session mid-COPY (a shutdown, an administrator, an OOM
+    killer): one error, nothing committed, and nothing on stderr.
+    psycopg2 reports the FATAL message and then the lost connection, decoding the second
+    with the first still set, and PyErr_Print()s a stray SystemError (pool.py)."""
+    from agck.stores.postgres.store import PostgresStore
+    prefix = pg_prefix()
+    s = PostgresStore(pg_dsn, prefix=prefix, schema=pg_schema, init=True, chunk_size=4096, min_chunked=0,
+                      incremental=False)
+    admin = _autocommit(pg_dsn)
+    hit = failpoints.hit
+
+    def end_the_session(name):
+        if name == "pg.mid_copy":
+            with admin.cursor() as cur:
+                cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                            "WHERE pid <> pg_backend_pid() AND query LIKE %s", (f"%COPY%{prefix}%FROM STDIN%",))
+                assert cur.fetchall() == [(True,)]
+            time.sleep(0.3)       # the FATAL message and the closed socket are both waiting
+        return hit(name)
+
+    monkeypatch.setattr(failpoints, "hit", end_the_session)
+    try:
+        # the COMMIT follows the COPY in the same exchange: the client cannot tell
+        # whether it ran, and says so (DurabilityError), or knows it lost the connection first
+        with pytest.raises((StoreConnectionError, DurabilityError), match="connection"):
+            # above the one-statement size, so a COPY; the cut comes at its second chunk
+            s.put("r", 1, {"x": np.zeros(thresholds.SMALL_PUT + 1, dtype=np.int8)})
+        monkeypatch.setattr(failpoints, "hit", hit)
+        fresh = PostgresStore(pg_dsn, prefix=prefix, schema=pg_schema)
+        assert fresh.steps("r") == []
+        fresh.close()
+    finally:
+        s.close()
+        admin.close()
+    err = capfd.readouterr().err
+    assert "SystemError" not in err and "psycopg2" not in err, err
+
+
+def test_pg_backend_terminated_mid_read_is_a_lost_connection(pg_dsn, pg_schema, capfd, monkeypatch):
+    """The server ends a read's session mid-COPY: psycopg2's bare "error with status
+    PGRES_COPY_OUT and no message from the libpq" is reported as the lost connection it is."""
+    from agck.stores.postgres import copy as pgcopy
+    from agck.stores.postgres.store import PostgresStore
+    prefix = pg_prefix()
+    s = PostgresStore(pg_dsn, prefix=prefix, schema=pg_schema, init=True, incremental=False)
+    x = np.arange(4 * thresholds.COPY_IO, dtype=np.int8)
+    s.put("r", 1, {"x": x})
+    s.close()
+    admin = _autocommit(pg_dsn)
+    write = pgcopy.CopyOut.write
+
+    def cut_then_write(self, data):
+        if not getattr(self, "cut", False):
+            self.cut = True
+            with admin.cursor() as cur:
+                cur.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                            "WHERE pid <> pg_backend_pid() AND query LIKE %s", (f"%COPY%{prefix}%TO STDOUT%",))
+                assert cur.fetchall() == [(True,)]
+            time.sleep(0.3)
+        return write(self, data)
+
+    fresh = PostgresStore(pg_dsn, prefix=prefix, schema=pg_schema)
+    try:
+        monkeypatch.setattr(pgcopy.CopyOut, "write", cut_then_write)
+        with pytest.raises(StoreConnectionError, match="lost the connection to Postgres"):
+            fresh.get("r", 1)
+        monkeypatch.setattr(pgcopy.CopyOut, "write", write)
+        np.testing.assert_array_equal(fresh.get("r", 1).state["x"], x)     # the next read, on a new connection
+    finally:
+        fresh.close()
+        admin.close()
+    assert "SystemError" not in capfd.readouterr().err
+
+
+def test_pg_a_bare_database_error_on_a_closed_connection_is_a_lost_connection(pg, pg_dsn):
+    """A server SIGKILLed while a read streams the shared chunks leaves libpq with no
+    message: psycopg2 raises a bare DatabaseError ("error with status PGRES_COPY_OUT and
+    no message from the libpq"), and the connection is closed. That is a lost connection
+    (StoreConnectionError, with its hint), not an unexplained StoreError. (Seen with a
+    private server killed mid-read; the instant is too narrow for a test to hit it.)"""
+    import psycopg2
+    conn = psycopg2.connect(pg_dsn)
+    conn.close()
+    e = psycopg2.DatabaseError("error with status PGRES_COPY_OUT and no message from the libpq")
+    err = pg._db_error(e, "read failed", "agck_manifest(run='r', step=1)", conn=conn)
+    assert type(err) is StoreConnectionError and "lost the connection to Postgres" in str(err)
+    open_conn = psycopg2.connect(pg_dsn)
+    try:   # the same error on a live connection is the server's answer, not a lost connection
+        assert type(pg._db_error(e, "read failed", "x", conn=open_conn)) is StoreError
+    finally:
+        open_conn.close()
+
+
 def test_pg_reconnect_forgets_which_objects_the_database_holds(pg_dsn, pg_schema):
     """After a reconnect a put asks again which objects the database holds: a failover
     or a restore may have lost ones this store object saw committed."""
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     s = PostgresStore(pg_dsn, prefix=pg_prefix(), schema=pg_schema, init=True)
     try:
         x = np.arange(300_000, dtype=np.int64)
@@ -180,7 +275,7 @@ def test_pg_writers_sending_the_same_new_objects_both_commit(pg, pg_dsn):
 
 
 def test_pg_large_multichunk_round_trip(pg_dsn, pg_schema):
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     s = PostgresStore(pg_dsn, prefix=pg_prefix(), schema=pg_schema, init=True, chunk_size=1 << 20)
     w = np.random.default_rng(1).standard_normal(3 << 20).astype(np.float64)   # ~24 MiB
     s.put("big", 1, {"w": w, "t": torch.from_numpy(w[:1000].copy())})
@@ -195,7 +290,7 @@ def test_pg_large_multichunk_round_trip(pg_dsn, pg_schema):
 # --- schema: init, versions, migration ------------------------------------------------------------
 
 def _pg_open_repeatedly(dsn: str, prefix: str, schema: str, n: int) -> None:
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     for _ in range(n):
         PostgresStore(dsn, prefix=prefix, schema=schema, init=True).close()
 
@@ -217,7 +312,7 @@ def test_pg_init_races_puts_without_deadlock(pg, pg_dsn, pg_schema):
 
 
 def test_pg_schema_missing(pg_dsn, pg_schema):
-    from agck.stores.postgres import SCHEMA_VERSION, PostgresStore
+    from agck.stores.postgres.store import SCHEMA_VERSION, PostgresStore
     prefix = pg_prefix()
     with pytest.raises(SchemaUninitializedError) as e:
         PostgresStore(pg_dsn, prefix=prefix, schema=pg_schema)
@@ -236,7 +331,7 @@ def test_pg_schema_missing(pg_dsn, pg_schema):
 
 
 def test_pg_schema_version_mismatch(pg, pg_dsn):
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     Tamper(("postgres", pg_dsn), pg).sql(f"UPDATE {pg.names.version} SET version = 99")
     with pytest.raises(SchemaMismatchError) as e:
         PostgresStore(pg_dsn, prefix=pg.prefix, schema=pg.schema)
@@ -258,7 +353,7 @@ def test_pg_schema_hint_is_a_command_that_runs(pg_dsn, pg_schema):
     import psycopg2.extensions
 
     from agck.cli import main
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     params = psycopg2.extensions.parse_dsn(pg_dsn)
     if "password" in params:
         pytest.skip("the hint leaves the password out; this server needs one")
@@ -289,7 +384,7 @@ _V1_PG = ["CREATE TABLE {p}_schema_version (version int NOT NULL)",
 
 def test_pg_migrates_a_version_1_schema(pg_dsn, pg_schema):
     import psycopg2
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     prefix = pg_prefix()
     conn = psycopg2.connect(pg_dsn)
     conn.autocommit = True
@@ -322,7 +417,7 @@ def test_pg_migrates_a_version_2_schema_with_chunked_checkpoints(pg_dsn, pg_sche
     """Schema 2 kept a refs row per listed object; 3 flags listings on the manifest
     and drops refs. Listings written under 2 keep their objects alive after it."""
     import psycopg2
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     prefix = pg_prefix()
     s = PostgresStore(pg_dsn, prefix=prefix, schema=pg_schema, init=True)
     t = Tamper(("postgres", pg_dsn), s)
@@ -362,7 +457,7 @@ def test_pg_migrates_a_version_2_schema_with_chunked_checkpoints(pg_dsn, pg_sche
 
 def test_pg_libpq_environment(pg_dsn, pg_schema, monkeypatch):
     import psycopg2.extensions
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     env = {"host": "PGHOST", "port": "PGPORT", "user": "PGUSER", "dbname": "PGDATABASE", "password": "PGPASSWORD"}
     for key, value in psycopg2.extensions.parse_dsn(pg_dsn).items():
         if key in env:
@@ -384,7 +479,7 @@ def test_pg_libpq_environment(pg_dsn, pg_schema, monkeypatch):
 ])
 def test_pg_connection_errors_hide_the_password(dsn):
     pytest.importorskip("psycopg2")
-    from agck.stores.postgres import PostgresStore, redact_dsn
+    from agck.stores.postgres.store import PostgresStore, redact_dsn
     with pytest.raises(StoreConnectionError) as e:
         PostgresStore(dsn, connect_timeout=3)
     for secret in ("S3cretPw0rd", "S3cret%40Pw0rd", "S3cret@Pw0rd"):
@@ -395,7 +490,7 @@ def test_pg_connection_errors_hide_the_password(dsn):
 
 
 def test_pg_url_is_password_free(pg_dsn, pg_schema):
-    from agck.stores.postgres import redact_dsn
+    from agck.stores.postgres.store import redact_dsn
     assert redact_dsn("postgresql://u:pw@h:5/db?sslmode=require&password=x") == "postgresql://u@h:5/db?sslmode=require"
     assert redact_dsn("postgresql:///db") == "postgresql:///db"
     assert redact_dsn("postgresql://h,h2:5/db") == "postgresql://h,h2:5/db"
@@ -443,7 +538,7 @@ def test_pg_bad_dsns_are_one_line_errors_without_the_password(dsn):
 
 
 def test_pg_identifiers_validated(pg_dsn):
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     for bad in ("x; DROP TABLE y", "Upper", "1abc", "", "a" * 42, "a-b"):
         with pytest.raises(StoreError):
             PostgresStore(pg_dsn, prefix=bad)
@@ -490,6 +585,6 @@ def test_errors_about_a_run_say_which_tables_were_searched(pg, pg_dsn, capsys):
                                                 ("objects", 5, "objects must be an s3:// URL")])
 def test_postgres_options_out_of_range_are_refused_by_name(pg_dsn, pg_schema, option, value, msg):
     from agck.errors import UsageError
-    from agck.stores.postgres import PostgresStore
+    from agck.stores.postgres.store import PostgresStore
     with pytest.raises(UsageError, match=msg):
         PostgresStore(pg_dsn, prefix=pg_prefix(), schema=pg_schema, init=True, **{option: value})

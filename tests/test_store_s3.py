@@ -26,7 +26,7 @@ def url(seaweed):
 
 
 def test_url_parameters_are_checked_and_credentials_never_shown(url, monkeypatch):
-    from agck.stores.objclient import parse_url
+    from agck.stores.s3.client import parse_url
     assert parse_url("s3://b/a/b/?region=eu-west-1") == ("b", "a/b", {"region": "eu-west-1"})
     with pytest.raises(UsageError, match="unknown parameter.*secret"):
         parse_url("s3://b/p?secret=x")
@@ -169,7 +169,7 @@ def test_connections_cut_mid_request_lose_nothing_acknowledged(seaweed, kind, re
 
         def opener(url):    # the catalog as it was bound, its chunks reached through ``url``
             s = agck.open_store(dsn, prefix=prefix, schema=schema)
-            s._objects = __import__("agck.stores.objchunks", fromlist=["x"]).ObjectChunks(url)
+            s._objects = __import__("agck.stores.s3.chunks", fromlist=["x"]).ObjectChunks(url)
             return s
     rng = np.random.default_rng(5)
     base = rng.standard_normal((24 << 20) // 8)
@@ -206,7 +206,7 @@ def test_connections_cut_mid_request_lose_nothing_acknowledged(seaweed, kind, re
 
 
 def test_a_collection_keeps_the_newest_fold_snapshots_and_readers_still_fold_every_step(url):
-    from agck.stores import s3, s3log
+    from agck.stores.s3 import log as s3log, store as s3
     with agck.open_store(url) as s:
         n = 3 * s3log.snapshot_every(0) + 5
         for step in range(n):
@@ -222,7 +222,7 @@ def test_a_collection_keeps_the_newest_fold_snapshots_and_readers_still_fold_eve
 
 def test_a_request_without_an_answer_is_sent_again_and_an_answer_is_not(url, monkeypatch):
     from agck.errors import DurabilityError, StoreError
-    from agck.stores import objclient
+    from agck.stores.s3 import client as objclient
     monkeypatch.setattr(objclient.time, "sleep", lambda s: None)
     c = objclient.ObjectClient(url)
     real = c._ob.put
@@ -344,7 +344,7 @@ def test_a_server_that_never_answers_fails_within_the_stated_bound():
     2 s retry timeouts it fails in seconds, with one line; the defaults bound it under a minute."""
     import socket
     import time
-    from agck.stores.objclient import TIMEOUTS
+    from agck.stores.s3.client import TIMEOUTS
     assert TIMEOUTS["retry_for"] + TIMEOUTS["read_timeout"] < 60
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -408,7 +408,7 @@ def test_no_credentials_at_all_says_so(url):
 
 
 def test_a_prefix_that_is_not_utf8_is_refused_not_replaced():
-    from agck.stores.objclient import parse_url
+    from agck.stores.s3.client import parse_url
     with pytest.raises(UsageError, match="not UTF-8"):
         parse_url("s3://b/a%FFb")
     assert parse_url("s3://b/caf%C3%A9")[1] == "café"
@@ -420,7 +420,7 @@ def test_a_lock_held_from_another_host_is_waited_for_out_loud(url, monkeypatch, 
     import logging
     import time
     from agck.errors import StoreError
-    from agck.stores import s3
+    from agck.stores.s3 import store as s3
     monkeypatch.setattr(s3, "LOCK_WAIT", 2.0)
     monkeypatch.setattr(s3, "LOCK_NOTICE", 0.3)
     with agck.open_store(url) as s:

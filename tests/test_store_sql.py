@@ -43,7 +43,7 @@ def db(request, tmp_path, monkeypatch):
     it take the path of a large one (a transaction, then a COPY)."""
     kind, path = request.param
     if path == "streamed":
-        from agck.stores import pgread
+        from agck.stores.postgres import reads as pgread
         monkeypatch.setattr(pgread, "SMALL_READ_MAX", -1)
     db_spec = make_spec(kind, request, tmp_path)
     _, url, opts = db_spec

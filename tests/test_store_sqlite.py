@@ -19,7 +19,7 @@ from storehelpers import Tamper, assert_state, check_migrated, check_v2_listings
 # --- URLs and opening -----------------------------------------------------------------------------
 
 def test_sqlite_urls(tmp_path):
-    from agck.stores.sqlite import SqliteStore
+    from agck.stores.sqlite.store import SqliteStore
     s = open_store(f"sqlite:///{tmp_path}/a.db")
     assert isinstance(s, SqliteStore) and s.path == f"{tmp_path}/a.db" and s.url == f"sqlite:///{tmp_path}/a.db"
     assert s._conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
@@ -35,7 +35,7 @@ def test_sqlite_urls(tmp_path):
 
 
 def test_sqlite_urls_follow_sqlalchemy(tmp_path, monkeypatch):
-    from agck.stores.sqlite import SqliteStore, sqlite_path
+    from agck.stores.sqlite.store import SqliteStore, sqlite_path
     monkeypatch.chdir(tmp_path)
     assert sqlite_path("sqlite:///rel.db") == "rel.db"
     assert sqlite_path("sqlite:////abs/x.db") == "/abs/x.db"
@@ -97,7 +97,7 @@ _V1_SQLITE = ["CREATE TABLE {p}_schema_version (version INTEGER NOT NULL)",
 
 
 def test_sqlite_migrates_a_version_1_database(tmp_path):
-    from agck.stores.sqlite import SCHEMA_VERSION
+    from agck.stores.sqlite.store import SCHEMA_VERSION
     path = tmp_path / "v1.db"
     conn = sqlite3.connect(path, isolation_level=None)
     for q in _V1_SQLITE:
@@ -167,7 +167,7 @@ def test_sqlite_fail_points(tmp_path, point):
 
 
 def test_sqlite_failed_commit_leaves_no_transaction_open():
-    from agck.stores.sqlite import _immediate
+    from agck.stores.sqlite.store import _immediate
 
     class Conn:
         in_transaction = False
@@ -194,7 +194,7 @@ def test_sqlite_failed_commit_leaves_no_transaction_open():
 def test_a_database_in_a_missing_directory_is_refused_by_name(tmp_path):
     """No talk of servers or credentials for a file: the error names the missing directory."""
     from agck.errors import StoreConnectionError
-    from agck.stores.sqlite import SqliteStore
+    from agck.stores.sqlite.store import SqliteStore
     where = tmp_path / "no" / "such"
     with pytest.raises(StoreConnectionError, match="does not exist") as ei:
         SqliteStore(f"sqlite:///{where}/a.db")

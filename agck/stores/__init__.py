@@ -46,16 +46,16 @@ def open_store(url, *, create: bool = True, **options) -> Store:
         url, own = split_agck_params(url)
         return _construct(PostgresStore, url, {**own, **options})
     if url.startswith("s3://"):
-        from .s3 import S3Store
+        from .s3.store import S3Store
         return _construct(S3Store, url, dict(options, create=create))
     if url.startswith("sqlite:"):
-        from .sqlite import SqliteStore
+        from .sqlite.store import SqliteStore
         return _construct(SqliteStore, url, dict(options, create=create))
     if url.startswith("file://"):
         url = url[len("file://"):]
     elif "://" in url:
         raise StoreConnectionError(f"unknown store scheme {url.split('://')[0]!r}", hint=_URL_HINT)
-    from .file import FileStore
+    from .file.store import FileStore
     return _construct(FileStore, url, dict(options, create=create))
 
 
@@ -74,7 +74,7 @@ def _construct(cls, url: str, options: dict) -> Store:
 def postgres_store_class():
     """PostgresStore; a DependencyError when psycopg2 cannot be imported here."""
     try:
-        from .postgres import PostgresStore
+        from .postgres.store import PostgresStore
     except ImportError as e:
         raise DependencyError(f"Postgres stores need psycopg2, which cannot be imported here ({e})",
                               hint="pip install psycopg2-binary") from None

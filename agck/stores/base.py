@@ -294,7 +294,7 @@ class Store(ABC):
         ``verify`` may be a :class:`agck.chunking.CheckedChunks` shared by several
         reads: each chunk is then checked against its address once for all."""
 
-    # -- awaitable forms: on Postgres its own (pgasync), here the method on a worker thread --
+    # -- awaitable forms: on Postgres its own (postgres/aio.py), here the method on a worker thread --
     async def aput_many(self, entries: Sequence[PutEntry]) -> list[str]:
         """:meth:`put_many`, awaited."""
         return await asyncio.to_thread(self.put_many, check_entries(entries))

@@ -13,7 +13,7 @@ was never acknowledged).
   descriptor or a thread, and closing any descriptor of the file drops them all: so
   a process opens each lock file once (:func:`_lock_file`) and keeps, beside the
   kernel's locks, its own table of which keys its threads hold.
-- Postgres: session advisory locks (:mod:`agck.stores.pglog`); the server drops them
+- Postgres: session advisory locks (:mod:`agck.stores.postgres.log`); the server drops them
   when the holder's connection ends.
 
 Two keys whose hashes agree share a lock: one then waits for the other for no

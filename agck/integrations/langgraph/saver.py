@@ -639,7 +639,7 @@ class AgckSaver(_CheckpointReader):
 
     @property
     def _native(self) -> bool:
-        """Whether the store reads and writes on the event loop (Postgres: pgasync)."""
+        """Whether the store reads and writes on the event loop (Postgres: agck.stores.postgres.aio)."""
         return self.store.native_async
 
     async def aget_tuple(self, config: RunnableConfig) -> CheckpointTuple | None:

@@ -1,7 +1,7 @@
 """The embedded default store: a directory of AGCK files.
 
     <root>/<run>/<step:012d>.agck     one container per checkpoint
-    <root>/.objects/                  chunks shared by the checkpoints (objectdir.py)
+    <root>/.objects/                  chunks shared by the checkpoints (objects.py)
     <root>/<run>/.epoch, .lock        the run's newest epoch, and the lock its commits take (fencing)
     <root>/.parts/                    a file store of its own: the parts of multi-rank
                                       checkpoints (FORMAT.md section 13)
@@ -31,19 +31,19 @@ import shlex
 from contextlib import contextmanager
 from typing import Any, Callable, Collection, Sequence
 
-from .. import checkpoint, durable, format
-from ..args import check_addresses
-from ..checkpoint import Checkpoint
-from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
+from ... import checkpoint, durable, format
+from ...args import check_addresses
+from ...checkpoint import Checkpoint
+from ...errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                       DamagedChunkError,
                       DurabilityError, FormatError, StoreConnectionError, StoreError, UnsupportedVersionError)
-from ..names import MAX_STEP, is_run_name
-from . import content, damage
-from .base import (CheckpointInfo, MIN_CHUNKED, Store, check_identity,
+from ...names import MAX_STEP, is_run_name
+from .. import content, damage
+from ..base import (CheckpointInfo, MIN_CHUNKED, Store, check_identity,
                    check_last, check_position, check_records, check_run, check_step)
-from .filelog import CLAIMS_NAME, LOG_NAME, FileLogs
-from .logclaims import FileClaims
-from .objectdir import ObjectDir
+from .log import CLAIMS_NAME, LOG_NAME, FileLogs
+from ..logclaims import FileClaims
+from .objects import ObjectDir
 
 SUFFIX = ".agck"
 _STEP_DIGITS = 12
@@ -98,7 +98,7 @@ class FileStore(Store):
                 raise StoreConnectionError("not a checkpoint directory: a file is in the way", ref=self.root,
                                            hint="pass a directory path")
 
-    # -- journal logs (agck.journal; stores/filelog.py) ---------------------------
+    # -- journal logs (agck.journal; stores/file/log.py) ---------------------------
     def log_ref(self, run: str) -> str:
         path = self._log_paths.get(run)
         if path is None:

@@ -1,6 +1,6 @@
 """The connections of a Postgres store: a bounded pool shared by the threads of one process.
 
-A :class:`~agck.stores.postgres.PostgresStore` used by many threads at once (an
+A :class:`~agck.stores.postgres.store.PostgresStore` used by many threads at once (an
 agent server's conversations, a data loader's workers) gives each operation a
 connection of its own, so their round trips and commits overlap instead of
 queueing behind one connection. At most ``size`` connections are open; they are
@@ -16,21 +16,56 @@ deadlocks on itself, and nested calls see the transaction they run in.
 After ``fork()`` the child opens connections of its own: the parent's stay open
 and unused in the child (closing one there would end the parent's session on the
 shared socket).
+
+psycopg2 (2.9) prints a stray "SystemError ... returned a result with an exception
+set" when a server dies mid-COPY: it raises the server's FATAL error, then decodes
+the lost connection's message with that exception still set, and PyErr_Print()s
+the failure. The error the COPY raises is right; :func:`quiet_stray_copy_errors`
+keeps that print, and only it, off the user's terminal.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from ..errors import StoreConnectionError, StoreError, UsageError
+from ...errors import StoreConnectionError, StoreError, UsageError
 
 DEFAULT_POOL_SIZE = 4
 DEFAULT_POOL_TIMEOUT = 30.0
 MAX_POOL_SIZE = 1024
+
+
+_STRAY = "returned a result with an exception set"
+_quiet_lock = threading.Lock()
+
+
+def is_stray_copy_error(value: BaseException | None) -> bool:
+    """psycopg2's doubled error report (see the module's docstring): a SystemError
+    caused by a psycopg2 error, about a result returned with an exception set."""
+    cause = getattr(value, "__cause__", None)
+    return (isinstance(value, SystemError) and _STRAY in str(value) and cause is not None
+            and type(cause).__module__.split(".")[0] == "psycopg2")
+
+
+def quiet_stray_copy_errors() -> None:
+    """Route ``sys.excepthook`` (what PyErr_Print calls) past psycopg2's doubled error
+    report; every other exception reaches the hook that was there. Idempotent."""
+    with _quiet_lock:
+        current = sys.excepthook
+        if getattr(current, "agck_quiet", False):
+            return
+
+        def hook(kind, value, tb, _next=current):
+            if not is_stray_copy_error(value):
+                _next(kind, value, tb)
+
+        hook.agck_quiet = True
+        sys.excepthook = hook
 
 
 def check_pool_size(value: Any) -> int:
@@ -51,6 +86,7 @@ class ConnectionPool:
     def __init__(self, connect: Callable[[], Any], size: int, *, timeout: float = DEFAULT_POOL_TIMEOUT,
                  where: str = "", on_broken: Callable[[], None] | None = None):
         self.size = check_pool_size(size)
+        quiet_stray_copy_errors()
         self._connect = connect
         self._on_broken = on_broken     # told when a broken connection is dropped (the server may have changed)
         self._timeout = timeout

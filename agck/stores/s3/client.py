@@ -1,4 +1,4 @@
-"""An S3-compatible bucket as the object store below :class:`agck.stores.s3.S3Store`.
+"""An S3-compatible bucket as the object store below :class:`agck.stores.s3.store.S3Store`.
 
 Only what the store needs, over obstore (the Rust ``object_store`` crate's
 binding: parallel multipart uploads, conditional puts, and the releases of the
@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import Iterator
 from urllib.parse import parse_qsl, quote, unquote
 
-from .. import thresholds
-from ..errors import DependencyError, DurabilityError, StoreConnectionError, StoreError, UsageError
+from ... import thresholds
+from ...errors import DependencyError, DurabilityError, StoreConnectionError, StoreError, UsageError
 
 SCHEMES = ("s3://",)
 _STATUS_RE = re.compile(r"status(?: code)?[:= ]+(\d{3})", re.IGNORECASE)

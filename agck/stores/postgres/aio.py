@@ -33,12 +33,12 @@ from typing import Any, AsyncIterator, Callable
 import psycopg2
 import psycopg2.extensions
 
-from .. import codec, failpoints
-from ..checkpoint import Checkpoint
-from ..errors import StoreConnectionError, StoreError
-from ..names import check_run, check_step
-from .base import PutEntry, check_last
-from .sqlrows import batch_ref, check_entries, prepare_put
+from ... import codec, failpoints
+from ...checkpoint import Checkpoint
+from ...errors import StoreConnectionError, StoreError
+from ...names import check_run, check_step
+from ..base import PutEntry, check_last
+from ..sqlrows import batch_ref, check_entries, prepare_put
 
 _POLL = psycopg2.extensions
 
@@ -174,7 +174,7 @@ class AsyncConnections:
 
 
 class AsyncMethods:
-    """The asyncio methods of :class:`~agck.stores.postgres.PostgresStore` (see the module's docstring)."""
+    """The asyncio methods of :class:`~agck.stores.postgres.store.PostgresStore` (see the module's docstring)."""
 
     native_async = True
 
@@ -184,7 +184,7 @@ class AsyncMethods:
         """``await attempt(conn, cur)`` on an asynchronous connection; a database error is
         raised as ``error(e, conn)``. A read whose connection died while it idled (the server
         restarted, a standby was promoted) is made again, once, on a new one, as
-        :meth:`~agck.stores.pgread.Reads._read_retrying` does for the sync reads."""
+        :meth:`~agck.stores.postgres.reads.Reads._read_retrying` does for the sync reads."""
         again = True
         while True:
             async with self._aconns.connection() as conn:

@@ -1,10 +1,10 @@
 """A store in an S3-compatible bucket: checkpoints that outlive the machine.
 
     <prefix>/agck-store                          what this prefix is (written once)
-    <prefix>/runs/<run>/log/<seq:020d>           the run's commit records, create-only (s3log.py)
+    <prefix>/runs/<run>/log/<seq:020d>           the run's commit records, create-only (log.py)
     <prefix>/runs/<run>/snap/<seq:020d>          the fold of the records up to seq, now and then
     <prefix>/runs/<run>/data/<step:020d>-<token>.agck   a container too large for its record
-    <prefix>/runs/<run>/journal/<seq:020d>       the run's step journal, a batch per object (s3journal.py)
+    <prefix>/runs/<run>/journal/<seq:020d>       the run's step journal, a batch per object (journal.py)
     <prefix>/chunks/<2 hex>/<62 hex>             chunks shared by the checkpoints, by BLAKE3 address
     <prefix>/locks/<w|want|gc>-<ns>-<token>.<host>.<pid>   writers' and the collector's locks
     <prefix>/generation                          changed by whatever deletes or replaces chunks
@@ -43,17 +43,18 @@ from typing import Any, Callable, Collection, Iterable
 
 import xxhash
 
-from .. import checkpoint, chunking, failpoints, thresholds
-from ..args import check_addresses, check_seconds
-from ..checkpoint import Checkpoint
-from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
+from ... import checkpoint, chunking, failpoints, thresholds
+from ...args import check_addresses, check_seconds
+from ...checkpoint import Checkpoint
+from ...errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                       DamagedChunkError, DurabilityError, StoreConnectionError, StoreError, UsageError)
-from . import content, damage, s3log
-from ..names import is_run_name
-from .base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
-from .objchunks import CATALOG_MARKER, STORE_MARKER, address_of, chunk_key
-from .objclient import ObjectClient, ObjectExists, ObjectInfo
-from .s3journal import JournalLogs
+from .. import content, damage
+from . import log as s3log
+from ...names import is_run_name
+from ..base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
+from .chunks import CATALOG_MARKER, STORE_MARKER, address_of, chunk_key
+from .client import ObjectClient, ObjectExists, ObjectInfo
+from .journal import JournalLogs
 
 log = logging.getLogger("agck")
 
@@ -84,7 +85,7 @@ class S3Store(JournalLogs, Store):
                  chunk_grid: int = CHUNK_GRID):
         super().__init__()
         if client is not None and not isinstance(client, ObjectClient):
-            raise UsageError(f"client must be an agck.stores.objclient.ObjectClient, not {type(client).__name__}")
+            raise UsageError(f"client must be an agck.stores.s3.client.ObjectClient, not {type(client).__name__}")
         self._set_policy(incremental, full_every, min_chunked, verify_reused)
         try:
             self.large = chunking.grid(chunk_grid)

@@ -9,7 +9,7 @@ opened with ``?agck_objects=s3://bucket/prefix`` keeps its manifest, listings,
 epochs and the row of every object in the database, and each object's bytes
 here (its ``data`` is NULL): a put uploads the chunks the catalog lacks, then
 commits their rows and its listing in one transaction. Nothing here decides
-what is live; the catalog does, under its own lock (:mod:`.pgobjects`).
+what is live; the catalog does, under its own lock (:mod:`agck.stores.postgres.objects`).
 
 A prefix belongs to one catalog: :meth:`ObjectChunks.bind` writes its id into
 ``agck-catalog`` with a create-only PUT, and refuses a prefix that holds
@@ -25,8 +25,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
-from ..errors import UsageError
-from .objclient import ObjectClient, ObjectExists
+from ...errors import UsageError
+from .client import ObjectClient, ObjectExists
 
 CATALOG_MARKER = "agck-catalog"
 STORE_MARKER = "agck-store"       # an s3 store's (s3.MARKER)

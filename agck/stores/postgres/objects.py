@@ -2,7 +2,7 @@
 
 Each distinct chunk of content is one row of ``{prefix}_objects``, keyed by its
 BLAKE3-256 address (:mod:`agck.stores.content`). :class:`SharedObjects` is the
-part of :class:`~agck.stores.postgres.PostgresStore` that works on that table:
+part of :class:`~agck.stores.postgres.store.PostgresStore` that works on that table:
 which objects a put can rely on, sending those the store lacks, checking the
 reused ones (``verify_reused``), quarantine, garbage collection and scrub.
 
@@ -19,7 +19,7 @@ about objects it has not itself committed while the generation it read is
 current. Schema 2 kept a ``refs`` row per listed object instead; ``migrate``
 drops it.
 
-Objects in an object store (``agck_objects``, :mod:`.objchunks`): an object's
+Objects in an object store (``agck_objects``, :mod:`agck.stores.s3.chunks`): an object's
 row has ``data`` NULL and its bytes are a chunk object there. A put uploads
 the chunks it lacks while it holds the lock shared, and commits their rows
 with its listing; a put killed before COMMIT leaves chunks no row names. The
@@ -33,7 +33,7 @@ forgets them. A collector killed between or during the two leaves chunks to be
 deleted by the next one, and never a row without its chunk.
 
 :class:`SharedObjects` is a mixin of the store: it uses the store's ``names``
-(:class:`~agck.stores.pgschema.Names`), ``_transaction``, ``_query``, ``ref``,
+(:class:`~agck.stores.postgres.schema.Names`), ``_transaction``, ``_query``, ``ref``,
 ``url``, ``verify_reused``, ``_reread_turn``, ``_known_lock`` (the threads of a
 store share what it knows), ``_claims`` and ``_claimed`` (the objects its threads
 are sending), and the store calls :meth:`SharedObjects._forget_objects` whenever
@@ -50,13 +50,14 @@ from functools import partial
 import psycopg2
 import psycopg2.errors
 
-from .. import failpoints
-from ..args import check_addresses
-from ..errors import DurabilityError
-from . import content, damage, pgschema
-from .pgcopy import COPY_IO_SIZE, ObjectsIn, ObjectsOut
-from .pgschema import XACT_LOCK
-from .sqlrows import check_checksum
+from ... import failpoints
+from ...args import check_addresses
+from ...errors import DurabilityError
+from .. import content, damage
+from . import schema as pgschema
+from .copy import COPY_IO_SIZE, ObjectsIn, ObjectsOut
+from .schema import XACT_LOCK
+from ..sqlrows import check_checksum
 
 # How often collect_garbage (or a quarantine) starts over when writers got in its way.
 GC_RETRIES = 5
@@ -85,7 +86,7 @@ class Refused(Exception):
 
 
 class SharedObjects:
-    """The objects table of a :class:`~agck.stores.postgres.PostgresStore` (see the module)."""
+    """The objects table of a :class:`~agck.stores.postgres.store.PostgresStore` (see the module)."""
 
     # -- what this store object knows of the objects table ------------------------------
     def _forget_objects(self) -> None:

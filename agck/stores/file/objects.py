@@ -39,9 +39,9 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Iterable
 
-from .. import durable, failpoints, thresholds
-from ..errors import DurabilityError, StoreError
-from . import damage
+from ... import durable, failpoints, thresholds
+from ...errors import DurabilityError, StoreError
+from .. import damage
 
 DIRNAME = ".objects"
 QUARANTINE = "quarantine"

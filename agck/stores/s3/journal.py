@@ -1,5 +1,5 @@
 """The object store's step-journal logs (:mod:`agck.journal`): ``log_append``,
-``log_read``, ``log_runs`` and ``log_ref`` of :class:`~agck.stores.s3.S3Store`.
+``log_read``, ``log_runs`` and ``log_ref`` of :class:`~agck.stores.s3.store.S3Store`.
 
     <prefix>/runs/<run>/journal/<seq:020d>     one appended batch of records, create-only
 
@@ -19,18 +19,18 @@ at once): ``log_claims`` is refused here (the base's UsageError).
 
 from __future__ import annotations
 
-from .base import check_position, check_records
-from .. import failpoints
-from ..errors import DurabilityError, StoreError
-from ..names import check_run
-from . import s3log
-from .objclient import ObjectExists
+from ..base import check_position, check_records
+from ... import failpoints
+from ...errors import DurabilityError, StoreError
+from ...names import check_run
+from . import log as s3log
+from .client import ObjectExists
 
 _APPEND_TRIES = 1000       # numbers taken by other writers of the run, one after another
 
 
 class JournalLogs:
-    """The journal-log methods of :class:`~agck.stores.s3.S3Store` (``self.c``: its
+    """The journal-log methods of :class:`~agck.stores.s3.store.S3Store` (``self.c``: its
     bucket client; ``self._map``: its parallel map)."""
 
     @staticmethod

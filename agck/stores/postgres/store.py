@@ -4,10 +4,10 @@
                                         environment: PGHOST, PGUSER, PGPASSWORD, ...)
 
 The tables (``{prefix}_manifest``, ``_chunks``, ``_objects``, ``_gc``, ...) are
-listed in :mod:`agck.stores.pgschema`, which creates and migrates them; the
-binary COPY streams are framed and parsed in :mod:`agck.stores.pgcopy`; the
+listed in :mod:`agck.stores.postgres.schema`, which creates and migrates them; the
+binary COPY streams are framed and parsed in :mod:`agck.stores.postgres.copy`; the
 shared objects, and how writers and the collector exclude each other (one
-advisory lock per store), are :mod:`agck.stores.pgobjects`.
+advisory lock per store), are :mod:`agck.stores.postgres.objects`.
 
 Each checkpoint is one container kept as chunk rows: ``size`` is the
 container's bytes, ``checksum`` the xxh3-64 of its footer, ``length`` the
@@ -57,23 +57,24 @@ import psycopg2
 import psycopg2.errors
 import psycopg2.extensions
 
-from .. import failpoints, thresholds
-from ..args import check_seconds
-from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, DurabilityError,
+from ... import failpoints, thresholds
+from ...args import check_seconds
+from ...errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, DurabilityError,
                       SchemaUninitializedError, StoreConnectionError, StoreError, UsageError)
-from . import content, damage, pgschema
-from .base import MIN_CHUNKED, Store, check_run, check_step
-from .dsn import dsn_secrets, dsn_without_password, redact_dsn
-from .objchunks import ObjectChunks
-from .objclient import parse_url
-from .pgcopy import COPY_IO_SIZE, CopyIn
-from .pgasync import AsyncConnections, AsyncMethods
-from .pglog import JournalLogs
-from .pgread import LARGE, Reads
-from .pgobjects import Refused, SharedObjects
-from .pgpool import DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT, ConnectionPool
-from .pgschema import SCHEMA_VERSION, XACT_LOCK, XACT_LOCK_SHARED, Names
-from .sqlrows import (batch_ref, DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalPuts, check_chunk_size,
+from .. import content, damage
+from . import schema as pgschema
+from ..base import MIN_CHUNKED, Store, check_run, check_step
+from ..dsn import dsn_secrets, dsn_without_password, redact_dsn
+from ..s3.chunks import ObjectChunks
+from ..s3.client import parse_url
+from .copy import COPY_IO_SIZE, CopyIn
+from .aio import AsyncConnections, AsyncMethods
+from .log import JournalLogs
+from .reads import LARGE, Reads
+from .objects import Refused, SharedObjects
+from .pool import DEFAULT_POOL_SIZE, DEFAULT_POOL_TIMEOUT, ConnectionPool
+from .schema import SCHEMA_VERSION, XACT_LOCK, XACT_LOCK_SHARED, Names
+from ..sqlrows import (batch_ref, DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalPuts, check_chunk_size,
                       check_identifier, nchunks_for, parts_prefix, sql_row)
 
 # How often a put starts over when the database refused its objects (a collector
@@ -167,7 +168,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
     ``incremental=False`` writes standalone containers instead of chunk listings,
     ``full_every=K`` one in every K puts of a run, ``min_chunked`` a container of fewer
     bytes (:meth:`Store._set_policy`). ``pool`` bounds the connections open at once
-    (``agck_pool=N`` in the URL; :mod:`.pgpool`), ``pool_timeout`` how long an
+    (``agck_pool=N`` in the URL; :mod:`.pool`), ``pool_timeout`` how long an
     operation waits for one when all are busy."""
 
     def __init__(self, url: str, *, prefix: str = "agck", schema: str | None = None,
@@ -198,7 +199,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
         self._known_lock = threading.Lock()
         self._forget_objects()
         self._claims: dict[bytes, threading.Event] = {}    # objects a thread of this store object is sending
-        self._claimed = threading.local()                   # this thread's claims (pgobjects)
+        self._claimed = threading.local()                   # this thread's claims (objects.py)
         # a connection dropped broken: a failover or a restore may have lost what this store object saw committed
         self._journal_lock = threading.Lock()
         self._journal_heads: dict[str, int] = {}     # run -> the last journal batch number this object knows
@@ -224,7 +225,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
             self._pool.close()     # refused (no schema, another bucket): its connection closed now, not at a GC
             raise
 
-    # what the asyncio methods (pgasync.AsyncMethods) and the journal logs (pglog) share with the sync ones
+    # what the asyncio methods (aio.AsyncMethods) and the journal logs (log.py) share with the sync ones
     _put_retries = PUT_RETRIES
     _refused = Refused
     _large = LARGE
@@ -259,7 +260,9 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
 
     def _db_error(self, e: psycopg2.Error, what: str, ref: str, cls=StoreError, conn=None) -> AgckError:
         msg = _scrub(str(e).strip() or type(e).__name__, self._secrets)
-        if isinstance(e, (psycopg2.OperationalError, psycopg2.InterfaceError)) and conn is not None and conn.closed:
+        # any error class: a COPY cut off by the server's death is a bare DatabaseError
+        # ("error with status PGRES_COPY_OUT and no message from the libpq")
+        if conn is not None and conn.closed:
             return StoreConnectionError(f"{what}: lost the connection to Postgres ({msg})", ref=ref)
         if isinstance(e, psycopg2.errors.UndefinedTable):
             return SchemaUninitializedError(f"{what}: {msg}", ref=ref,
@@ -304,7 +307,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
 
     def _object_store(self, given: "str | ObjectChunks | None") -> "ObjectChunks | None":
         """The object store holding this catalog's chunks: the one it was bound to
-        (``{prefix}_gc.objects``), or ``given``, bound to it now (:mod:`.objchunks`)."""
+        (``{prefix}_gc.objects``), or ``given``, bound to it now (:mod:`agck.stores.s3.chunks`)."""
         n = self.names
         (url,) = self._query(f"SELECT objects FROM {n.gc}")[0]
         if given is None:
@@ -351,7 +354,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
         self._pool.close()
         self._aconns.close()
 
-    # -- schema (its tables and steps: pgschema) ---------------------------------------------
+    # -- schema (its tables and steps: schema.py) ---------------------------------------------
     def schema_status(self) -> dict:
         """Where the schema stands: ``state`` is ``current``, ``uninitialized``,
         ``incomplete``, ``outdated`` (run migrate) or ``newer`` (a newer agck made it)."""

@@ -26,8 +26,8 @@ import os
 import threading
 from collections.abc import Sequence
 
-from .. import durable, failpoints, journalrec
-from ..errors import DurabilityError, StoreConnectionError
+from ... import durable, failpoints, journalrec
+from ...errors import DurabilityError, StoreConnectionError
 
 LOG_NAME = "journal.agjl"
 CLAIMS_NAME = "journal.claims"     # the lock file of shared journals (agck.stores.logclaims)

@@ -1,5 +1,5 @@
 """The Postgres store's reads: ``read``, ``read_newest``, ``steps``, ``runs`` and ``list``
-of :class:`~agck.stores.postgres.PostgresStore`.
+of :class:`~agck.stores.postgres.store.PostgresStore`.
 
 A small standalone container comes with its manifest row in one statement (one
 round trip, one snapshot); anything larger, and every chunk listing, is read in a
@@ -16,15 +16,15 @@ from typing import Any, Callable, TypeVar
 
 import psycopg2
 
-from .. import codec, thresholds
-from ..checkpoint import Checkpoint
-from ..errors import AgckError, CheckpointNotFoundError, CorruptCheckpointError
-from ..memory import new_buffer
-from . import content
-from .base import CheckpointInfo, check_identity, check_last, check_run, check_step
-from .objchunks import REQUESTS
-from .pgcopy import COPY_IO_SIZE, CopyOut
-from .sqlrows import check_checksum, chunk_plan, decode_read, sql_row
+from ... import codec, thresholds
+from ...checkpoint import Checkpoint
+from ...errors import AgckError, CheckpointNotFoundError, CorruptCheckpointError
+from ...memory import new_buffer
+from .. import content
+from ..base import CheckpointInfo, check_identity, check_last, check_run, check_step
+from ..s3.chunks import REQUESTS
+from .copy import COPY_IO_SIZE, CopyOut
+from ..sqlrows import check_checksum, chunk_plan, decode_read, sql_row
 
 SMALL_READ_MAX = thresholds.SMALL_READ   # a standalone container up to this size is read in one statement
 LARGE = object()             # a read's first statement did not bring the container: stream it
@@ -54,7 +54,7 @@ class _Background:
 
 
 class Reads:
-    """The reading methods of :class:`~agck.stores.postgres.PostgresStore`."""
+    """The reading methods of :class:`~agck.stores.postgres.store.PostgresStore`."""
 
     def _read_retrying(self, attempt: Callable[[Any], T], error: Callable[[psycopg2.Error, Any], AgckError]) -> T:
         """``attempt(cur)`` on a pooled connection; a database error is raised as ``error(e, cur)``.

@@ -26,8 +26,8 @@ from typing import Any, Iterable
 import msgpack
 import xxhash
 
-from .. import thresholds
-from ..errors import CorruptCheckpointError
+from ... import thresholds
+from ...errors import CorruptCheckpointError
 
 MAGIC = b"AGCKLOG1"
 SNAP_MAGIC = b"AGCKSNP1"

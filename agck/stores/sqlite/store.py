@@ -59,18 +59,18 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
-from .. import codec, failpoints
-from ..args import check_addresses
-from ..checkpoint import Checkpoint
-from ..errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
+from ... import codec, failpoints
+from ...args import check_addresses
+from ...checkpoint import Checkpoint
+from ...errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                       DurabilityError, SchemaMismatchError, StoreConnectionError, StoreError,
                       UsageError)
-from ..memory import new_buffer
-from . import content, damage
-from .base import (CheckpointInfo, MIN_CHUNKED, Store, check_last,
+from ...memory import new_buffer
+from .. import content, damage
+from ..base import (CheckpointInfo, MIN_CHUNKED, Store, check_last,
                    check_position, check_records, check_run, check_step)
-from .logclaims import FileClaims
-from .sqlrows import (batch_ref, decode_read, DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalPuts, batches, check_checksum, check_chunk_size,
+from ..logclaims import FileClaims
+from ..sqlrows import (batch_ref, decode_read, DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalPuts, batches, check_checksum, check_chunk_size,
                       check_identifier, chunk_plan, parts_prefix, split_chunks, sql_row)
 
 SCHEMA_VERSION = 3

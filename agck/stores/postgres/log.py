@@ -1,6 +1,6 @@
 """The Postgres store's step-journal logs (:mod:`agck.journal`): ``log_append``,
 ``log_read``, ``log_runs``, ``log_claims`` and ``log_ref`` of
-:class:`~agck.stores.postgres.PostgresStore`.
+:class:`~agck.stores.postgres.store.PostgresStore`.
 
 Two tables, made by the first append (:func:`pgschema.log_ddl`; the schema
 version does not change): ``{prefix}_log(run, seq, data)``, one row per appended
@@ -25,13 +25,13 @@ import time
 import psycopg2
 import psycopg2.errors
 
-from .base import check_position, check_records
-from .. import failpoints, thresholds
-from ..errors import DurabilityError, SchemaUninitializedError, StoreConnectionError
-from ..names import check_run
-from . import pgschema
-from .pgcopy import COPY_IO_SIZE, LogRowIn
-from .logclaims import LogClaims, claim_number
+from ..base import check_position, check_records
+from ... import failpoints, thresholds
+from ...errors import DurabilityError, SchemaUninitializedError, StoreConnectionError
+from ...names import check_run
+from . import schema as pgschema
+from .copy import COPY_IO_SIZE, LogRowIn
+from ..logclaims import LogClaims, claim_number
 
 log = logging.getLogger("agck.journal")
 
@@ -39,7 +39,7 @@ _APPEND_TRIES = 1000       # numbers taken by other writers of the run, one afte
 
 
 class JournalLogs:
-    """The journal-log methods of :class:`~agck.stores.postgres.PostgresStore`."""
+    """The journal-log methods of :class:`~agck.stores.postgres.store.PostgresStore`."""
 
     def log_ref(self, run: str) -> str:
         return f"{self.url} (table {self.names.log_ref}, run {run!r})"

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from psycopg2 import sql
 
-from ..errors import SchemaMismatchError, SchemaUninitializedError
+from ...errors import SchemaMismatchError, SchemaUninitializedError
 
 SCHEMA_VERSION = 4
 

@@ -27,9 +27,9 @@ import struct
 from abc import ABC, abstractmethod
 from typing import Any, Callable
 
-from .. import failpoints, thresholds
-from ..errors import CorruptCheckpointError, StoreError
-from .sqlrows import split_chunks
+from ... import failpoints, thresholds
+from ...errors import CorruptCheckpointError, StoreError
+from ..sqlrows import split_chunks
 
 # How much COPY data one read() hands to libpq, and one write() gets back at most:
 # large enough that per-call Python overhead vanishes, small enough to stay in cache.
