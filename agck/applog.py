@@ -72,9 +72,11 @@ class AppendLog(Sequence):
 
     # -- a list that only grows ------------------------------------------------------------
     def append(self, item: Any) -> None:
+        """Add one item; it is stored with the segment the next snapshot closes."""
         self._items.append(item)
 
     def extend(self, items: Iterable) -> None:
+        """Add every item of ``items`` (an iterable, not a string), in order."""
         if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
             raise UsageError(f"AppendLog.extend takes an iterable of items, not a {type(items).__name__}")
         self._items.extend(items)

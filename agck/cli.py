@@ -1,6 +1,7 @@
 """`agck`: the command line. Thin: parses, calls the library, prints.
 
-Exit codes (also in the README):
+Exit codes (also in the README)::
+
   0  all good
   1  recovered, but had to walk back past rejected checkpoints; or verify or scrub found damage
   2  usage error (bad arguments)

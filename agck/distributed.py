@@ -163,9 +163,11 @@ class ShardedRun:
         return out["value"] if send else value
 
     def close(self) -> None:
+        """Tear this rank's end of agck's process group down (see the group's ``close``)."""
         self.group.close()
 
     def part_run(self, epoch: int) -> str:
+        """The run that holds this rank's parts written in ``epoch``."""
         return sharded.part_run(self.run, epoch, self.rank)
 
     def begin_epoch(self) -> int:

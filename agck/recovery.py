@@ -64,6 +64,7 @@ class Rejection:
         return self.ref
 
     def as_dict(self) -> dict:
+        """The rejection as JSON-able values (``agck recover --json``)."""
         return asdict(self)
 
 
@@ -88,9 +89,11 @@ class Recovery:
 
     @property
     def walked_back(self) -> bool:
+        """Whether a newer candidate was rejected on the way to the chosen one."""
         return bool(self.rejected)
 
     def as_dict(self) -> dict:
+        """The recovery as JSON-able values (``agck recover --json``)."""
         return {"run": self.run, "step": self.step, "ref": self.ref, "candidates": self.candidates,
                 "walked_back": self.walked_back, "rejected": [r.as_dict() for r in self.rejected],
                 "orphans": list(self.orphans), "seconds": round(self.seconds, 6)}
@@ -274,6 +277,7 @@ class VerifyReport:
     orphans: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
+        """The report as JSON-able values (``agck verify --json``): counts, rejections, orphans."""
         return {"ok": len(self.ok), "corrupt": len(self.rejected),
                 "rejected": [r.as_dict() for r in self.rejected], "orphans": self.orphans}
 

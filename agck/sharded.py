@@ -242,6 +242,7 @@ class PartialPart:
     removable: bool = field(default=True)   # False: it may belong to a checkpoint in flight
 
     def as_dict(self) -> dict:
+        """The partial part as JSON-able values (``agck ls --parts --json``)."""
         return {"run": self.run, "step": self.step, "epoch": self.epoch, "rank": self.rank, "ref": self.ref,
                 "reason": self.reason, "removable": self.removable}
 

@@ -1,6 +1,6 @@
 """Periodic snapshots of a running pipeline, and bit-exact resume.
 
-Two forms over one engine, :class:`Snapshotter`:
+Two forms over one engine, :class:`Snapshotter`::
 
     @checkpoint_every(10, store="ckpts/", run="doc-pipeline")
     def step(state, i):

@@ -445,6 +445,7 @@ class AgckTrainerMixin:
             self.add_callback(AgckCallback())
 
     def train(self, resume_from_checkpoint=None, *a, **kw):
+        """``Trainer.train``; ``resume_from_checkpoint=True`` resumes from the newest checkpoint that verifies."""
         if resume_from_checkpoint is True:
             resume_from_checkpoint = newest_valid_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:   # as Trainer does when asked to resume from nothing

@@ -1,4 +1,4 @@
-"""Stores: where checkpoints live. ``open_store(url)`` picks the backend.
+"""Stores: where checkpoints live. ``open_store(url)`` picks the backend::
 
     ckpts/ or file:///abs/path        embedded default: a directory of .agck files
     sqlite:///relative/to.db          SQLite (WAL, synchronous=FULL), path relative to the

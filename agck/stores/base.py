@@ -46,6 +46,7 @@ class CheckpointInfo:
     checksum: str | None = None   # xxh3-64 of the whole container, hex, where the store records one
 
     def as_dict(self) -> dict:
+        """The listing row as JSON-able values (``agck ls --json``)."""
         return asdict(self)
 
 

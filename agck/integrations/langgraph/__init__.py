@@ -23,7 +23,7 @@ A checkpoint that fails verification is never skipped silently: reading it
 raises :class:`DamagedCheckpointError`, whose ``.previous`` is the newest older
 checkpoint of its namespace that reads back whole.
 
-The details are beside the code they describe:
+The details are beside the code they describe::
 
     layout.py     the store's runs and steps of a thread, namespace and checkpoint
                   (run names, checkpoint keys), what a record holds

@@ -1,4 +1,4 @@
-"""The embedded default store: a directory of AGCK files.
+"""The embedded default store: a directory of AGCK files::
 
     <root>/<run>/<step:012d>.agck     one container per checkpoint
     <root>/.objects/                  chunks shared by the checkpoints (objects.py)
@@ -65,6 +65,14 @@ def parse_step_filename(name: str) -> int | None:
 
 
 class FileStore(Store):
+    """Checkpoints as AGCK files under ``root`` (the layout is in this module's docstring);
+    safe to share between threads and processes on one machine.
+
+    ``create=False`` opens only an existing store. ``fs`` is the file system the writes go
+    through (:class:`agck.durable.FileSystem`; the crash tests give a simulated one).
+    ``incremental``, ``full_every``, ``min_chunked`` and ``verify_reused`` choose how
+    checkpoints share chunks, as on every store (README, "Incremental checkpoints")."""
+
     log_positions_are_bytes = True     # one append-only file per run, which can end in a torn tail
 
     def __init__(self, root: str | os.PathLike, *, create: bool = True, fs: durable.FileSystem | None = None,
@@ -150,6 +158,7 @@ class FileStore(Store):
         return os.path.join(self.root, check_run(run))
 
     def path(self, run: str, step: int) -> str:
+        """The file that holds (or would hold) ``run``'s checkpoint at ``step``."""
         return os.path.join(self._run_dir(run), step_filename(check_step(step)))
 
     def ref(self, run: str, step: int) -> str:

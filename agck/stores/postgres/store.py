@@ -233,6 +233,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
 
     @property
     def where(self) -> str:
+        """The database and its tables, as error messages name them."""
         return self.names.where       # the URL and its tables ({schema.}{prefix}_*)
 
     # -- connection ------------------------------------------------------------------

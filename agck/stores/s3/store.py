@@ -130,6 +130,7 @@ class S3Store(JournalLogs, Store):
             pass
 
     def pool(self) -> ThreadPoolExecutor:
+        """The threads this store's requests run on (one pool per store object, made when first needed)."""
         with self._pool_lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(REQUESTS, thread_name_prefix="agck-s3")

@@ -368,6 +368,7 @@ class SqliteStore(TransactionalPuts, Store):
     # -- journal logs: rows of <prefix>_log, made by the first append (agck.journal) -----
     @property
     def where(self) -> str:
+        """The database and its tables, as error messages name them."""
         return f"{self.url} (tables {self.prefix}_*)"
 
     def log_ref(self, run: str) -> str:
