@@ -36,8 +36,8 @@ import time
 import numpy as np
 
 from . import applogwork
-from .campaign import Campaign, _log
 from .checker import Trial
+from .trialkit import TrialKit, log
 
 STORES = ("file", "sqlite", "postgres", "s3")
 POINTS = {"file": ("journal.file.before_sync", "journal.file.after_sync"),
@@ -55,9 +55,9 @@ def reference() -> list[dict]:
     return [applogwork.item(i, rng) for i in range(STEPS)]
 
 
-def trials(c: Campaign) -> None:
+def trials(c: TrialKit) -> None:
     cfg = c.cfg
-    if not c._starts("applog"):
+    if not c.starts("applog"):
         return
     ref = reference()
     plan = [(s, ("kill", "failpoint")[i % 2]) for s in STORES if s in cfg.stores for i in range(cfg.n(s, "applog"))]
@@ -65,43 +65,43 @@ def trials(c: Campaign) -> None:
         plan = [p for p in plan if p[0] != "postgres"]
     items = []
     for store, kind in plan:
-        t = c._new_trial(store, "applog", "a", c.urls[store])
+        t = c.new_trial(store, "applog", "a", c.urls[store])
         items.append((t, kind, c.rng.choice(("sync", "async")), c.rng.random()))
-    _log(cfg, f"AppendLog trials: {len(items)}")
-    c._pool(lambda item: trial(c, ref, *item), items)
+    log(cfg, f"AppendLog trials: {len(items)}")
+    c.pool(lambda item: trial(c, ref, *item), items)
 
 
-def trial(c: Campaign, ref: list[dict], t: Trial, kind: str, mode: str, u: float) -> None:
+def trial(c: TrialKit, ref: list[dict], t: Trial, kind: str, mode: str, u: float) -> None:
     d = os.path.join(c.work, "t", str(t.id))
     os.makedirs(d)
     t.point = f"{kind}/{mode}"
-    cmd = [sys.executable, "-m", "crashtests.applogwork", c._client_url(t), t.run, d, mode, str(STEPS), str(SLEEP)]
+    cmd = [sys.executable, "-m", "crashtests.applogwork", c.client_url(t), t.run, d, mode, str(STEPS), str(SLEEP)]
     fp = None
     if kind == "failpoint":
         points = POINTS[t.store] + (SNAPSHOT_POINTS if mode == "async" else SNAPSHOT_POINTS[1:])
         point = points[int(u * len(points))]
         fp = f"{point}=kill@{c.rng.randint(1, STEPS // applogwork.EVERY)}"
         t.point += f" {fp.split('=')[0]}@{fp.split('@')[1]}"
-    p = c._spawn(cmd, d, fp)
+    p = c.spawn(cmd, d, fp)
     try:
         if kind == "kill":
             time.sleep(1.5 + u * STEPS * SLEEP * 1.5)     # imports first, then a random instant of the run
             if p.poll() is None:
                 p.kill()
                 t.reached = True
-        c._finish(p, 120)
+        c.finish(p, 120)
     finally:
-        c._crashed(t, p, kind == "failpoint")
-    p = c._spawn(cmd, d)
-    hung = c._finish(p, 180)
+        c.crashed(t, p, kind == "failpoint")
+    p = c.spawn(cmd, d)
+    hung = c.finish(p, 180)
     if p.returncode != 0:
         t.reasons.append(f"the resumed run failed (exit {p.returncode}{', hung' if hung else ''}): "
-                         f"{c._stderr(d)[-400:]}")
+                         f"{c.stderr(d)[-400:]}")
         t.recovered = "raised"
         return
     with open(os.path.join(d, "out.json")) as f:
         out = json.load(f)
-    store = c._open(t.url)
+    store = c.open(t.url)
     try:
         _judge(t, ref, applogwork.acks(os.path.join(d, "acks")), out, store)
     finally:

@@ -152,23 +152,23 @@ def shared_chunks(store, older, newer, min_size: int = 4096) -> list[bytes]:
 
 
 def trials(c) -> None:
-    """The ``chunkrot`` trials of campaign ``c`` (a :class:`crashtests.campaign.Campaign`)."""
+    """The ``chunkrot`` trials of campaign ``c`` (a :class:`crashtests.trialkit.TrialKit`)."""
     from agck.stores.file.store import FileStore
     from agck.stores.sqlite.store import SqliteStore
-    from crashtests.campaign import _log
+    from crashtests.trialkit import log     # (imports torch: damage() and its kin are used without it)
     cfg = c.cfg
-    if not c._starts("chunkrot"):
+    if not c.starts("chunkrot"):
         return
     trees = c.trees()
     for s in cfg.stores:
         n = cfg.n(s, "chunkrot")
-        _log(cfg, f"chunk damage trials on {s}: {n}")
+        log(cfg, f"chunk damage trials on {s}: {n}")
         for j in range(n):
-            if not c._time_left():
-                c._skip_rest(s, "chunkrot", n - j)
+            if not c.time_left():
+                c.skip_rest(s, "chunkrot", n - j)
                 break
             # a store of its own per trial: the check after each put scrubs the whole store
-            i = c._ids + 1
+            i = c.last_id + 1
             if cfg.profile == "large":
                 from agck.stores import open_store
                 url = c.own.url(s, db="corrupt")
@@ -195,7 +195,7 @@ def trials(c) -> None:
                 url = c.cluster.dsn("corrupt") + f"&agck_prefix=rot{i}"
                 def opener(mode, i=i): return PostgresStore(c.cluster.dsn("corrupt"), prefix=f"rot{i}", init=True,
                                                             verify_reused=mode)
-            t = c._new_trial(s, "chunkrot", "rot", url)
+            t = c.new_trial(s, "chunkrot", "rot", url)
             try:
                 trial(c, t, opener, trees)
                 c.own.done(t)
@@ -266,7 +266,7 @@ def trial(c, t, opener, trees: dict) -> None:
         for k in sorted(set(t.acked)):
             try:
                 ck = store.read(t.run, k)
-                if state_hash(ck.state) != c._full.get(k):
+                if state_hash(ck.state) != c.full.get(k):
                     t.hash_ok = False
                     t.reasons.append(f"step {k} read back with state hash {state_hash(ck.state)}")
             except Exception as e:
@@ -275,7 +275,7 @@ def trial(c, t, opener, trees: dict) -> None:
                     continue
                 t.unreadable.append(k)
                 t.reasons.append(f"acknowledged step {k} cannot be read: {type(e).__name__}: {e}")
-        checker.check_library(store, t, c._full)
+        checker.check_library(store, t, c.full)
     finally:
         store.close()
 

@@ -31,8 +31,8 @@ import struct
 import xxhash
 
 from . import checker
-from .campaign import Campaign, _log
 from .checker import Trial
+from .trialkit import TrialKit, log
 
 
 class Unchanged(RuntimeError):
@@ -294,11 +294,11 @@ def kinds_for(store) -> tuple[str, ...]:
 
 # --- the campaign's trials -----------------------------------------------------------------
 
-def trials(c: Campaign) -> None:
+def trials(c: TrialKit) -> None:
     from agck.stores.file.store import FileStore
     from agck.stores.sqlite.store import SqliteStore
     cfg = c.cfg
-    if not c._starts("corrupt"):
+    if not c.starts("corrupt"):
         return
     trees = c.trees()
     steps = sorted(trees)[:3]
@@ -328,15 +328,15 @@ def trials(c: Campaign) -> None:
     try:
         for s, (url, stores) in targets.items():
             n = cfg.n(s, "corrupt")
-            _log(cfg, f"corruption trials on {s}: {n}")
+            log(cfg, f"corruption trials on {s}: {n}")
             for st in stores[:1]:
                 for k in steps:
                     st.put("donor", k, trees[k], meta={"snapshot": True})
             for i in range(n):
-                if not c._time_left():
-                    c._skip_rest(s, "corrupt", n - i)
+                if not c.time_left():
+                    c.skip_rest(s, "corrupt", n - i)
                     break
-                t = c._new_trial(s, "corrupt", "c", url)
+                t = c.new_trial(s, "corrupt", "c", url)
                 try:
                     trial(c, t, c.rng.choice(stores), steps, trees)
                 except Exception as e:
@@ -347,7 +347,7 @@ def trials(c: Campaign) -> None:
             st.close()
 
 
-def trial(c: Campaign, t: Trial, store, steps: list[int], trees: dict) -> None:
+def trial(c: TrialKit, t: Trial, store, steps: list[int], trees: dict) -> None:
     rng = c.rng
     parent = None
     for k in steps:
@@ -380,7 +380,7 @@ def trial(c: Campaign, t: Trial, store, steps: list[int], trees: dict) -> None:
     t.expected = max(intact) if intact else None
     t.reached = True
     t.point = ",".join(sorted(set(labels)))
-    checker.check_library(store, t, c._full)
+    checker.check_library(store, t, c.full)
     missed = [k for k in damaged if k not in t.rejected and k > (t.recovered or -1)]
     if missed:
         t.reasons.append(f"damaged steps {missed} not reported as rejected")

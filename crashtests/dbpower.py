@@ -41,8 +41,8 @@ import sys
 import time
 
 from . import checker, pgcluster, powercut
-from .campaign import Campaign, _log
 from .checker import Trial
+from .trialkit import TrialKit, log
 
 STEPS = 8
 DIRS = "linux"      # what makes a new file's directory entry durable (crashtests.powercut.DIR_RULES)
@@ -53,7 +53,7 @@ def read_acks(path: str) -> list[int]:
     return read_acks(path)
 
 
-def trials(c: Campaign) -> None:
+def trials(c: TrialKit) -> None:
     cfg = c.cfg
     if "dbpower" not in cfg.faults:
         return
@@ -61,8 +61,8 @@ def trials(c: Campaign) -> None:
     stores = [s for s in ("sqlite", "postgres") if s in cfg.stores and cfg.n(s, "dbpower")]
     if not stores:
         return
-    if not c._time_left():
-        c._skip_all("dbpower", tuple(stores))
+    if not c.time_left():
+        c.skip_all("dbpower", tuple(stores))
         return
     reason = powercut.available()
     if reason:
@@ -73,7 +73,7 @@ def trials(c: Campaign) -> None:
     ref = {k: state_hash(tree(k, cfg.profile)) for k in range(1, STEPS + 1)}
     if "sqlite" in stores:
         n = cfg.n("sqlite", "dbpower")
-        _log(cfg, f"power cuts under SQLite: {n}")
+        log(cfg, f"power cuts under SQLite: {n}")
         _sqlite_trials(c, n, ref)
     if "postgres" in stores:
         reason = pgcluster.available()
@@ -81,12 +81,12 @@ def trials(c: Campaign) -> None:
             c.notes.append(f"dbpower on postgres skipped: {reason}")
             return
         n = cfg.n("postgres", "dbpower")
-        _log(cfg, f"power cuts under Postgres: {n}")
+        log(cfg, f"power cuts under Postgres: {n}")
         _postgres_trials(c, n, ref)
 
 
-def _spawn(c: Campaign, url: str, run: str, d: str, tracked: str | None) -> subprocess.Popen:
-    env = c._env()
+def _spawn(c: TrialKit, url: str, run: str, d: str, tracked: str | None) -> subprocess.Popen:
+    env = c.env()
     if tracked is not None:
         env = powercut.env(env, tracked, os.path.join(d, "cut.log"))
     err = open(os.path.join(d, "stderr"), "wb")
@@ -106,18 +106,18 @@ def _started(p: subprocess.Popen, d: str, timeout: float = 60.0) -> None:
         time.sleep(0.002)
 
 
-def _dry_run(c: Campaign, url: str, d: str, tracked: str | None) -> float:
+def _dry_run(c: TrialKit, url: str, d: str, tracked: str | None) -> float:
     """Seconds the workload's puts take, uninterrupted (under the shim where ``tracked``)."""
     os.makedirs(os.path.join(d, "db"), exist_ok=True)
     p = _spawn(c, url, "dry", d, tracked)
     _started(p, d)
     t0 = time.monotonic()
     if p.wait(timeout=300) != 0:
-        raise RuntimeError(f"the power-cut workload failed: {c._stderr(d)}")
+        raise RuntimeError(f"the power-cut workload failed: {c.stderr(d)}")
     return time.monotonic() - t0
 
 
-def _judge(c: Campaign, store, t: Trial, d: str, ref: dict) -> None:
+def _judge(c: TrialKit, store, t: Trial, d: str, ref: dict) -> None:
     t.acked = read_acks(os.path.join(d, "acks"))
     for step in t.acked:
         try:
@@ -128,7 +128,7 @@ def _judge(c: Campaign, store, t: Trial, d: str, ref: dict) -> None:
     checker.check_library(store, t, ref)
 
 
-def _kill_at_random(c: Campaign, p: subprocess.Popen, d: str, est: float, kill) -> bool:
+def _kill_at_random(c: TrialKit, p: subprocess.Popen, d: str, est: float, kill) -> bool:
     """Wait a random instant of the workload's puts, then ``kill()``; whether it was still running."""
     _started(p, d)
     try:
@@ -140,7 +140,7 @@ def _kill_at_random(c: Campaign, p: subprocess.Popen, d: str, est: float, kill) 
     return running
 
 
-def _sqlite_trials(c: Campaign, n: int, ref: dict) -> None:
+def _sqlite_trials(c: TrialKit, n: int, ref: dict) -> None:
     from agck.stores.sqlite.store import SqliteStore
     root = os.path.join(c.work, "dbpower-sqlite")
     est = _dry_run(c, f"sqlite:///{root}/dry/db/s.db", os.path.join(root, "dry"), None) * 3   # the shim's cost
@@ -149,9 +149,9 @@ def _sqlite_trials(c: Campaign, n: int, ref: dict) -> None:
         db = os.path.join(d, "db")
         os.makedirs(db)
         url = f"sqlite:///{db}/s.db"
-        t = c._new_trial("sqlite", "dbpower", "sp", url)
-        if not c._time_left():
-            c._skip(t)
+        t = c.new_trial("sqlite", "dbpower", "sp", url)
+        if not c.time_left():
+            c.skip(t)
             continue
         mode = powercut.MODES[i % len(powercut.MODES)]
         try:
@@ -163,7 +163,7 @@ def _sqlite_trials(c: Campaign, n: int, ref: dict) -> None:
                 p.wait()
             t.in_flight = _kill_at_random(c, p, d, est, kill)
             if p.returncode not in (0, -9):
-                raise RuntimeError(f"the workload failed ({p.returncode}): {c._stderr(d)}")
+                raise RuntimeError(f"the workload failed ({p.returncode}): {c.stderr(d)}")
             cut = powercut.cut(db, os.path.join(d, "cut.log"), mode, c.rng, dirs=DIRS)
             t.reached = True
             t.point = f"{mode}" + ("+in-flight" if t.in_flight else "")
@@ -189,7 +189,7 @@ def _sqlite_trials(c: Campaign, n: int, ref: dict) -> None:
             t.recovered = "raised"
 
 
-def _postgres_trials(c: Campaign, n: int, ref: dict) -> None:
+def _postgres_trials(c: TrialKit, n: int, ref: dict) -> None:
     from agck.stores import open_store
     from .pgpower import PowerCluster
     root = os.path.join(c.work, "dbpower-postgres")
@@ -212,9 +212,9 @@ def _postgres_trials(c: Campaign, n: int, ref: dict) -> None:
     for i in range(n):
         d = os.path.join(root, str(i))
         os.makedirs(d)
-        t = c._new_trial("postgres", "dbpower", "pp", "")
-        if not c._time_left():
-            c._skip(t)
+        t = c.new_trial("postgres", "dbpower", "pp", "")
+        if not c.time_left():
+            c.skip(t)
             continue
         mode = powercut.MODES[i % len(powercut.MODES)]
         p = None

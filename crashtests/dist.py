@@ -30,13 +30,13 @@ import subprocess
 import time
 
 from . import checker
-from .campaign import PREFIX, STORES, Campaign, _log
 from .checker import Trial
+from .trialkit import PREFIX, STORES, TrialKit, log
 
 KINDS = ("kill-one", "kill-all", "failpoint", "stale")
 
 
-def spawn(c: Campaign, url: str, run: str, d: str, mode: str, failpoints: dict | None = None,
+def spawn(c: TrialKit, url: str, run: str, d: str, mode: str, failpoints: dict | None = None,
           extra: dict | None = None) -> list[subprocess.Popen]:
     """The ranks of one job, each with its own directory (ack log, out.json, stderr)."""
     world = c.cfg.ranks
@@ -46,9 +46,9 @@ def spawn(c: Campaign, url: str, run: str, d: str, mode: str, failpoints: dict |
     for r in range(world):
         dr = os.path.join(d, f"r{r}")
         os.makedirs(dr)
-        cmd = c._workload_cmd(url, run, dr, mode, extra=[
+        cmd = c.workload_cmd(url, run, dr, mode, extra=[
             "--world", str(world), "--rank", str(r), "--rendezvous", rendezvous, *(extra or {}).get(r, ())])
-        procs.append(c._spawn(cmd, dr, (failpoints or {}).get(r)))
+        procs.append(c.spawn(cmd, dr, (failpoints or {}).get(r)))
     return procs
 
 
@@ -72,7 +72,7 @@ def reap(procs: list, grace: float = 3.0, timeout: float = 300.0) -> list[int]:
     return [p.returncode for p in procs]
 
 
-def _outs(c: Campaign, d: str) -> list[dict]:
+def _outs(c: TrialKit, d: str) -> list[dict]:
     """Every rank's out.json of the job in ``d``."""
     outs = []
     for r in range(c.cfg.ranks):
@@ -81,13 +81,13 @@ def _outs(c: Campaign, d: str) -> list[dict]:
     return outs
 
 
-def _acked(c: Campaign, d: str) -> set:
+def _acked(c: TrialKit, d: str) -> set:
     """The steps any rank of the job in ``d`` acknowledged."""
     from crashtests.workload import read_acks
     return {s for r in range(c.cfg.ranks) for s in read_acks(os.path.join(d, f"r{r}", "acks"))}
 
 
-def reference(c: Campaign) -> None:
+def reference(c: TrialKit) -> None:
     """One uninterrupted job: each rank's per-step hashes and final hash."""
     d = os.path.join(c.work, "dist-reference")
     t0 = time.monotonic()
@@ -105,7 +105,7 @@ def reference(c: Campaign) -> None:
     codes = reap(procs)
     total = time.monotonic() - t0
     if codes != [0] * world:
-        raise RuntimeError(f"the multi-rank reference run failed ({codes}): {c._stderr(os.path.join(d, 'r0'))}")
+        raise RuntimeError(f"the multi-rank reference run failed ({codes}): {c.stderr(os.path.join(d, 'r0'))}")
     full = []
     for r in range(world):
         with open(os.path.join(d, f"r{r}", "full.json")) as f:
@@ -113,14 +113,14 @@ def reference(c: Campaign) -> None:
     final = [o["final_hash"] for o in _outs(c, d)]
     c.dist_ref = {"full": full, "final": final, "seconds": total, "first_ack": first_ack or total * 0.7,
                   "run_proper": total - (opened if opened is not None else total * 0.6)}
-    _log(c.cfg, f"multi-rank reference run ({world} ranks): {total:.1f}s, first ack at "
+    log(c.cfg, f"multi-rank reference run ({world} ranks): {total:.1f}s, first ack at "
                 f"{c.dist_ref['first_ack']:.1f}s")
 
 
-def trials(c: Campaign) -> None:
+def trials(c: TrialKit) -> None:
     from agck.failpoints import POINTS
     cfg = c.cfg
-    if not c._starts("dist"):
+    if not c.starts("dist"):
         return
     reference(c)
     jobs = []
@@ -137,23 +137,23 @@ def trials(c: Campaign) -> None:
                 if point.startswith("dist.") and point != "dist.after_part":
                     rank = 0            # the coordinator's commit
                 spec = f"{point}=kill@{c.rng.randint(1, nputs)}"
-            t = c._new_trial(store, "dist", "d", c.urls[store])
+            t = c.new_trial(store, "dist", "d", c.urls[store])
             jobs.append((t, kind, rank, spec, c.rng.choice(("sync", "async"))))
     if not jobs:
         return
     c.rng.shuffle(jobs)
     jobs_at_once = max(1, cfg.jobs // cfg.ranks)
-    _log(cfg, f"multi-rank trials: {len(jobs)} jobs of {cfg.ranks} ranks, {jobs_at_once} at a time")
-    c._pool(lambda j: trial(c, *j), jobs, workers=jobs_at_once)
+    log(cfg, f"multi-rank trials: {len(jobs)} jobs of {cfg.ranks} ranks, {jobs_at_once} at a time")
+    c.pool(lambda j: trial(c, *j), jobs, workers=jobs_at_once)
 
 
-def trial(c: Campaign, t: Trial, kind: str, rank: int, spec: str | None, mode: str) -> None:
+def trial(c: TrialKit, t: Trial, kind: str, rank: int, spec: str | None, mode: str) -> None:
     if kind == "stale":
         return stale_trial(c, t, mode)
     d = os.path.join(c.work, "t", str(t.id))
-    procs = spawn(c, c._client_url(t), t.run, d, mode, failpoints={rank: spec} if spec else None)
+    procs = spawn(c, c.client_url(t), t.run, d, mode, failpoints={rank: spec} if spec else None)
     if kind in ("kill-one", "kill-all"):
-        c._wait_started(procs[0], os.path.join(d, "r0"))
+        c.wait_started(procs[0], os.path.join(d, "r0"))
         delay = c.rng.uniform(0, 0.9 * c.dist_ref["run_proper"])
         deadline = time.monotonic() + delay
         while time.monotonic() < deadline and all(p.poll() is None for p in procs):
@@ -173,14 +173,14 @@ def trial(c: Campaign, t: Trial, kind: str, rank: int, spec: str | None, mode: s
         t.in_flight = spec is not None
         t.point = label
     else:
-        t.detail = f"ranks exited {codes}: {c._stderr(os.path.join(d, f'r{rank}'))[-300:]}"
+        t.detail = f"ranks exited {codes}: {c.stderr(os.path.join(d, f'r{rank}'))[-300:]}"
         t.reasons.append(f"the job failed on its own (exit codes {codes})")
         t.recovered = "raised"
     t.acked = sorted(_acked(c, d))
-    c._check_store(t, checker.check_sharded, c.dist_ref["full"])
+    c.check_store(t, checker.check_sharded, c.dist_ref["full"])
 
 
-def stale_trial(c: Campaign, t: Trial, mode: str) -> None:
+def stale_trial(c: TrialKit, t: Trial, mode: str) -> None:
     """Every rank of a job stopped (SIGSTOP) at a random instant after its first
     acknowledged step; a second job takes the run over (a new epoch) and finishes
     it; then the first is let go. It may acknowledge only steps it committed before
@@ -188,7 +188,7 @@ def stale_trial(c: Campaign, t: Trial, mode: str) -> None:
     from crashtests.workload import read_acks
     base = os.path.join(c.work, "t", str(t.id))
     d_old, d_new = os.path.join(base, "old"), os.path.join(base, "new")
-    url = c._client_url(t)
+    url = c.client_url(t)
     old = spawn(c, url, t.run, d_old, mode)
     new = None
     try:
@@ -201,7 +201,7 @@ def stale_trial(c: Campaign, t: Trial, mode: str) -> None:
             reap(old)
             t.detail = "finished before the fault"
             t.acked = sorted(_acked(c, d_old))
-            c._check_store(t, checker.check_sharded, c.dist_ref["full"])
+            c.check_store(t, checker.check_sharded, c.dist_ref["full"])
             return
         for p in old:
             p.send_signal(signal.SIGSTOP)
@@ -228,7 +228,7 @@ def stale_trial(c: Campaign, t: Trial, mode: str) -> None:
     t.point = "stopped inside a commit" if waited else f"stopped after ack {max(before) if before else None}"
     if new_codes != [0] * len(new_codes):
         t.reasons.append(f"the new job failed (exit codes {new_codes}): "
-                         f"{c._stderr(os.path.join(d_new, 'r0'))[-300:]}")
+                         f"{c.stderr(os.path.join(d_new, 'r0'))[-300:]}")
         t.recovered = "raised"
         return
     outs = _outs(c, d_new)
@@ -239,7 +239,7 @@ def stale_trial(c: Campaign, t: Trial, mode: str) -> None:
                 "why": None if ok else f"final hashes {finals} (uninterrupted {c.dist_ref['final']})"}
     after = _acked(c, d_old)
     t.acked = sorted(after | _acked(c, d_new))
-    c._check_store(t, checker.check_sharded, c.dist_ref["full"])
+    c.check_store(t, checker.check_sharded, c.dist_ref["full"])
     stale = sorted(k for k in after - before if k > resumed_from)
     if stale:
         t.hash_ok = False
@@ -247,14 +247,14 @@ def stale_trial(c: Campaign, t: Trial, mode: str) -> None:
                          f"(the new one resumed from {resumed_from})")
 
 
-def resume(c: Campaign, t: Trial) -> None:
+def resume(c: TrialKit, t: Trial) -> None:
     """Run ``t``'s crashed multi-rank run to the end with a whole job: every rank must
     resume from the step recovery chose and end bit-identical to its reference."""
     d = os.path.join(c.work, "t", f"{t.id}-resume")
-    codes = reap(spawn(c, c._client_url(t), t.run, d, "auto"), timeout=600)
+    codes = reap(spawn(c, c.client_url(t), t.run, d, "auto"), timeout=600)
     if codes != [0] * len(codes):
         t.resume = {"ok": False, "error": True,
-                    "why": f"exit codes {codes}: {c._stderr(os.path.join(d, 'r0'))[-300:]}"}
+                    "why": f"exit codes {codes}: {c.stderr(os.path.join(d, 'r0'))[-300:]}"}
         return
     outs = _outs(c, d)
     want = t.recovered if isinstance(t.recovered, int) else 0

@@ -39,12 +39,11 @@ import os
 import random
 import subprocess
 import sys
-import tempfile
 import time
 
 from . import checker, journalwork, powercut
-from .campaign import Campaign, _log
 from .checker import Trial
+from .trialkit import TrialKit, log
 
 STORES = ("file", "sqlite", "postgres", "s3")
 KINDS = {"file": ("kill", "failpoint", "powerloss", "shimcut"), "sqlite": ("kill", "failpoint", "shimcut"),
@@ -58,25 +57,25 @@ SLEEP = 0.02
 DAY_MS = 86_400_000     # the longest group-commit wait a Journal takes: in the power cuts the count flushes
 
 
-def trials(c: Campaign) -> None:
+def trials(c: TrialKit) -> None:
     cfg = c.cfg
-    if not c._starts("journal"):
+    if not c.starts("journal"):
         return
-    ref = reference()
+    ref = journalwork.reference(STEPS)
     plan = {s: [KINDS[s][i % len(KINDS[s])] for i in range(cfg.n(s, "journal"))] for s in STORES if s in cfg.stores}
     if "postgres" in plan and c.cluster is None:
         plan.pop("postgres")
     pool, serial = [], []
     for store, kinds in plan.items():
         for kind in kinds:
-            t = c._new_trial(store, "journal", "j", c.urls[store])
+            t = c.new_trial(store, "journal", "j", c.urls[store])
             commit = c.rng.choice(("sync", "group"))
             (serial if kind == "pgkill" else pool).append((t, kind, commit, c.rng.random()))
-    _log(cfg, f"journal trials: {len(pool) + len(serial)} ({', '.join(f'{s}: {len(k)}' for s, k in plan.items())})")
-    c._pool(lambda item: trial(c, ref, *item), pool)
+    log(cfg, f"journal trials: {len(pool) + len(serial)} ({', '.join(f'{s}: {len(k)}' for s, k in plan.items())})")
+    c.pool(lambda item: trial(c, ref, *item), pool)
     for item in serial:           # they share the one server
-        if not c._time_left():
-            c._skip(item[0])
+        if not c.time_left():
+            c.skip(item[0])
             continue
         try:
             trial(c, ref, *item)
@@ -86,15 +85,7 @@ def trials(c: Campaign) -> None:
             c.revive_cluster()
 
 
-def reference(steps: int = STEPS) -> str:
-    """The hash of an uninterrupted run's values (in-process, on a fresh file store)."""
-    from agck.journal import Journal
-    with tempfile.TemporaryDirectory(prefix="agck-journal-ref-") as d:
-        with Journal(os.path.join(d, "s"), "ref", commit="group") as j:
-            return journalwork.pipeline(j, steps, lambda _: None, lambda _: None)
-
-
-def trial(c: Campaign, ref: str, t: Trial, kind: str, commit: str, u: float) -> None:
+def trial(c: TrialKit, ref: str, t: Trial, kind: str, commit: str, u: float) -> None:
     d = os.path.join(c.work, "t", str(t.id))
     os.makedirs(d)
     t.point = f"{kind}/{commit}"
@@ -102,7 +93,7 @@ def trial(c: Campaign, ref: str, t: Trial, kind: str, commit: str, u: float) -> 
         return _powerloss(c, ref, t, commit, d, u)
     if kind == "shimcut":
         return _shimcut(c, ref, t, commit, d, u)
-    url = c._client_url(t)
+    url = c.client_url(t)
     cmd = [sys.executable, "-m", "crashtests.journalwork", url, t.run, d, commit, str(STEPS), str(SLEEP)]
     fp = None
     if kind == "failpoint":
@@ -110,7 +101,7 @@ def trial(c: Campaign, ref: str, t: Trial, kind: str, commit: str, u: float) -> 
         nth = c.rng.randint(1, STEPS + STEPS // journalwork.STREAM_EVERY * 4 if commit == "sync" else STEPS // 2)
         fp = f"{point}=kill@{nth}"
         t.point += f" {point}@{nth}"
-    p = c._spawn(cmd, d, fp)
+    p = c.spawn(cmd, d, fp)
     try:
         if kind in ("kill", "pgkill"):
             _wait_ran(p, d)
@@ -124,33 +115,33 @@ def trial(c: Campaign, ref: str, t: Trial, kind: str, commit: str, u: float) -> 
                     t.point += " server killed"
                 t.reached = True
             if kind == "pgkill":
-                c._finish(p, 60)
+                c.finish(p, 60)
                 if c.cluster.proc is None or c.cluster.proc.poll() is not None:
                     c.cluster.restart()
-        c._finish(p, 120)
+        c.finish(p, 120)
     finally:
-        c._crashed(t, p, kind == "failpoint")
+        c.crashed(t, p, kind == "failpoint")
     _resume(c, ref, t, cmd, d)
 
 
-def _resume(c: Campaign, ref: str, t: Trial, cmd: list, d: str) -> None:
+def _resume(c: TrialKit, ref: str, t: Trial, cmd: list, d: str) -> None:
     """Run the crashed pipeline ``cmd`` on to its end, then judge the trial."""
     # (a server kill may fail a resume's first try: once more after it)
     for attempt in range(3):
-        p = c._spawn(cmd, d)
-        hung = c._finish(p, 180)
+        p = c.spawn(cmd, d)
+        hung = c.finish(p, 180)
         if p.returncode == 0:
             break
         if t.store == "postgres":
             c.revive_cluster()
     if p.returncode != 0:
         t.reasons.append(f"the resumed run failed (exit {p.returncode}{', hung' if hung else ''}): "
-                         f"{c._stderr(d)[-400:]}")
+                         f"{c.stderr(d)[-400:]}")
         t.recovered = "raised"
         return
     with open(os.path.join(d, "out.json")) as f:
         out = json.load(f)
-    store = c._open(t.url)
+    store = c.open(t.url)
     try:
         _judge(t, ref, journalwork.incarnations(os.path.join(d, "ran")),
                journalwork.incarnations(os.path.join(d, "acks")), out, store)
@@ -168,7 +159,7 @@ def _wait_ran(p: subprocess.Popen, d: str, timeout: float = 120) -> None:
         time.sleep(0.005)
 
 
-def _shimcut(c: Campaign, ref: str, t: Trial, commit: str, d: str, u: float) -> None:
+def _shimcut(c: TrialKit, ref: str, t: Trial, commit: str, d: str, u: float) -> None:
     reason = powercut.available()
     if reason:
         t.skipped = True
@@ -181,7 +172,7 @@ def _shimcut(c: Campaign, ref: str, t: Trial, commit: str, d: str, u: float) -> 
     cmd = [sys.executable, "-m", "crashtests.journalwork", t.url, t.run, d, commit, str(STEPS), str(SLEEP)]
     err = open(os.path.join(d, "stderr"), "wb")
     try:
-        p = subprocess.Popen(cmd, cwd=checker.REPO, env=powercut.env(c._env(), tracked, log),
+        p = subprocess.Popen(cmd, cwd=checker.REPO, env=powercut.env(c.env(), tracked, log),
                              stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL)
     finally:
         err.close()
@@ -193,9 +184,9 @@ def _shimcut(c: Campaign, ref: str, t: Trial, commit: str, d: str, u: float) -> 
         except subprocess.TimeoutExpired:
             t.reached = True
     finally:
-        c._crashed(t, p, False)
+        c.crashed(t, p, False)
     if p.returncode not in (0, -9):
-        t.reasons.append(f"the workload failed under the shim (exit {p.returncode}): {c._stderr(d)[-400:]}")
+        t.reasons.append(f"the workload failed under the shim (exit {p.returncode}): {c.stderr(d)[-400:]}")
         t.recovered = "raised"
         return
     mode = powercut.MODES[t.id % len(powercut.MODES)]
@@ -205,7 +196,7 @@ def _shimcut(c: Campaign, ref: str, t: Trial, commit: str, d: str, u: float) -> 
     _resume(c, ref, t, cmd, d)
 
 
-def _powerloss(c: Campaign, ref: str, t: Trial, commit: str, d: str, u: float) -> None:
+def _powerloss(c: TrialKit, ref: str, t: Trial, commit: str, d: str, u: float) -> None:
     from agck.journal import Journal
     from agck.stores.file.store import FileStore
     from crashtests.simfs import MODES, Crash, SimFS, materialize

@@ -36,23 +36,23 @@ import io
 import json
 import logging
 
-from .campaign import Campaign, _log
+from . import journalwork
 from .checker import Trial
-from .journalfault import reference
+from .trialkit import TrialKit, log
 
 STORES = ("file", "sqlite", "postgres", "s3")
 STEPS = 12
 
 
-def trials(c: Campaign) -> None:
+def trials(c: TrialKit) -> None:
     cfg = c.cfg
-    if not c._starts("journalrot"):
+    if not c.starts("journalrot"):
         return
-    ref = reference(STEPS)
+    ref = journalwork.reference(STEPS)
     plan = [(s, i) for s in STORES if s in cfg.stores for i in range(cfg.n(s, "journalrot"))]
     plan = [(s, i) for s, i in plan if s not in ("postgres",) or c.cluster is not None]
     plan = [(s, i) for s, i in plan if s != "s3" or c.s3 is not None]
-    _log(cfg, f"journal bit-rot trials: {len(plan)}")
+    log(cfg, f"journal bit-rot trials: {len(plan)}")
     quiet = logging.getLogger("agck.journal")      # each trial's damage is warned about: judged here instead
     level, quiet.level = quiet.level, logging.ERROR
     try:
@@ -61,11 +61,11 @@ def trials(c: Campaign) -> None:
         quiet.setLevel(level)
 
 
-def _run(c: Campaign, ref: str, plan: list) -> None:
+def _run(c: TrialKit, ref: str, plan: list) -> None:
     for store, i in plan:
-        t = c._new_trial(store, "journalrot", "jr", "")
-        if not c._time_left():
-            c._skip(t)
+        t = c.new_trial(store, "journalrot", "jr", "")
+        if not c.time_left():
+            c.skip(t)
             continue
         try:
             trial(c, ref, t, i)
@@ -74,16 +74,15 @@ def _run(c: Campaign, ref: str, plan: list) -> None:
             t.recovered = "raised"
 
 
-def trial(c: Campaign, ref: str, t: Trial, i: int) -> None:
+def trial(c: TrialKit, ref: str, t: Trial, i: int) -> None:
     from agck import journalrec as jr
     from agck.journal import Journal
-    from . import journalwork
     t.url = c.own.url(t.store)
     ran: list[list[str]] = [[], []]
     acks: list[list[str]] = [[], []]
     with Journal(t.url, t.run, commit="sync") as j:
         journalwork.pipeline(j, STEPS, ran[0].append, acks[0].append)
-    store = c._open(t.url)
+    store = c.open(t.url)
     try:
         data, _ = store.log_read(t.run)
         found = jr.scan(data, tears=store.log_positions_are_bytes)

@@ -12,7 +12,8 @@ gets the hash of every value the pipeline saw, in order, and what the journal
 found damaged.
 
 Run as ``python -m crashtests.journalwork URL RUN DIR sync|group STEPS SLEEP``; the
-campaign's power-loss trials call :func:`pipeline` in-process on SimFS.
+campaign's power-loss trials call :func:`pipeline` in-process on SimFS; :func:`reference`
+is the hash an uninterrupted run's values come to.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import functools
 import json
 import os
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -92,6 +94,14 @@ class LineLog:
 
     def __call__(self, line: str) -> None:
         os.write(self.fd, (line + "\n").encode())
+
+
+def reference(steps: int) -> str:
+    """The hash of an uninterrupted run's values (in-process, on a fresh file store)."""
+    from agck.journal import Journal
+    with tempfile.TemporaryDirectory(prefix="agck-journal-ref-") as d:
+        with Journal(os.path.join(d, "s"), "ref", commit="group") as j:
+            return pipeline(j, steps, lambda _: None, lambda _: None)
 
 
 def incarnations(path: str) -> list[list[str]]:

@@ -10,7 +10,7 @@
 
 Contract: :func:`trials` runs both kinds' trials of a campaign, shuffled across the
 stores and run ``cfg.jobs`` at a time; each trial is judged from the workload's ack
-log by recovering its run (:meth:`crashtests.campaign.Campaign._check`); a large
+log by recovering its run (:meth:`crashtests.trialkit.TrialKit.check`); a large
 trial's store is then handed to :mod:`crashtests.trialstores`. A trial not started
 before the time limit is skipped. :func:`resume` runs a crashed run to the
 end and compares it with the uninterrupted reference run (also used for ``pgkill``).
@@ -24,11 +24,11 @@ import signal
 import subprocess
 import time
 
-from .campaign import PREFIX, Campaign, _log
 from .checker import Trial
+from .trialkit import PREFIX, TrialKit, log
 
 
-def trials(c: Campaign) -> None:
+def trials(c: TrialKit) -> None:
     from agck.failpoints import POINTS
     cfg = c.cfg
     jobs = []
@@ -36,7 +36,7 @@ def trials(c: Campaign) -> None:
     for store in cfg.stores:
         if "kill" in cfg.faults:
             for _ in range(cfg.n(store, "kill")):
-                t = c._new_trial(store, "kill", "k", c.trial_url(store))
+                t = c.new_trial(store, "kill", "k", c.trial_url(store))
                 jobs.append((t, None, c.rng.choice(("sync", "async"))))
         if "failpoint" in cfg.faults:
             points = [p for p in POINTS if p.startswith(PREFIX[store] + ("snapshot.",))]
@@ -45,41 +45,41 @@ def trials(c: Campaign) -> None:
                 action = "raise" if j % 10 == 9 else "kill"   # now and then an EIO instead
                 spec = f"{point}={action}@{c.rng.randint(1, nputs)}"
                 mode = "async" if point == "snapshot.after_stage" else c.rng.choice(("sync", "async"))
-                t = c._new_trial(store, "failpoint", "f", c.trial_url(store))
+                t = c.new_trial(store, "failpoint", "f", c.trial_url(store))
                 jobs.append((t, spec, mode))
     if not jobs:
         return
     c.rng.shuffle(jobs)   # interleave stores so that parallel trials contend like real ones
-    _log(cfg, f"kill/failpoint trials: {len(jobs)} workload processes, {cfg.jobs} at a time")
-    c._pool(lambda j: trial(c, *j), jobs)
+    log(cfg, f"kill/failpoint trials: {len(jobs)} workload processes, {cfg.jobs} at a time")
+    c.pool(lambda j: trial(c, *j), jobs)
     if "kill" not in cfg.faults or not cfg.min_kills:
         return
     for _ in range(3):       # random kills that came after the run ended are topped up, boundedly
-        if not c._time_left():
+        if not c.time_left():
             return           # a top-up is not a planned trial: none is made, none is skipped
         extra = []
         for store in cfg.stores:
             got = sum(1 for t in c.trials if t.store == store and t.fault in ("kill", "failpoint")
                       and t.reached and (t.fault == "kill" or t.point.split("=")[1].startswith("kill")))
             for _ in range(min(cfg.min_kills - got, 20)):
-                t = c._new_trial(store, "kill", "k", c.trial_url(store))
+                t = c.new_trial(store, "kill", "k", c.trial_url(store))
                 extra.append((t, None, c.rng.choice(("sync", "async"))))
         if not extra:
             return
-        _log(cfg, f"topping up SIGKILLs: {len(extra)} more workload processes")
-        c._pool(lambda j: trial(c, *j), extra)
+        log(cfg, f"topping up SIGKILLs: {len(extra)} more workload processes")
+        c.pool(lambda j: trial(c, *j), extra)
 
 
-def trial(c: Campaign, t: Trial, spec: str | None, mode: str) -> None:
+def trial(c: TrialKit, t: Trial, spec: str | None, mode: str) -> None:
     d = os.path.join(c.work, "t", str(t.id))
     os.makedirs(d)
-    p = c._spawn(c._workload_cmd(c._client_url(t), t.run, d, mode), d, spec)
+    p = c.spawn(c.workload_cmd(c.client_url(t), t.run, d, mode), d, spec)
     t0 = None
     try:
         if spec is None:
-            t0 = c._wait_started(p, d)
+            t0 = c.wait_started(p, d)
             try:
-                p.wait(timeout=c._kill_delay(t.store))
+                p.wait(timeout=c.kill_delay(t.store))
             except subprocess.TimeoutExpired:
                 p.send_signal(signal.SIGKILL)
         p.wait(timeout=300)
@@ -98,26 +98,26 @@ def trial(c: Campaign, t: Trial, spec: str | None, mode: str) -> None:
         t.reached = True             # an injected EIO: the workload failed the way a bad disk fails it
         t.in_flight = True
         t.point = spec
-        t.detail = c._stderr(d).strip().splitlines()[-1][:300] if c._stderr(d).strip() else ""
+        t.detail = c.stderr(d).strip().splitlines()[-1][:300] if c.stderr(d).strip() else ""
     elif rc != 0:
-        t.detail = f"workload exited {rc}: {c._stderr(d)[-300:]}"
+        t.detail = f"workload exited {rc}: {c.stderr(d)[-300:]}"
         t.reasons.append(f"workload failed on its own (exit {rc})")
         t.recovered = "raised"
     else:
         if took is not None:
-            with c._lock:
+            with c.lock:
                 c.est[t.store] = max(c.est[t.store], took * 1.05)
         t.detail = "finished before the fault"
-    c._check(t, d)
+    c.check(t, d)
     c.own.done(t)
 
 
-def resume(c: Campaign, t: Trial) -> None:
+def resume(c: TrialKit, t: Trial) -> None:
     """Run ``t``'s crashed run to the end in a new workload; it must resume from the step
     recovery chose and end bit-identical to the reference run."""
     d = os.path.join(c.work, "t", f"{t.id}-resume")
     os.makedirs(d)
-    p = c._spawn(c._workload_cmd(c._client_url(t), t.run, d), d)
+    p = c.spawn(c.workload_cmd(c.client_url(t), t.run, d), d)
     try:
         p.wait(timeout=600)
     finally:
@@ -125,7 +125,7 @@ def resume(c: Campaign, t: Trial) -> None:
             p.kill()
             p.wait()
     if p.returncode != 0:
-        t.resume = {"ok": False, "error": True, "why": f"exit {p.returncode}: {c._stderr(d)[-300:]}"}
+        t.resume = {"ok": False, "error": True, "why": f"exit {p.returncode}: {c.stderr(d)[-300:]}"}
         return
     with open(os.path.join(d, "out.json")) as f:
         out = json.load(f)

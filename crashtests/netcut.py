@@ -11,7 +11,7 @@ carries on or ends with that error.
 Contract: :func:`trials` runs ``cfg.n(store, "netcut")`` trials on each object
 store configuration (``s3``; ``pgs3``, whose chunks go through the proxy),
 ``cfg.jobs`` at a time; a trial not started before the time limit is skipped.
-Each is judged as a ``kill`` trial is (:meth:`crashtests.campaign.Campaign._check`):
+Each is judged as a ``kill`` trial is (:meth:`crashtests.trialkit.TrialKit.check`):
 every acknowledged checkpoint recovers, bit-identical, through a clean connection.
 """
 
@@ -21,47 +21,47 @@ import os
 import subprocess
 from urllib.parse import quote, urlsplit
 
-from .campaign import Campaign, _log
 from .checker import Trial
 from .faultproxy import FaultProxy
+from .trialkit import TrialKit, log
 
 STORES = ("s3", "pgs3")
 
 
-def trials(c: Campaign) -> None:
+def trials(c: TrialKit) -> None:
     cfg = c.cfg
     if "netcut" not in cfg.faults or c.s3 is None:
         return
     stores = [s for s in cfg.stores if s in STORES]
-    if not stores or not c._starts("netcut"):
+    if not stores or not c.starts("netcut"):
         return
     c.proxy = FaultProxy("127.0.0.1", urlsplit(c.s3.endpoint).port)
     jobs = []
     for s in stores:
         for _ in range(cfg.n(s, "netcut")):
-            t = c._new_trial(s, "netcut", "n", c.trial_url(s))
-            jobs.append((t, _through_proxy(c, c._client_url(t))))
-    _log(cfg, f"connection cuts: {len(jobs)} workload processes through a fault proxy, {cfg.jobs} at a time")
+            t = c.new_trial(s, "netcut", "n", c.trial_url(s))
+            jobs.append((t, _through_proxy(c, c.client_url(t))))
+    log(cfg, f"connection cuts: {len(jobs)} workload processes through a fault proxy, {cfg.jobs} at a time")
     try:
-        c._pool(lambda j: trial(c, *j), jobs)
+        c.pool(lambda j: trial(c, *j), jobs)
     finally:
         c.proxy.close()
 
 
-def _through_proxy(c: Campaign, url: str) -> str:
+def _through_proxy(c: TrialKit, url: str) -> str:
     """``url`` with its object store endpoint replaced by the proxy's (an s3:// URL, or
     a Postgres URL whose agck_objects names one)."""
     return (url.replace(c.s3.endpoint, c.proxy.endpoint)
                .replace(quote(c.s3.endpoint, safe=":/"), quote(c.proxy.endpoint, safe=":/")))
 
 
-def trial(c: Campaign, t: Trial, client_url: str) -> None:
+def trial(c: TrialKit, t: Trial, client_url: str) -> None:
     d = os.path.join(c.work, "t", str(t.id))
     os.makedirs(d)
-    p = c._spawn(c._workload_cmd(client_url, t.run, d, c.rng.choice(("sync", "async"))), d)
+    p = c.spawn(c.workload_cmd(client_url, t.run, d, c.rng.choice(("sync", "async"))), d)
     cuts = 0
     try:
-        c._wait_started(p, d)
+        c.wait_started(p, d)
         try:
             p.wait(timeout=c.rng.uniform(0, 0.6 * c.est[t.store]))
         except subprocess.TimeoutExpired:
@@ -81,15 +81,15 @@ def trial(c: Campaign, t: Trial, client_url: str) -> None:
             t.point = f"{cuts} cuts"
         else:
             t.detail = "the workload finished before the first cut"
-        if c._finish(p, 300):
+        if c.finish(p, 300):
             t.reasons.append("the workload hung after the connections were cut")
             t.hung = True
         if p.returncode not in (0, None):
-            err = c._stderr(d).strip()
+            err = c.stderr(d).strip()
             t.detail = f"workload exited {p.returncode} after {cuts} cuts: {err.splitlines()[-1][:200] if err else ''}"
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
-    c._check(t, d)
+    c.check(t, d)
     c.own.done(t)

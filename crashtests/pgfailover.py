@@ -45,31 +45,31 @@ import threading
 import time
 
 from . import pgcluster
-from .campaign import Campaign, Config, _log
 from .checker import Trial
 from .pgreplica import PgPair
+from .trialkit import Config, TrialKit, log
 
 WHEN = ("during", "syncrep", "ack")
 SETTLE_TIMEOUT = 120.0
 
 
-def trials(c: Campaign) -> None:
+def trials(c: TrialKit) -> None:
     cfg = c.cfg
     if "failover" not in cfg.faults or "postgres" not in cfg.stores:
         return
     n = cfg.n("postgres", "failover")
-    if not c._time_left():
-        c._skip_rest("postgres", "failover", n)
+    if not c.time_left():
+        c.skip_rest("postgres", "failover", n)
         return
     reason = pgcluster.available()
     if reason:
         c.notes.append(f"failover skipped: {reason}")
         return
-    _log(cfg, f"Postgres failovers (synchronous standby): {n}")
+    log(cfg, f"Postgres failovers (synchronous standby): {n}")
     run_trials(c, n, synchronous=True)
 
 
-def run_trials(c: Campaign, n: int, *, synchronous: bool) -> list[Trial]:
+def run_trials(c: TrialKit, n: int, *, synchronous: bool) -> list[Trial]:
     """``n`` failover trials on a new pair, kept on the campaign (``c.pair``) for the checks after."""
     from agck.stores.postgres.store import PostgresStore
     c.pair = pair = PgPair(synchronous=synchronous).start(databases=("crash",))
@@ -79,9 +79,9 @@ def run_trials(c: Campaign, n: int, *, synchronous: bool) -> list[Trial]:
     done = []
     try:
         for i in range(n):
-            t = c._new_trial("postgres", "failover", "fo", url)
-            if not c._time_left():
-                c._skip(t)
+            t = c.new_trial("postgres", "failover", "fo", url)
+            if not c.time_left():
+                c.skip(t)
                 continue
             try:
                 trial(c, pair, store, t, i, trees)
@@ -180,7 +180,7 @@ def _retry(fn, timeout: float = SETTLE_TIMEOUT):
             time.sleep(0.1)
 
 
-def trial(c: Campaign, pair: PgPair, store, t: Trial, i: int, trees: dict) -> None:
+def trial(c: TrialKit, pair: PgPair, store, t: Trial, i: int, trees: dict) -> None:
     import psycopg2
 
     from . import checker
@@ -244,7 +244,7 @@ def trial(c: Campaign, pair: PgPair, store, t: Trial, i: int, trees: dict) -> No
         if state_hash(got.state) != state_hash(trees[step]):
             t.hash_ok = False
             t.reasons.append(f"acknowledged step {step} holds another state after the failover")
-    checker.check_library(store, t, c._full)
+    checker.check_library(store, t, c.full)
     if not carry_on and isinstance(t.recovered, int):
         want = t.recovered
         try:
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the per-trial outcomes here")
     a = p.parse_args(argv)
     from .checker import classify
-    c = Campaign(Config(stores=("postgres",), faults=("failover",), seed=a.seed, quiet=True))
+    c = TrialKit(Config(stores=("postgres",), faults=("failover",), seed=a.seed, quiet=True))
     t0 = time.monotonic()
     try:
         ts = run_trials(c, a.trials, synchronous=not a.asynchronous)

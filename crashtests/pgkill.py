@@ -16,7 +16,7 @@ kills the server, by SIGKILL to its processes or ``pg_ctl stop -m immediate``
 Contract: :func:`trials` runs ``cfg.n("postgres", "pgkill")`` trials one after
 another (they share the one server), only when the cluster runs; a trial not
 started before the time limit is skipped. Each is judged as a ``kill`` trial is
-(:meth:`crashtests.campaign.Campaign._check`), and every earlier kill, failpoint
+(:meth:`crashtests.trialkit.TrialKit.check`), and every earlier kill, failpoint
 and pgkill run on Postgres must still recover to the step it recovered to before
 this server kill (else that earlier trial is corrupt). A note says how many kills
 landed mid-COPY.
@@ -28,11 +28,11 @@ import os
 import subprocess
 import time
 
-from .campaign import Campaign
 from .checker import Trial
+from .trialkit import TrialKit
 
 
-def trials(c: Campaign) -> None:
+def trials(c: TrialKit) -> None:
     if "pgkill" not in c.cfg.faults or c.cluster is None:
         return
     c.server_kill_trials("postgres", "pgkill", "p", "Postgres server", trial, c.revive_cluster)
@@ -48,13 +48,13 @@ def _copied(t: Trial) -> int:
     return int(t.point.split("@copy:")[1].split("MiB")[0])
 
 
-def _when(c: Campaign, i: int) -> str:
+def _when(c: TrialKit, i: int) -> str:
     if c.cfg.profile == "large":
         return ("copy", "commit", "copy", "random")[i % 4]
     return "random" if i % 3 == 2 else "commit"
 
 
-def trial(c: Campaign, t: Trial, i: int) -> None:
+def trial(c: TrialKit, t: Trial, i: int) -> None:
     cfg = c.cfg
     cluster = c.cluster
     d = os.path.join(c.work, "t", str(t.id))
@@ -63,7 +63,7 @@ def trial(c: Campaign, t: Trial, i: int) -> None:
     when = _when(c, i)
     nputs = max(1, cfg.steps // cfg.every)
     target = c.rng.randint(1, nputs)
-    p = c._spawn(c._workload_cmd(c._client_url(t), t.run, d, c.rng.choice(("sync", "async"))), d)
+    p = c.spawn(c.workload_cmd(c.client_url(t), t.run, d, c.rng.choice(("sync", "async"))), d)
     killed_at = None
     try:
         if when == "commit":
@@ -73,9 +73,9 @@ def trial(c: Campaign, t: Trial, i: int) -> None:
             from crashtests.workload import LARGE_BYTES
             killed_at = _watch_copy(c, p, t.run, int(LARGE_BYTES * c.rng.uniform(0.05, 0.9)))
         else:
-            c._wait_started(p, d)
+            c.wait_started(p, d)
             try:
-                p.wait(timeout=c._kill_delay("postgres"))
+                p.wait(timeout=c.kill_delay("postgres"))
             except subprocess.TimeoutExpired:
                 killed_at = "random"
         if killed_at is None and when == "random":
@@ -99,20 +99,20 @@ def trial(c: Campaign, t: Trial, i: int) -> None:
         if cluster.proc is None or cluster.proc.poll() is not None:
             restart = cluster.restart()
             t.detail = (t.detail + f" restart {restart:.1f}s").strip()
-    c._check(t, d)
+    c.check(t, d)
     # an older run's recovery must not change because the server crashed later
     c.recheck_older(t, ("kill", "failpoint", "pgkill"))
     c.own.done(t)
 
 
-def _monitor(c: Campaign):
+def _monitor(c: TrialKit):
     import psycopg2
     mon = psycopg2.connect(c.cluster.dsn("postgres"))
     mon.autocommit = True
     return mon
 
 
-def _watch_commit(c: Campaign, p, target: int) -> str | None:
+def _watch_commit(c: TrialKit, p, target: int) -> str | None:
     """Until the workload's backend is inside its ``target``-th COMMIT (held there by commit_delay:
     its commit record is in the WAL buffers, not yet flushed, and the client is not answered)."""
     mon = _monitor(c)
@@ -133,7 +133,7 @@ def _watch_commit(c: Campaign, p, target: int) -> str | None:
     return None
 
 
-def _watch_copy(c: Campaign, p, run: str, target: int) -> str | None:
+def _watch_copy(c: TrialKit, p, run: str, target: int) -> str | None:
     """Until the workload's backend, in a COPY into the server, has received ``target`` bytes of it;
     the server is then killed at once, while the COPY goes on."""
     mon = _monitor(c)

@@ -27,8 +27,8 @@ import os
 import sys
 import time
 
-from .campaign import Campaign
 from .checker import Trial
+from .trialkit import TrialKit
 
 PROCS = 3         # workload processes per trial
 THREADS = 6       # conversations (threads) per process
@@ -36,13 +36,13 @@ POOL = 3          # connections per process: threads share them
 STEPS = 10        # checkpoints per conversation
 
 
-def trials(c: Campaign) -> None:
+def trials(c: TrialKit) -> None:
     if "pgload" not in c.cfg.faults or c.cluster is None:
         return
     c.server_kill_trials("postgres", "pgload", "L", "concurrent load", trial, c.revive_cluster)
 
 
-def _drop_connections(c: Campaign) -> int:
+def _drop_connections(c: TrialKit) -> int:
     """End every workload backend of the crash database; how many there were."""
     import psycopg2
     conn = psycopg2.connect(c.cluster.dsn("postgres"))
@@ -56,7 +56,7 @@ def _drop_connections(c: Campaign) -> int:
         conn.close()
 
 
-def trial(c: Campaign, t: Trial, i: int) -> None:
+def trial(c: TrialKit, t: Trial, i: int) -> None:
     d = os.path.join(c.work, "t", str(t.id))
     os.makedirs(d)
     acks = os.path.join(d, "acks")
@@ -64,7 +64,7 @@ def trial(c: Campaign, t: Trial, i: int) -> None:
     for k in range(PROCS):       # a directory each, for its stderr
         os.makedirs(os.path.join(d, str(k)))
         mode = "asyncio" if k == 0 else "threads"     # one process's conversations on an event loop
-        procs.append(c._spawn([sys.executable, "-m", "crashtests.loadworker", t.url, t.run, str(k), str(THREADS),
+        procs.append(c.spawn([sys.executable, "-m", "crashtests.loadworker", t.url, t.run, str(k), str(THREADS),
                                str(STEPS), str(POOL), acks, mode], os.path.join(d, str(k))))
     how = "immediate" if i % 2 else "sigkill"
     drops = dropped = 0
@@ -88,18 +88,18 @@ def trial(c: Campaign, t: Trial, i: int) -> None:
             restart = c.cluster.restart()
             t.detail = f"restart {restart:.1f}s"
         for p in procs:
-            if c._finish(p, 300):
+            if c.finish(p, 300):
                 t.reasons.append("a workload process hung")
                 t.hung = True
     finally:
         for p in procs:
-            c._finish(p, 0)
+            c.finish(p, 0)
         c.revive_cluster()
     t.reached = killed or dropped > 0
     t.point = f"{drops} drops ({dropped} connections)" + (f", server {how}" if killed else "")
     for k, p in enumerate(procs):
         if p.returncode != 0:
-            err = c._stderr(os.path.join(d, str(k))).strip()[-400:]
+            err = c.stderr(os.path.join(d, str(k))).strip()[-400:]
             t.reasons.append(f"workload process {k} exited {p.returncode}: {err}")
             t.recovered = "raised"
     check(c, t, acks)
@@ -107,7 +107,7 @@ def trial(c: Campaign, t: Trial, i: int) -> None:
     c.recheck_older(t, ("kill", "failpoint", "pgkill"))
 
 
-def check(c: Campaign, t: Trial, acks: str) -> None:
+def check(c: TrialKit, t: Trial, acks: str) -> None:
     """Every history whole, every acknowledged step there and equal to what was put."""
     from crashtests.loadworker import same, state_for
     acked: dict[str, set[int]] = {}
@@ -118,7 +118,7 @@ def check(c: Campaign, t: Trial, acks: str) -> None:
                 acked.setdefault(run, set()).add(int(step))
     runs = [f"{t.run}-p{k}-t{j}" for k in range(PROCS) for j in range(THREADS)]
     lost = corrupt = 0
-    store = c._open(t.url)
+    store = c.open(t.url)
     try:
         stored_runs = {r for r in store.runs() if r.startswith(f"{t.run}-")}
         strays = stored_runs - set(runs)

@@ -24,7 +24,7 @@ import os
 import shutil
 
 from . import checker
-from .campaign import Campaign, _log
+from .trialkit import TrialKit, log
 
 
 def plan(trees: dict) -> list[tuple]:
@@ -39,7 +39,7 @@ def plan(trees: dict) -> list[tuple]:
     return out
 
 
-def run_plan(c: Campaign, sim, store, run: str, steps: list, trees: dict, acked: list) -> None:
+def run_plan(c: TrialKit, sim, store, run: str, steps: list, trees: dict, acked: list) -> None:
     parent = None
     for act, arg in steps:
         if act == "put":
@@ -50,7 +50,7 @@ def run_plan(c: Campaign, sim, store, run: str, steps: list, trees: dict, acked:
             store.prune(run, keep_last=arg)
 
 
-def run_plan_sharded(c: Campaign, sim, store, run: str, steps: list, trees: dict, acked: list) -> None:
+def run_plan_sharded(c: TrialKit, sim, store, run: str, steps: list, trees: dict, acked: list) -> None:
     """The plan as a job of ``ranks`` ranks would write it (agck.distributed's order,
     one process): every rank's part durable, then the commit record, fenced."""
     from agck import sharded
@@ -80,7 +80,7 @@ def rank_tree(trees: dict, step: int, rank: int) -> dict:
     return {**trees[step], "rank": rank}
 
 
-def trials(c: Campaign) -> None:
+def trials(c: TrialKit) -> None:
     from agck.stores.file.store import FileStore
     from crashtests.simfs import MODES, Crash, SimFS
     from crashtests.workload import state_hash
@@ -89,7 +89,7 @@ def trials(c: Campaign) -> None:
         return
     kinds = []
     if "powerloss" in cfg.faults:
-        kinds.append(("powerloss", run_plan, lambda store, t: checker.check_library(store, t, c._full)))
+        kinds.append(("powerloss", run_plan, lambda store, t: checker.check_library(store, t, c.full)))
     if "distpower" in cfg.faults:
         def check(store, t):
             refs = [{k: state_hash(rank_tree(trees, k, r)) for k in trees} for r in range(cfg.ranks)]
@@ -97,9 +97,9 @@ def trials(c: Campaign) -> None:
         kinds.append(("distpower", run_plan_sharded, check))
     if not kinds:
         return
-    if not c._time_left():
+    if not c.time_left():
         for fault, _, _ in kinds:
-            c._skip_all(fault, ("file",))
+            c.skip_all(fault, ("file",))
         return
     trees = c.trees()
     steps = plan(trees)
@@ -108,21 +108,21 @@ def trials(c: Campaign) -> None:
     os.makedirs(images, exist_ok=True)
     for fault, run, check in kinds:
         n = cfg.n("file", fault)
-        if not c._time_left():
-            c._skip_rest("file", fault, n)
+        if not c.time_left():
+            c.skip_rest("file", fault, n)
             continue
         # a dry run counts the operations a whole plan makes; trial i crashes at about i/n of them
         dry = SimFS(os.path.join(sims, f"dry-{fault}"))
         run(c, dry, FileStore(dry.root, fs=dry), "dry", steps, trees, [])
         total = dry.ops
         shutil.rmtree(dry.root)
-        _log(cfg, f"power-loss simulations ({fault}): {n} (plan of {total} file-system operations)")
+        log(cfg, f"power-loss simulations ({fault}): {n} (plan of {total} file-system operations)")
         stride = max(1, total // max(1, n))
         for i in range(n):
-            if not c._time_left():
-                c._skip_rest("file", fault, n - i)
+            if not c.time_left():
+                c.skip_rest("file", fault, n - i)
                 break
-            t = c._new_trial("file", fault, "pl" if fault == "powerloss" else "dpl", images)
+            t = c.new_trial("file", fault, "pl" if fault == "powerloss" else "dpl", images)
             crash_at = min(total, 1 + (i * total) // max(1, n) + c.rng.randrange(stride))
             sim = SimFS(os.path.join(sims, str(t.id)), crash_at=crash_at)
             try:

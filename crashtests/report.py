@@ -14,6 +14,7 @@ lost or corrupt, else 2 if the harness could not judge one (error), else 0.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 
@@ -111,39 +112,112 @@ def markdown(rep: dict) -> str:
     return text
 
 
+# the chart's cells: fill, text colour, and what the legend calls them (worst first)
+CELL_STYLE = {"bad": ("#d32f2f", "white", "lost or corrupt"), "error": ("#ffb300", "black", "harness error"),
+              "indeterminate": ("#bbdefb", "black", "indeterminate"), "ok": ("#c8e6c9", "black", "all ok"),
+              SKIPPED: ("#eeeeee", "#555555", "skipped only (not run)")}
+CHART_DPI = 100
+_LINE_IN = 0.2          # one 10 pt line of a cell, in inches
+
+
+def _cell(row: dict) -> tuple[str, list[str]]:
+    """A (store, fault, profile) row as one cell of the chart: its state and its lines."""
+    n = row["trials"]
+    if n == 0:
+        return SKIPPED, [f"{row[SKIPPED]} skipped"]
+    lines = [f"{n} trial{'s' if n != 1 else ''}", f"{row['faults_delivered']} hit"]
+    lines += [f"{row[o]} {o}" for o in ("lost", "corrupt", "error") if row[o]]
+    if row["indeterminate"]:
+        lines.append(f"{row['indeterminate']} indeterm.")
+    if row[SKIPPED]:
+        lines.append(f"+{row[SKIPPED]} skipped")
+    state = ("bad" if row["lost"] or row["corrupt"] else "error" if row["error"]
+             else "indeterminate" if row["indeterminate"] else "ok")
+    return state, lines
+
+
+def grid(rep: dict) -> dict:
+    """What :func:`chart` draws: a row per store (and profile), a column per fault kind of the
+    campaign, a cell per (store, fault, profile) row of the report; and where, in pixels from
+    the picture's top left corner at :data:`CHART_DPI`."""
+    rows = rep["rows"]
+    faults = [f for f in FAULTS if any(r["fault"] == f for r in rows)]
+    stores = sorted({(r["store"], r["profile"]) for r in rows},
+                    key=lambda k: (STORES.index(k[0]), PROFILES.index(k[1])))
+    labels = [s + _large({"profile": p}) for s, p in stores]
+    cells = {}
+    for r in rows:
+        state, lines = _cell(r)
+        cells[(r["store"] + _large(r), r["fault"])] = {"state": state, "lines": lines}
+    most = max((len(c["lines"]) for c in cells.values()), default=1)
+    label_w = 0.35 + 0.085 * max((len(s) for s in labels), default=6)
+    cell_w = min(1.35, max(1.0, (18.0 - label_w) / max(1, len(faults))))
+    cell_h = 0.25 + _LINE_IN * most
+    grid_w = label_w + cell_w * len(faults)
+    t = rep["totals"]
+    title = (f"agck crash campaign: {t['trials']} trials, {t['lost']} lost, {t['corrupt']} corrupt, "
+             f"resumes {t['resumes_ok']}/{t['resumes_checked']} ok")
+    extra = [f"{t[k]} {k}" for k in ("error", "indeterminate", SKIPPED) if t.get(k)]
+    title += f" ({', '.join(extra)})" if extra else ""
+    width = max(9.0, grid_w + 0.4, 0.135 * len(title) + 0.6)    # a 14 pt bold character: about 0.13 in
+    top = 1.0                                     # the title and the column heads above the grid
+    height = top + cell_h * len(labels) + 0.75    # the legend below
+    width, height = (math.ceil(v * CHART_DPI) / CHART_DPI for v in (width, height))   # whole pixels
+    left = (width - grid_w) / 2 + label_w
+    px = CHART_DPI
+    for (label, fault), c in cells.items():
+        i, j = labels.index(label), faults.index(fault)
+        x0, y0 = left + j * cell_w, top + i * cell_h
+        c["box"] = tuple(round(v * px) for v in (x0, y0, x0 + cell_w, y0 + cell_h))
+    return {"title": title, "faults": faults, "labels": labels, "cells": cells, "size": (round(width * px), round(height * px)),
+            "inches": {"width": width, "height": height, "left": left, "top": top, "label_w": label_w,
+                       "cell_w": cell_w, "cell_h": cell_h}}
+
+
 def chart(rep: dict, path: str) -> bool:
+    """The campaign as a grid of cells, a row per store and a column per fault kind (:func:`grid`),
+    red where a trial was lost or corrupt; a PNG of :data:`CHART_DPI` dots per inch."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch, Rectangle
     except ImportError:
         return False
-    rows = rep["rows"]
-    if not rows:
+    if not rep["rows"]:
         return False
-    labels = [f"{r['store']}\n{r['fault']}{_large(r)}" for r in rows]
-    colors = {"ok": "#4caf50", "indeterminate": "#90caf9", "lost": "#e53935", "corrupt": "#8e24aa",
-              "error": "#ffb300", SKIPPED: "#e0e0e0"}
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows) + 2), 4.5))
-    bottom = [0] * len(rows)
-    for o in (*OUTCOMES, SKIPPED):
-        vals = [r.get(o, 0) for r in rows]
-        if any(vals):
-            ax.bar(labels, vals, bottom=bottom, label="skipped (not run)" if o == SKIPPED else o, color=colors[o],
-                   hatch="//" if o == SKIPPED else None)
-            bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_yscale("symlog")
-    ax.set_ylim(0, max(bottom) * 2)   # symlog's automatic top clips the tallest bar
-    ax.set_ylabel("trials")
-    t = rep["totals"]
-    title = f"agck crash campaign: {t['trials']} trials, {t['lost']} lost, {t['corrupt']} corrupt"
-    if t.get(SKIPPED):
-        title += f", {t[SKIPPED]} skipped"
-    ax.set_title(title)
-    ax.legend(loc="upper right", fontsize=8)
-    plt.xticks(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    g = grid(rep)
+    box = g["inches"]
+    fig = plt.figure(figsize=(box["width"], box["height"]), dpi=CHART_DPI)
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set_xlim(0, box["width"])
+    ax.set_ylim(box["height"], 0)                 # inches from the top left corner, as grid() counts
+    ax.axis("off")
+    left, top, cw, ch = box["left"], box["top"], box["cell_w"], box["cell_h"]
+    for j, fault in enumerate(g["faults"]):
+        ax.text(left + (j + 0.5) * cw, top - 0.08, fault, ha="center", va="bottom", fontsize=11, fontweight="bold")
+    for i, label in enumerate(g["labels"]):
+        ax.text(left - 0.12, top + (i + 0.5) * ch, label, ha="right", va="center", fontsize=11, fontweight="bold")
+        for j, fault in enumerate(g["faults"]):
+            x, y = left + j * cw, top + i * ch
+            c = g["cells"].get((label, fault))
+            if c is None:      # no trial of this fault on this store: a blank cell
+                ax.add_patch(Rectangle((x, y), cw, ch, facecolor="#fafafa", edgecolor="white", linewidth=2))
+                continue
+            fill, ink, _ = CELL_STYLE[c["state"]]
+            ax.add_patch(Rectangle((x, y), cw, ch, facecolor=fill, edgecolor="white", linewidth=2,
+                                   hatch="//" if c["state"] == SKIPPED else None))
+            ax.text(x + cw / 2, y + ch / 2, "\n".join(c["lines"]), ha="center", va="center", fontsize=10,
+                    color=ink, linespacing=1.25, fontweight="bold" if c["state"] == "bad" else "normal")
+    ax.text(box["width"] / 2, 0.3, g["title"], ha="center", va="center", fontsize=14, fontweight="bold")
+    ax.text(box["width"] / 2, 0.58, "each cell: the trials run and the faults they delivered (hit)",
+            ha="center", va="center", fontsize=10, color="#555555")
+    used = {c["state"] for c in g["cells"].values()}
+    handles = [Patch(facecolor=fill, edgecolor="#9e9e9e", label=name, hatch="//" if s == SKIPPED else None)
+               for s, (fill, _, name) in CELL_STYLE.items() if s in used or s in ("bad", "ok")]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=10, frameon=False,
+               bbox_to_anchor=(0.5, 0.1 / box["height"]))
+    fig.savefig(path, dpi=CHART_DPI)
     plt.close(fig)
     return True
 

@@ -11,7 +11,7 @@ is back or fails, as a client whose store vanished does.
 Contract: :func:`trials` runs ``cfg.n("s3", "s3kill")`` trials one after another
 (they share the one server), only when the server runs; a trial not started
 before the time limit is skipped. Each is judged as a ``kill`` trial is
-(:meth:`crashtests.campaign.Campaign._check`: every acknowledged checkpoint
+(:meth:`crashtests.trialkit.TrialKit.check`: every acknowledged checkpoint
 recovers, bit-identical), and every earlier trial on the object store must
 still recover to the step it recovered to before this server kill.
 """
@@ -22,11 +22,11 @@ import os
 import subprocess
 import time
 
-from .campaign import Campaign
 from .checker import Trial
+from .trialkit import TrialKit
 
 
-def trials(c: Campaign) -> None:
+def trials(c: TrialKit) -> None:
     if "s3kill" not in c.cfg.faults or c.s3 is None:
         return
 
@@ -36,15 +36,15 @@ def trials(c: Campaign) -> None:
     c.server_kill_trials("s3", "s3kill", "o", "object store server", trial, revive)
 
 
-def trial(c: Campaign, t: Trial, i: int) -> None:
+def trial(c: TrialKit, t: Trial, i: int) -> None:
     d = os.path.join(c.work, "t", str(t.id))
     os.makedirs(d)
-    p = c._spawn(c._workload_cmd(t.url, t.run, d, c.rng.choice(("sync", "async"))), d)
+    p = c.spawn(c.workload_cmd(t.url, t.run, d, c.rng.choice(("sync", "async"))), d)
     killed_at = None
     try:
-        c._wait_started(p, d)
+        c.wait_started(p, d)
         try:
-            p.wait(timeout=c._kill_delay("s3"))
+            p.wait(timeout=c.kill_delay("s3"))
         except subprocess.TimeoutExpired:
             killed_at = "random"
         if killed_at is None or p.poll() is not None:
@@ -63,14 +63,14 @@ def trial(c: Campaign, t: Trial, i: int) -> None:
             p.wait()
         if p.returncode not in (0, None):
             t.detail = (f"workload exited {p.returncode} after the server kill: "
-                        f"{c._stderr(d).strip().splitlines()[-1][:200] if c._stderr(d).strip() else ''}")
+                        f"{c.stderr(d).strip().splitlines()[-1][:200] if c.stderr(d).strip() else ''}")
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
         if c.s3.proc is None:
             c.s3.start()
-    c._check(t, d)
+    c.check(t, d)
     # an older run's recovery must not change because the server crashed later
     c.recheck_older(t, ("kill", "failpoint", "s3kill", "stale"))
     c.own.done(t)

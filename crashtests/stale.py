@@ -23,24 +23,24 @@ import subprocess
 import time
 
 from . import checker
-from .campaign import Campaign, _log
 from .checker import Trial
+from .trialkit import TrialKit, log
 
 
-def trials(c: Campaign) -> None:
+def trials(c: TrialKit) -> None:
     cfg = c.cfg
     if "stale" not in cfg.faults:
         return
     if not c.ref:            # no reference run: the time limit had passed before it
-        return c._skip_all("stale")
-    jobs = [(c._new_trial(store, "stale", "s", c.urls[store]), c.rng.choice(("sync", "async")))
+        return c.skip_all("stale")
+    jobs = [(c.new_trial(store, "stale", "s", c.urls[store]), c.rng.choice(("sync", "async")))
             for store in cfg.stores for _ in range(cfg.n(store, "stale"))]
     if jobs:
-        _log(cfg, f"stale-writer trials: {len(jobs)}, two workload processes each")
-        c._pool(lambda j: trial(c, *j), jobs)
+        log(cfg, f"stale-writer trials: {len(jobs)}, two workload processes each")
+        c.pool(lambda j: trial(c, *j), jobs)
 
 
-def trial(c: Campaign, t: Trial, mode: str) -> None:
+def trial(c: TrialKit, t: Trial, mode: str) -> None:
     """The old writer must acknowledge nothing more once let go (its next put is refused:
     StaleEpochError), and the run must end bit-identical to the uninterrupted one. If the
     old one was stopped inside its commit, the takeover waits for it (safety before
@@ -51,8 +51,8 @@ def trial(c: Campaign, t: Trial, mode: str) -> None:
     d_old, d_new = os.path.join(base, "old"), os.path.join(base, "new")
     os.makedirs(d_old)
     os.makedirs(d_new)
-    url = c._client_url(t)
-    old = c._spawn(c._workload_cmd(url, t.run, d_old, mode), d_old)
+    url = c.client_url(t)
+    old = c.spawn(c.workload_cmd(url, t.run, d_old, mode), d_old)
     new = None
     try:
         acks = os.path.join(d_old, "acks")
@@ -62,12 +62,12 @@ def trial(c: Campaign, t: Trial, mode: str) -> None:
         time.sleep(c.rng.uniform(0, c.ref["seconds"] - c.ref["first_ack"]) / 2)
         if old.poll() is not None:
             t.detail = "finished before the fault"
-            c._check(t, d_old)
+            c.check(t, d_old)
             return
         old.send_signal(signal.SIGSTOP)
         t.reached = True
         before = read_acks(acks)
-        new = c._spawn(c._workload_cmd(url, t.run, d_new, mode), d_new)
+        new = c.spawn(c.workload_cmd(url, t.run, d_new, mode), d_new)
         waited = False
         try:
             new.wait(timeout=max(10.0, 3 * c.ref["seconds"]))
@@ -85,12 +85,12 @@ def trial(c: Campaign, t: Trial, mode: str) -> None:
     after = read_acks(acks)
     late = after[len(before):]
     t.point = "stopped inside a commit" if waited else f"stopped after ack {before[-1] if before else None}"
-    err = c._stderr(d_old)
+    err = c.stderr(d_old)
     if old.returncode != 0 and "StaleEpochError" not in err and "epoch" not in err:
         t.reasons.append(f"the old writer failed otherwise (exit {old.returncode}): {err.strip()[-300:]}")
         t.recovered = "raised"
     if new.returncode != 0:
-        t.reasons.append(f"the new incarnation failed (exit {new.returncode}): {c._stderr(d_new)[-300:]}")
+        t.reasons.append(f"the new incarnation failed (exit {new.returncode}): {c.stderr(d_new)[-300:]}")
         t.recovered = "raised"
         return
     with open(os.path.join(d_new, "out.json")) as f:
@@ -100,7 +100,7 @@ def trial(c: Campaign, t: Trial, mode: str) -> None:
                 "why": None if ok else f"final hash {out['final_hash']} (uninterrupted {c.ref['final_hash']})"}
     # Every acknowledged checkpoint of the run, old writer's and new's, must be covered.
     t.acked = sorted(set(after) | set(read_acks(os.path.join(d_new, "acks"))))
-    c._check_store(t, checker.check_library, c.ref["full"])
+    c.check_store(t, checker.check_library, c.ref["full"])
     # An old writer may log, once let go, the ack of a commit it made before it was
     # stopped or while the takeover waited for it: the new incarnation, which begins
     # its epoch before it recovers, then resumed from that step or a later one. A

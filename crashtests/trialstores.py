@@ -10,7 +10,7 @@ prefix, or both of the last two (``pgs3``).
 
 A few hundred such stores of 200-300 MiB would fill the disk, so a store is dropped
 once its trial is judged and `agck recover` has cross-checked it (a few stores per
-interpreter, as :meth:`crashtests.campaign.Campaign.cli_check` does at the end). Kept
+interpreter, as :meth:`crashtests.trialkit.TrialKit.cli_check` does at the end). Kept
 to the end are the stores of the first trials of each (store, fault) whose fault was
 delivered, for the resumes and for the rechecks after a server kill, and every store
 whose trial does not look ok or indeterminate so far, as evidence.

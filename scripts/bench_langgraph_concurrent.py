@@ -14,8 +14,12 @@ KB up to about 20 KB). Two layouts, each saver in turn, alternated every round:
 
 Reported per saver and layout: throughput in super-steps per second (all
 conversations' super-steps over the wall time from the first start to the last
-end), and the p50 and p99 latency of a checkpoint (``aput``, awaited by the graph
-once per super-step) and of a write (``aput_writes``).
+end), the p50 and p99 latency of a checkpoint (``aput``, awaited by the graph
+once per super-step) and of a write (``aput_writes``), and the CPU time per
+super-step of the clients (their processes' CPU time while the conversations run)
+and of the server (every ``postgres`` process's, read from /proc where the server
+runs on this machine, other clients' included): where the cores are all busy,
+throughput is their sum's inverse.
 
 At the end, what AgckSaver wrote is read back through a store object of its own
 (benchio.readback): every conversation's last checkpoint compared bit for bit with
@@ -128,14 +132,14 @@ async def _conversations(which: str, dsn: str, schema: str, pool: int, n: int, s
     try:
         if start_at is not None:
             await asyncio.sleep(max(0.0, start_at - time.time()))
-        t0 = time.time()
+        t0, cpu0 = time.time(), time.process_time()
         threads = [f"{tag}-{i}" for i in range(n)]
         outs = await asyncio.gather(*(graph.ainvoke({"messages": [_opening()], "n": 0},
                                                     {"configurable": {"thread_id": t}}) for t in threads))
-        t1 = time.time()
+        t1, cpu = time.time(), time.process_time() - cpu0
         assert all(o["n"] == steps and len(o["messages"]) == steps + 1 for o in outs)
-        return {"start": t0, "end": t1, "puts": timed.puts, "writes": timed.writes, "supersteps": n * steps,
-                "threads": threads}
+        return {"start": t0, "end": t1, "cpu": cpu, "puts": timed.puts, "writes": timed.writes,
+                "supersteps": n * steps, "threads": threads}
     finally:
         await close()
 
@@ -168,8 +172,31 @@ def _multi(which: str, dsn: str, schema: str, pool: int, n: int, procs: int, ste
     if late > 1.0:
         print(f"  warning: a process started {late:.1f} s late", file=sys.stderr)
     return {"start": min(r["start"] for r in results), "end": max(r["end"] for r in results),
+            "cpu": sum(r["cpu"] for r in results),
             "puts": [x for r in results for x in r["puts"]], "writes": [x for r in results for x in r["writes"]],
             "supersteps": sum(r["supersteps"] for r in results), "threads": [t for r in results for t in r["threads"]]}
+
+
+def _server_cpu() -> float | None:
+    """CPU seconds used so far by every process named ``postgres`` on this machine, with
+    the ended ones they have reaped (the postmaster's backends: a pool's connections end
+    within a run), None where /proc cannot tell: the server's, when it runs here."""
+    total, seen, tick = 0.0, False, os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return None
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() != "postgres":
+                    continue
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue     # ended meanwhile
+        total, seen = total + sum(int(v) for v in fields[11:15]) / tick, True    # utime stime cutime cstime
+    return total if seen else None
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -213,16 +240,23 @@ def _run(a, schema: str) -> None:
         for lay in layouts:
             for s in order:
                 tag = f"r{r}-{lay}-{secrets.token_hex(2)}"
+                server0 = _server_cpu()
                 if lay == "one":
                     res = asyncio.run(_conversations(s, a.dsn, schema, a.pool, a.conversations, a.steps, tag))
                 else:
                     res = _multi(s, a.dsn, schema, a.pool, a.conversations, a.procs, a.steps, tag)
+                server1 = _server_cpu()
                 rate = res["supersteps"] / (res["end"] - res["start"])
+                client_ms = res["cpu"] / res["supersteps"] * 1e3
+                server_ms = (server1 - server0) / res["supersteps"] * 1e3 if server0 is not None \
+                    and server1 is not None else float("nan")
                 log(f"  {'warm-up' if r < 0 else f'round {r + 1}/{a.rounds}'} {lay:5s} {s}: "
                     f"{rate:.0f} super-steps/s, aput p50 {_pct(res['puts'], .5):.1f} ms "
-                    f"p99 {_pct(res['puts'], .99):.1f} ms")
+                    f"p99 {_pct(res['puts'], .99):.1f} ms, CPU per super-step: clients {client_ms:.2f} ms, "
+                    f"server {server_ms:.2f} ms")
                 if r >= 0:
-                    runs[(s, lay)].append({"rate": rate, "puts": res["puts"], "writes": res["writes"]})
+                    runs[(s, lay)].append({"rate": rate, "puts": res["puts"], "writes": res["writes"],
+                                           "client_ms": client_ms, "server_ms": server_ms})
                 if s == SAVERS[1]:
                     written.update({(t, None): final for t in res["threads"]})
     benchio.readback(lambda: open_store(a.dsn, schema=schema), written, reader=benchio.langgraph_values, runs=None)
@@ -232,8 +266,8 @@ def _run(a, schema: str) -> None:
     print(f"## {a.conversations} LangGraph conversations at once, {a.steps} super-steps each, "
           f"pools of {a.pool} connections, medians of {a.rounds} rounds\n")
     print("| layout | saver | super-steps/s | ratio (agck / LangGraph) | aput p50 ms | aput p99 ms "
-          "| aput_writes p50 ms | aput_writes p99 ms |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+          "| aput_writes p50 ms | aput_writes p99 ms | client CPU ms / super-step | server CPU ms / super-step |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     out = {"rounds": a.rounds, "pool": a.pool, "conversations": a.conversations, "procs": a.procs,
            "steps": a.steps, "cases": {}}
     for lay in layouts:
@@ -244,11 +278,14 @@ def _run(a, schema: str) -> None:
             puts = [v for x in rs for v in x["puts"]]
             writes = [v for x in rs for v in x["writes"]]
             row = {"rate": rate, "put_p50_ms": _pct(puts, .5), "put_p99_ms": _pct(puts, .99),
-                   "writes_p50_ms": _pct(writes, .5), "writes_p99_ms": _pct(writes, .99)}
+                   "writes_p50_ms": _pct(writes, .5), "writes_p99_ms": _pct(writes, .99),
+                   "client_cpu_ms": statistics.median(x["client_ms"] for x in rs),
+                   "server_cpu_ms": statistics.median(x["server_ms"] for x in rs)}
             out["cases"][f"{lay} | {s}"] = row
             ratio = f"{rate / base:.2f}x" if s != SAVERS[0] else ""
             print(f"| {names[lay]} | {s} | {rate:.0f} | {ratio} | {row['put_p50_ms']:.1f} | "
-                  f"{row['put_p99_ms']:.1f} | {row['writes_p50_ms']:.1f} | {row['writes_p99_ms']:.1f} |")
+                  f"{row['put_p99_ms']:.1f} | {row['writes_p50_ms']:.1f} | {row['writes_p99_ms']:.1f} | "
+                  f"{row['client_cpu_ms']:.2f} | {row['server_cpu_ms']:.2f} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -2,6 +2,7 @@
 """The object store against the bucket's own speed, in one run, same server, same bytes.
 
     python scripts/bench_s3.py [--size-mib 1024] [--rounds 5] [--dir /var/tmp] [--endpoint URL]
+                               [--first-get-mib 256] [--first-get-only] [--unpopulated-read-buffer]
 
 Starts a private SeaweedFS (``weed mini``, data under --dir) unless --endpoint
 names a running S3 server (credentials from the environment). Cases, alternated
@@ -27,6 +28,17 @@ round by round:
   each checkpoint makes, and its time;
 - **a few KB changed**: 64 MiB of frozen tensors and 256 small values of 4 KiB,
   one of which changes per checkpoint: the requests each checkpoint makes;
+- **first get after put**: what a user sees who reads back what was just written:
+  --first-get-mib MiB (default 256) put through a new ``S3Store``, then read
+  through that same object (the first get, then a second), then opened afresh
+  and read (``open_store`` + ``get``, timed together), against the same bytes
+  uploaded raw and downloaded raw right after (the first download, then a
+  second), on a new prefix each round, the two orders alternating.
+  ``--first-get-only`` runs this case alone; ``--unpopulated-read-buffer`` adds
+  the store's reads once more with the output buffer left unpopulated (numpy's
+  allocation, its pages faulted in by the threads that write the chunks into it,
+  as the raw download's are) instead of ``agck.memory.new_buffer``'s pages put in
+  place before the first chunk is asked for;
 - **ranks**: --ranks processes (default 4) each writing its part of --rank-mib
   MiB (default 256) at once (``sharded.put_part`` into the store's parts, then
   the commit record), against the same processes each uploading the same bytes
@@ -80,6 +92,71 @@ def raw_get(client, key: str, size: int, pool: ThreadPoolExecutor) -> np.ndarray
         out[lo:hi] = np.frombuffer(client._ob.get_range(client._store, key, start=lo, end=hi), np.uint8)
     list(pool.map(one, range(0, size, step)))
     return out
+
+
+def _unpopulated(size: int) -> np.ndarray:
+    """A get's output buffer without its pages put in place first: each is faulted in
+    by the thread that writes a chunk into it, while other chunks are in flight."""
+    return np.empty(size, np.uint8)
+
+
+def first_get_round(bucket: str, endpoint: str, tag: str, state: dict, blob: memoryview, pool: ThreadPoolExecutor,
+                    cases: list[str], rows: dict[str, list[float]]) -> None:
+    """One round of the first-get case: each of ``cases`` ("raw", "store", "store unpopulated")
+    on a prefix of its own, in the order given; times appended to ``rows``."""
+    from agck import memory, open_store
+    from agck.stores.s3.client import ObjectClient
+    from agck.stores.s3.store import S3Store
+    size = blob.nbytes
+    for case in cases:
+        url = f"s3://{bucket}/first-{tag}-{case.replace(' ', '-')}?endpoint={endpoint}"
+        if case == "raw":
+            raw = ObjectClient(url)
+            raw_put(raw, "raw/blob", blob)
+            for label in ("first get", "get again"):
+                t0 = time.perf_counter()
+                got = raw_get(raw, "raw/blob", size, pool)
+                rows[f"raw {label}"].append(time.perf_counter() - t0)
+                del got
+            continue
+        populated = memory.new_buffer
+        if case == "store unpopulated":
+            memory.new_buffer = _unpopulated
+        try:
+            with S3Store(url) as store:
+                store.put("first", 1, state)
+                for label in ("first get", "get again"):
+                    t0 = time.perf_counter()
+                    ck = store.get("first", 1)
+                    rows[f"{case} {label}"].append(time.perf_counter() - t0)
+                    del ck
+            t0 = time.perf_counter()
+            with open_store(url) as fresh:
+                ck = fresh.get("first", 1)
+                rows[f"{case} fresh object"].append(time.perf_counter() - t0)
+            del ck
+        finally:
+            memory.new_buffer = populated
+        benchio.readback(lambda url=url: open_store(url), {("first", 1): state})
+
+
+def first_get_table(mib: int, rounds: int, rows: dict[str, list[float]]) -> None:
+    med = {k: statistics.median(v) for k, v in rows.items() if v}
+    spread = {k: f"{min(v):.2f}-{max(v):.2f}" for k, v in rows.items() if v}
+    raw_first = med["raw first get"]
+    print(f"\nfirst get after put, {mib} MiB, {rounds} rounds (a new prefix each, raw and store alternating); "
+          f"medians (min-max); the raw column is the raw download right after the raw upload, then again\n")
+    print("| case | raw (same client) | first get, same object | get again, same object | "
+          "fresh object (open + get) | first get / raw first |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for case in ("store", "store unpopulated"):
+        if f"{case} first get" not in med:
+            continue
+        name = "store" if case == "store" else "store, output buffer not populated first"
+        print(f"| {name} | {raw_first:.2f} s ({spread['raw first get']}); again {med['raw get again']:.2f} s | "
+              + " | ".join(f"{med[f'{case} {k}']:.2f} s ({spread[f'{case} {k}']})"
+                           for k in ("first get", "get again", "fresh object"))
+              + f" | {raw_first / med[f'{case} first get']:.2f}x |")
 
 
 def _rank(rank: int, world: int, url: str, case: str, mib: int, epoch: int, barrier, out) -> None:
@@ -153,7 +230,13 @@ def main(argv=None) -> int:
                    help="Postgres for the catalog cases ('' leaves them out)")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--rank-mib", type=int, default=256)
+    p.add_argument("--first-get-mib", type=int, default=256, help="the first-get case's size (0 leaves it out)")
+    p.add_argument("--first-get-only", action="store_true", help="run the first-get case alone")
+    p.add_argument("--unpopulated-read-buffer", action="store_true",
+                   help="the first-get case's store reads once more into a buffer not populated first")
     a = p.parse_args(argv)
+    if a.first_get_only and a.first_get_mib <= 0:
+        p.error("--first-get-only needs --first-get-mib above 0")
     dsn = _postgres(a.dsn)
 
     from agck import open_store
@@ -161,10 +244,35 @@ def main(argv=None) -> int:
     from agck.stores.s3.store import S3Store
 
     server, endpoint = s3server.private_or_given(a.endpoint, a.dir, a.bucket)
+    pool = ThreadPoolExecutor(16)
+    first_cases = ["raw", "store"] + (["store unpopulated"] if a.unpopulated_read_buffer else [])
+    first_rows: dict[str, list[float]] = {f"{c} {k}": [] for c in first_cases for k in
+                                          ("first get", "get again") + (() if c == "raw" else ("fresh object",))}
+    first_state = _state(a.first_get_mib << 20, 1) if a.first_get_mib > 0 else None
+
+    def first_round(r: int) -> None:
+        if first_state is None:
+            return
+        blob = memoryview(np.concatenate([t.view(np.uint8) for t in first_state.values()]))
+        order = first_cases[r % len(first_cases):] + first_cases[:r % len(first_cases)]
+        first_get_round(a.bucket, endpoint, f"{os.getpid()}-{r}", first_state, blob, pool, order, first_rows)
+        print(f"round {r + 1}/{a.rounds}, first get after put: "
+              + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in first_rows.items()), file=sys.stderr, flush=True)
+
+    if a.first_get_only:
+        try:
+            for r in range(a.rounds):
+                first_round(r)
+        finally:
+            pool.shutdown()
+            if server is not None:
+                server.close()
+        first_get_table(a.first_get_mib, a.rounds, first_rows)
+        print(benchio.read_back_note(), file=sys.stderr)
+        return 0
     total = a.size_mib << 20
     state = _state(total, 0)
     blob = memoryview(np.concatenate([t.view(np.uint8) for t in state.values()]))
-    pool = ThreadPoolExecutor(16)
     kinds = ["raw", "store"] + (["catalog", "pg"] if dsn else [])
     rows: dict[str, list[float]] = {f"{k} {op}": [] for op in ("put", "get") for k in kinds}
     rows.update({"raw ranks": [], "store ranks": [], "store get unverified": []})
@@ -175,6 +283,7 @@ def main(argv=None) -> int:
         PostgresStore = None
     try:
         for r in range(a.rounds):
+            first_round(r)      # first: before this round's gigabyte of writes slows the server's reads
             url = f"s3://{a.bucket}/bench-{os.getpid()}-{r}?endpoint={endpoint}"
             raw = ObjectClient(url)
             stores = {"store": S3Store(url)}
@@ -320,6 +429,8 @@ def main(argv=None) -> int:
           f"median {statistics.median(ups) / 1e6:.1f} MB = {statistics.median(ups) / total:.2%} of the state; "
           f"requests per checkpoint median {statistics.median(n for _, n, _, _ in per):.0f} "
           f"({per[-1][2]}); time per checkpoint median {statistics.median(t for *_, t in per):.2f} s")
+    if first_state is not None:
+        first_get_table(a.first_get_mib, a.rounds, first_rows)
     ok_put = med["raw put"] / med["store put"] >= 0.9
     ok_get = med["raw get"] / med["store get"] >= 0.9
     ok_frozen = statistics.median(ups) / total <= 0.05

@@ -175,7 +175,7 @@ def test_large_profile_state_is_100_to_300_mib(tmp_path):
 
     c = campaign.Campaign(campaign.Config(profile="large", quiet=True))
     try:
-        cmd = c._workload_cmd(str(tmp_path / "store"), "r", str(tmp_path))
+        cmd = c.workload_cmd(str(tmp_path / "store"), "r", str(tmp_path))
         assert cmd[cmd.index("--profile") + 1] == "large"
     finally:
         c.cleanup()
@@ -254,8 +254,8 @@ def test_concurrent_load_judge_finds_lost_and_wrong_steps(tmp_path, pg_dsn, pg_s
     url = f"{pg_dsn}{'&' if '?' in pg_dsn else '?'}agck_prefix={pg_prefix()}&agck_schema={pg_schema}"
     open_store(url, init=True).close()
 
-    class Harness:      # what pgload.check uses of a Campaign
-        def _open(self, u):
+    class Harness:      # what pgload.check uses of a TrialKit
+        def open(self, u):
             return open_store(u)
 
     def judged(tamper):
@@ -292,10 +292,10 @@ def test_concurrent_load_judge_finds_lost_and_wrong_steps(tmp_path, pg_dsn, pg_s
 def test_the_journal_judge_has_teeth(tmp_path, monkeypatch):
     """A disk whose flush promises nothing (SimFS's datasync a no-op): the journal's
     power-loss trials must find acknowledged results lost; with the real flush, none."""
-    from crashtests import journalfault
+    from crashtests import journalfault, journalwork
     from crashtests.checker import Trial, classify
     from crashtests.simfs import SimFS
-    ref = journalfault.reference()
+    ref = journalwork.reference(journalfault.STEPS)
 
     class _Campaign:
         work = str(tmp_path)

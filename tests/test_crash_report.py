@@ -97,14 +97,60 @@ def test_pool_and_skip_rest_mark_trials_not_started_as_skipped():
     c = campaign.Campaign(campaign.Config(time_limit=0.0, quiet=True))
     try:
         ran = []
-        queued = [(c._new_trial("file", "kill", "k", "u"),) for _ in range(3)]
-        c._pool(ran.append, queued)
+        queued = [(c.new_trial("file", "kill", "k", "u"),) for _ in range(3)]
+        c.pool(ran.append, queued)
         assert ran == [] and all(t.skipped and not t.reasons[1:] for (t,) in queued)
-        c._skip_rest("sqlite", "powerloss", 2)
+        c.skip_rest("sqlite", "powerloss", 2)
         resumed = [(Trial(id=99, store="file", fault="kill", run="x", url="u"),)]
-        c._pool(ran.append, resumed, trials=False)      # a resume not started: left unchecked
+        c.pool(ran.append, resumed, trials=False)      # a resume not started: left unchecked
         assert ran == [] and not resumed[0][0].skipped and resumed[0][0].resume is None
     finally:
         c.cleanup()
     assert [checker.classify(t) for t in c.trials] == ["skipped"] * 5
     assert [(t.store, t.fault) for t in c.trials[3:]] == [("sqlite", "powerloss")] * 2
+
+
+def test_the_chart_is_a_legible_grid_with_the_lost_cell_red(tmp_path):
+    """A row per store, a column per fault kind that ran, a cell per (store, fault): the cell
+    of the lost trial red, the others green, a store without a fault's trials blank; the
+    picture 900-2000 pixels wide at its natural size."""
+    import matplotlib.image
+
+    from crashtests import report
+    trials, i = [], 0
+    for store in ("file", "sqlite"):
+        for fault in ("kill", "failpoint", "powerloss", "corrupt"):
+            if (store, fault) == ("sqlite", "powerloss"):      # power loss runs on the file store only
+                continue
+            for k in range(3):
+                i += 1
+                trials.append(_trial(i, store, fault, acked=[2, 4], recovered=4))
+                trials[-1].reached = k > 0
+    lost = _trial(99, "sqlite", "corrupt", acked=[2, 4], recovered=2)  # acknowledged step 4 not recovered
+    lost.reached = True
+    rep = _report(trials + [lost])
+    rep["config"]["chart"] = True
+    paths = campaign.write_report(rep, str(tmp_path / "out"))
+    assert paths["png"].endswith(".png") and (tmp_path / "out" / "crash_report.png").stat().st_size > 0
+
+    g = report.grid(rep)
+    assert g["labels"] == ["file", "sqlite"] and g["faults"] == ["kill", "failpoint", "powerloss", "corrupt"]
+    assert ("sqlite", "powerloss") not in g["cells"]
+    assert g["cells"]["file", "kill"]["lines"] == ["3 trials", "2 hit"]
+    assert g["cells"]["sqlite", "corrupt"]["lines"] == ["4 trials", "3 hit", "1 lost"]
+    assert [k for k, c in g["cells"].items() if c["state"] == "bad"] == [("sqlite", "corrupt")]
+
+    pixels = matplotlib.image.imread(paths["png"])
+    height, width = pixels.shape[:2]
+    assert (width, height) == g["size"] and 900 <= width <= 2000 and 300 <= height <= 1500
+
+    def colour(box):
+        x0, y0, x1, y1 = box
+        r, gr, b = pixels[y0 + 4, (x0 + x1) // 2][:3]     # inside the cell, above its text
+        return "red" if r > 0.7 and gr < 0.35 and b < 0.35 else "green" if gr > r and gr > b else "other"
+
+    assert colour(g["cells"]["sqlite", "corrupt"]["box"]) == "red"
+    assert all(colour(c["box"]) == "green" for k, c in g["cells"].items() if k != ("sqlite", "corrupt"))
+    x0, y0, x1, y1 = g["cells"]["file", "powerloss"]["box"]
+    blank = (x0, y0 + (y1 - y0), x1, y1 + (y1 - y0))                 # the cell below it: sqlite has no powerloss
+    assert colour(blank) == "other"

@@ -107,7 +107,7 @@ def test_the_failover_judge_has_teeth():
                 time.sleep(0.05)
         finally:
             conn.close()
-        t = c._new_trial("postgres", "failover", "fo", pair.dsn("crash"))
+        t = c.new_trial("postgres", "failover", "fo", pair.dsn("crash"))
         pgfailover.trial(c, pair, store, t, 2, c.trees())      # killed right after an ack
         assert classify(t) == "lost", t
         assert t.unreadable and set(t.unreadable) <= set(t.acked)

@@ -264,9 +264,10 @@ def test_pickle_and_unlisted_classes_are_refused(tmp_path):
     with pytest.raises(EncodeError, match=r"channel 'x'\[0\]\['o'\]: cannot encode .*Opaque without pickle") as e:
         _put(saver, "t", {"x": [{"o": Opaque()}]}, {"x": 1}, {"x": 1})
     assert isinstance(e.value, agck.AgckError) and e.value.ref
-    with pytest.raises(EncodeError, match="Note, which is not on the saver's allowlist") as e:
-        _put(saver, "t", {"note": Note("a", [1])}, {"note": 1}, {"note": 1})
-    assert f"allowed_types=[({Note.__module__!r}, 'Note')]" in e.value.hint
+    for _ in range(2):   # the second time from the verdicts the saver keeps per payload
+        with pytest.raises(EncodeError, match="Note, which is not on the saver's allowlist") as e:
+            _put(saver, "t", {"note": Note("a", [1])}, {"note": 1}, {"note": 1})
+        assert f"allowed_types=[({Note.__module__!r}, 'Note')]" in e.value.hint
     # in a list of objects (encoded as one value) the refused item is still named
     with pytest.raises(EncodeError, match=r"channel 'x'\[1\]: cannot encode .*Opaque without pickle"):
         _put(saver, "t", {"x": [uuid.UUID(int=1), Opaque()]}, {"x": 1}, {"x": 1})

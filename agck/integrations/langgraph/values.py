@@ -93,8 +93,15 @@ def _normalize_types(types: Iterable) -> frozenset:
 class _ValueCodec:
     """LangGraph values <-> trees agck's codec stores (see the module's docstring)."""
 
+    # the verdicts of ``blocked`` on extension payloads already parsed, by their bytes: a chat's
+    # earlier messages come back in every put and get of the thread, and parsing them again
+    # was a fifth of a small put's own time; bounded, for payloads up to _VERDICT_MAX_BYTES
+    _VERDICTS_MAX = 512        # at most 8 MiB of payloads kept
+    _VERDICT_MAX_BYTES = 16384
+
     def __init__(self, allowed: frozenset):
         self.allowed = allowed
+        self._verdicts: dict[tuple[int, bytes], tuple[str, ...]] = {}
         # Never pickle_fallback; a strict allowlist: nothing else is imported or called on load.
         self.serde = _jsonplus.JsonPlusSerializer(allowed_msgpack_modules=sorted(allowed) or None)
 
@@ -178,8 +185,24 @@ class _ValueCodec:
         """The classes (and methods) ``data`` would have LangGraph's loader call that the
         allowlist does not allow. Parses only: imports and calls nothing."""
         out: list[str] = []
+        verdicts = self._verdicts
 
         def hook(code: int, payload: bytes):
+            if len(payload) <= self._VERDICT_MAX_BYTES:
+                known = verdicts.get((code, payload))
+                if known is not None:
+                    out.extend(known)
+                    return None
+                start = len(out)
+                judge(code, payload)
+                if len(verdicts) >= self._VERDICTS_MAX:
+                    verdicts.clear()
+                verdicts[(code, payload)] = tuple(out[start:])
+            else:
+                judge(code, payload)
+            return None
+
+        def judge(code: int, payload: bytes) -> None:
             if code in _CTOR_EXTS or code == _jsonplus.EXT_METHOD_SINGLE_ARG:
                 tup = ormsgpack.unpackb(payload, ext_hook=hook, option=ormsgpack.OPT_NON_STR_KEYS)
                 if not isinstance(tup, (list, tuple)) or len(tup) < 3 or not all(type(p) is str for p in tup[:2]):
@@ -193,7 +216,6 @@ class _ValueCodec:
                 ormsgpack.unpackb(payload, ext_hook=hook, option=ormsgpack.OPT_NON_STR_KEYS)
             elif code != _jsonplus.EXT_NUMPY_ARRAY:
                 out.append(f"an unknown msgpack extension {code}")
-            return None
 
         ormsgpack.unpackb(data, ext_hook=hook, option=ormsgpack.OPT_NON_STR_KEYS)
         return out
