@@ -117,34 +117,33 @@ class Campaign(TrialKit):
         self.execute()
         return report(self, time.monotonic() - t0)
 
+    def timed(self, what: str, fn, *args) -> None:
+        """``fn(*args)``, its wall time added to ``self.seconds[what]`` (where a CI budget goes)."""
+        t0 = time.monotonic()
+        try:
+            fn(*args)
+        finally:
+            took = time.monotonic() - t0
+            if took >= 0.05:
+                self.seconds[what] = self.seconds.get(what, 0.0) + took
+
     def execute(self) -> None:
         """Every configured trial run, checked and classified."""
         cfg = self.cfg
+        self.seconds: dict[str, float] = {}
         try:
-            self.setup()
+            self.timed("setup", self.setup)
             if set(cfg.faults) & {"kill", "failpoint", "pgkill", "s3kill", "stale", "netcut"} and self.time_left():
-                self.reference()
-            kill.trials(self)
-            netcut.trials(self)
-            stale.trials(self)
-            dist.trials(self)
-            pgkill.trials(self)
-            pgload.trials(self)
-            pgfailover.trials(self)
-            s3kill.trials(self)
-            powerloss.trials(self)
-            dbpower.trials(self)
-            corrupt.trials(self)
-            chunkrot.trials(self)
-            journalfault.trials(self)
-            applogfault.trials(self)
-            journalrot.trials(self)
-            self.cli_checks()
-            self.resumes()
+                self.timed("reference", self.reference)
+            for kind in (kill, netcut, stale, dist, pgkill, pgload, pgfailover, s3kill, powerloss, dbpower,
+                         corrupt, chunkrot, journalfault, applogfault, journalrot):
+                self.timed(kind.__name__.rpartition(".")[2], kind.trials, self)
+            self.timed("cli checks", self.cli_checks)
+            self.timed("resumes", self.resumes)
             if self.own.summary():
                 self.notes.append(self.own.summary())
         finally:
-            self.cleanup()
+            self.timed("cleanup", self.cleanup)
         for t in self.trials:
             checker.classify(t)
             if t.fault == "kill" and t.reached:
@@ -170,5 +169,6 @@ def run_campaigns(cfgs: list) -> dict:
     both = SimpleNamespace(cfg=cfgs[0], trials=[t for c in done for t in c.trials], notes=notes,
                            pg_kills=sum(getattr(c, "pg_kills", 0) or 0 for c in done) if any(
                                getattr(c, "pg_kills", None) is not None for c in done) else None,
-                           s3_kills=sum(c.s3_kills for c in done))
+                           s3_kills=sum(c.s3_kills for c in done),
+                           seconds={f"{c.cfg.profile}: {k}": v for c in done for k, v in c.seconds.items()})
     return report(both, time.monotonic() - t0)

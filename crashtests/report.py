@@ -52,6 +52,9 @@ def report(c, wall: float) -> dict:
            "rows": rows, "totals": totals, "skipped": skipped, "wall_seconds": round(wall, 1), "notes": c.notes,
            "postgres_kills": getattr(c, "pg_kills", None),
            "s3_kills": getattr(c, "s3_kills", None) or None,
+           # wall seconds per phase (each fault kind's trials, the servers' setup, the checks)
+           "phase_seconds": {k: round(v, 1) for k, v in sorted((getattr(c, "seconds", None) or {}).items(),
+                                                               key=lambda kv: -kv[1])},
            "failures": [t.as_dict() for t in c.trials if t.outcome in ("lost", "corrupt", "error")],
            "trials": [t.as_dict() for t in c.trials]}
     return out
@@ -104,6 +107,8 @@ def markdown(rep: dict) -> str:
         text += f"; Postgres server kills: {rep['postgres_kills']}"
     if rep.get("s3_kills"):
         text += f"; object store server kills: {rep['s3_kills']}"
+    if rep.get("phase_seconds"):
+        text += "\n\nwall seconds by phase: " + ", ".join(f"{k} {v}" for k, v in rep["phase_seconds"].items())
     for n in rep["notes"]:
         text += f"\n\nnote: {n}"
     for f in rep["failures"][:50]:
