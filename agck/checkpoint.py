@@ -191,8 +191,9 @@ def save(path: str | os.PathLike, state: Any, *, run: str | None = None, step: i
 
     temp file in the same directory, write, fsync, rename, fsync(directory): a
     crash at any instant leaves the old file or the new one, never a torn one."""
+    path = file_path(path)
     w = encode(state, run=run, step=step, parent=parent, meta=meta)
-    durable.write_atomic(os.fspath(path), stream(w), overwrite=overwrite, size=w.total_len)
+    durable.write_atomic(path, stream(w), overwrite=overwrite, size=w.total_len)
     return w.total_len
 
 
@@ -201,10 +202,23 @@ def load(path: str | os.PathLike, *, verify: bool = True, mmap: bool = True, map
     of a private copy-on-write mapping: writable, and writes never reach the file.
     ``map_location`` is checked before the file is read, as for :func:`loads`."""
     map_location = codec.check_map_location(map_location)
-    path = os.fspath(path)
+    path = file_path(path)
     buf = read_file(path, mmap=mmap)
     c = format.open_container(buf, verify=verify, ref=path)
     return _decode(c, copy=False, map_location=map_location)
+
+
+def file_path(path: str | os.PathLike) -> str:
+    """``path`` as a str; one the OS cannot take (a NUL character, not text) is a UsageError."""
+    try:
+        path = os.fspath(path)
+    except TypeError:
+        raise UsageError(f"a checkpoint path must be a str or os.PathLike, not {type(path).__name__}") from None
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if "\x00" in path:
+        raise UsageError(f"a path with a NUL character in it: {path!r}"[:200], hint="check the path")
+    return path
 
 
 def read_file(path: str, *, mmap: bool = True):
@@ -240,7 +254,7 @@ def inspect(path_or_bytes, *, verify: bool = False) -> dict:
     """Header, metadata and tensor index, without decoding the state or hashing
     the payload (unless ``verify``)."""
     if isinstance(path_or_bytes, (str, os.PathLike)):
-        ref = os.fspath(path_or_bytes)
+        ref = file_path(path_or_bytes)
         buf = read_file(ref, mmap=True)
     else:
         ref, buf = None, path_or_bytes

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, file_path
 from .errors import DependencyError, UsageError
 
 try:
@@ -113,7 +113,7 @@ def export(ck: Checkpoint, out: str | os.PathLike, *, max_bytes: int | None = No
     of a store materializes to); returns a summary. ``max_bytes`` bounds the
     tensor bytes written (default: EXPANSION_LIMIT times the checkpoint's stored
     size); more is a UsageError and nothing is written."""
-    out = os.fspath(out)
+    out = file_path(out)
     ext = os.path.splitext(out)[1].lower()
     fmt = _FORMATS.get(ext)
     if fmt is None:

@@ -331,3 +331,20 @@ class _Bare(Store):
 
 
 _Bare.__abstractmethods__ = frozenset()
+
+
+@pytest.mark.parametrize("call", ["save", "load", "inspect", "export"])
+@pytest.mark.parametrize("path", ["x\x00y.agck", b"x\x00y.npz"])
+def test_a_path_the_os_cannot_take_is_one_usage_error(tmp_path, monkeypatch, call, path):
+    """A NUL in a checkpoint path (drawn once by the public-function case above) was
+    Python's ValueError from open(); every function that takes a path says it in one line."""
+    from agck.errors import UsageError
+    from agck.export import export
+    monkeypatch.chdir(tmp_path)
+    ck = agck.loads(agck.dumps({"a": 1}))
+    fns = {"save": lambda: agck.save(path, {"a": 1}), "load": lambda: agck.load(path),
+           "inspect": lambda: agck.inspect(path if isinstance(path, str) else path.decode()),
+           "export": lambda: export(ck, path)}
+    with pytest.raises(UsageError, match="NUL character"):
+        fns[call]()
+    assert list(tmp_path.iterdir()) == []
