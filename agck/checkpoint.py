@@ -64,7 +64,18 @@ def encode(state: Any, *, run: str | None = None, step: int | None = None, paren
     w = format.ContainerWriter(m, enc.blobs, created_at_ns=created_at_ns, meta_cuts={"state": enc.cuts},
                                blob_keys=keys)
     w.keepalive = enc  # the blobs are views of the encoder's buffers
+    sizes: list = [None] * len(enc.blobs)
+    for d in enc.tensors:   # a blob's values' element size, when all its tensors agree on one float type
+        size = FLOAT_ITEMSIZES.get(d["dtype"], 0)
+        b = d["blob"]
+        sizes[b] = size if sizes[b] in (None, size) else 0
+    w.blob_itemsizes = [s or None for s in sizes]
     return w
+
+
+#: Element sizes of the floating-point dtypes (complex ones: of their parts), which a
+#: store may cut into byte planes to compress (agck.chunkcodec).
+FLOAT_ITEMSIZES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex64": 4, "complex128": 8}
 
 
 def dumps(state: Any, *, run: str | None = None, step: int | None = None, parent: int | None = None,

@@ -150,10 +150,13 @@ class PieceChunks:
     """The chunks of one piece, in order, as parallel lists (a piece of a large
     state has thousands: no object per chunk unless asked, :meth:`__iter__`)."""
 
-    __slots__ = ("piece", "starts", "sizes", "addresses", "fresh")
+    __slots__ = ("piece", "starts", "sizes", "addresses", "fresh", "itemsize")
 
     def __init__(self, piece: _Piece):
         self.piece = piece
+        # the element size of the floating-point values the piece holds, when all of them
+        # share one (2, 4 or 8: how a store may compress its chunks); None otherwise
+        self.itemsize: int | None = None
         self.starts: list[int] = []
         self.sizes: list[int] = []
         self.addresses: list[bytes] = []

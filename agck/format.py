@@ -50,7 +50,11 @@ MAX_SAME_HASH = 8    # keys of one map (items of one set) that may share one Pyt
 # Bits 16-31 are "optional": unknown ones are ignored. v1.0 defines none.
 REQUIRED_FLAGS_MASK = 0x0000FFFF
 FLAG_CHUNKED = 0x00000001   # version 1.1: the container lists chunks kept in its store (section 12)
-KNOWN_REQUIRED_FLAGS = FLAG_CHUNKED
+# version 1.2: some chunks the listing names may be stored compressed (section 12, rules 12.8-12.12);
+# only with CHUNKED. Required, so a 1.1 reader refuses the listing instead of judging a compressed
+# chunk (shorter than its listed size) damaged.
+FLAG_FRAMED = 0x00000002
+KNOWN_REQUIRED_FLAGS = FLAG_CHUNKED | FLAG_FRAMED
 
 _HEADER = struct.Struct("<4sHHIIQQQqQ")  # everything but the trailing header digest: 56 bytes
 _TAIL = struct.Struct("<QQQ8s")
@@ -315,6 +319,10 @@ def parse_header(buf, *, ref: str | None = None) -> Header:
                                       ref=ref)
     h = Header(major, minor, flags, blob_count, meta_len, payload_offset, payload_len, created_at_ns,
                meta_digest, header_digest)
+    if flags & FLAG_FRAMED and not flags & FLAG_CHUNKED:
+        raise MalformedCheckpointError("flag FRAMED (bit 1) is set without flag CHUNKED (bit 0): only a chunk "
+                                       "listing's chunks are ever stored compressed (FORMAT.md 12.8)",
+                                       ref=ref, section="header")
     if meta_len > MAX_META_LEN or blob_count > MAX_BLOBS or h.total_len > MAX_TOTAL_LEN:
         raise MalformedCheckpointError(
             f"header claims absurd sizes (meta_len={meta_len}, blobs={blob_count}, payload_len={payload_len})",
@@ -601,6 +609,7 @@ def check_blob_table(h: Header, table, *, ref: str | None = None) -> list[tuple[
 # --- chunked containers (version 1.1, FORMAT.md section 12) -------------------------
 
 CHUNKED_MINOR = 1            # what a writer writes; a reader takes any minor version (section 4)
+FRAMED_MINOR = 2             # what a writer writes for a listing with FRAMED set
 ADDRESS_SIZE = 32            # BLAKE3-256
 MAX_CHUNKS = 1 << 24
 MAX_CHUNK_SIZE = (1 << 32) - 1
@@ -625,6 +634,11 @@ class ChunkedContainer:
     length: int           # sum(sizes): the standalone container's total_len
     header: Header
     ref: str | None = None
+
+    @property
+    def framed(self) -> bool:
+        """Whether its chunks may be stored compressed (flag FRAMED, rule 12.8)."""
+        return bool(self.header.flags & FLAG_FRAMED)
 
 
 def claimed_meta_len(head) -> int:
@@ -663,13 +677,15 @@ def salvage_addresses(buf) -> list[bytes] | None:
 
 
 def dumps_chunked(*, run, step, parent, meta, addresses: Sequence[bytes], sizes: Sequence[int],
-                  created_at_ns: int | None = None) -> bytes:
-    """A chunked container listing ``addresses`` (BLAKE3-256 of each chunk) and ``sizes``."""
+                  created_at_ns: int | None = None, framed: bool = False) -> bytes:
+    """A chunked container listing ``addresses`` (BLAKE3-256 of each chunk) and ``sizes``;
+    ``framed``: some of them are stored compressed (version 1.2, flag FRAMED)."""
     if len(addresses) != len(sizes) or not addresses:
         raise ValueError(f"{len(addresses)} addresses for {len(sizes)} sizes")
     m = {"run": run, "step": step, "parent": parent, "meta": meta, "chunks": b"".join(addresses),
          "sizes": list(sizes), "length": sum(sizes)}
-    w = ContainerWriter(m, [], created_at_ns=created_at_ns, minor=CHUNKED_MINOR, flags=FLAG_CHUNKED)
+    w = ContainerWriter(m, [], created_at_ns=created_at_ns, minor=FRAMED_MINOR if framed else CHUNKED_MINOR,
+                        flags=FLAG_CHUNKED | (FLAG_FRAMED if framed else 0))
     return b"".join(bytes(p) for p in w.parts())
 
 

@@ -27,6 +27,7 @@ from ..args import check_addresses, check_callable
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StaleEpochError, UsageError
 from ..names import MAX_STEP, check_run, check_step
+from . import compression
 from .content import WriteCache, WriteCaches, cannot_confirm
 from .damage import DEFAULT_VERIFY_REUSED, QuarantinedChunk, ScrubReport, check_verify_reused
 
@@ -107,12 +108,19 @@ class Store(ABC):
         self._caches = WriteCaches()   # what the last put of each run found, for incremental puts
         self._parts: Store | None = None
         self._turns = itertools.count()   # the sample of reused chunks each put re-reads (damage.reread)
+        self.compression = compression.ChunkEncoding("none", local=True)   # a store's __init__ sets its own
 
     @property
     def where(self) -> str:
         """Where the store's data is, for errors: its URL, and for a store that shares
         its database with others (a table prefix, a schema), which tables are its."""
         return self.url
+
+    def _set_compression(self, compress: str, level: int | None, *, local: bool, what: str = "store") -> None:
+        """``compress`` ("auto", "zstd", "none") and ``level`` (zstd's; default 1): how the
+        chunks of chunked puts are stored (:mod:`agck.stores.compression`); ``local``:
+        whether the store is on this machine (what "auto" decides by)."""
+        self.compression = compression.ChunkEncoding(compress, level, local=local, what=what)
 
     def _set_policy(self, incremental, full_every, min_chunked=MIN_CHUNKED,
                     verify_reused=DEFAULT_VERIFY_REUSED) -> None:
@@ -142,7 +150,8 @@ class Store(ABC):
     def _policy(self) -> dict:
         """The options that make another store of this backend write as this one does."""
         return {"incremental": self.incremental, "full_every": self.full_every, "min_chunked": self.min_chunked,
-                "verify_reused": self.verify_reused}
+                "verify_reused": self.verify_reused, "compress": self.compression.requested,
+                "level": self.compression.level}
 
     def _reread_turn(self) -> int:
         """Which share of its reused chunks this put re-reads (``verify_reused="sample"``)."""

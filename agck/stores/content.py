@@ -39,7 +39,7 @@ from typing import Callable, Collection, Iterable
 import msgpack
 import numpy as np
 
-from .. import checkpoint, chunking, codec, format, memory, thresholds
+from .. import checkpoint, chunkcodec, chunking, codec, format, memory, thresholds
 from ..checkpoint import Checkpoint
 from ..errors import (ContentChangedError, CorruptCheckpointError, DamagedChunkError, FormatError,
                       MalformedCheckpointError, StoreError, UnsupportedVersionError)
@@ -201,6 +201,7 @@ def split_container(w: format.ContainerWriter, cache: WriteCache | None = None, 
     out = [chunker.split_piece(key, bufs, chunking.HEAD, grows=grows)[0] for key, bufs, grows in head]
     rest = layout[3:]
     blob_at = {w.header.payload_offset + off: i for i, off in enumerate(w.offsets)}
+    itemsizes = getattr(w, "blob_itemsizes", None)
     groups = [(_large_key(w, blob_at, rest[members[0]]) if key[0] == "large" else key, [rest[i] for i in members],
                sizes)
               for key, members, sizes in chunking.pieces([buf.nbytes for _, buf, _ in rest], large)]
@@ -208,6 +209,7 @@ def split_container(w: format.ContainerWriter, cache: WriteCache | None = None, 
     for key, entries, sizes in groups:
         bufs = [buf for _, buf, _ in entries]
         chunks, unchanged = chunker.split_piece(key, bufs, sizes)
+        chunks.itemsize = _common_itemsize(itemsizes, blob_at, entries)
         out.append(chunks)
         base = entries[0][0]
         bounds = [off - base for off, _, _ in entries]
@@ -253,6 +255,16 @@ def split_container(w: format.ContainerWriter, cache: WriteCache | None = None, 
     return out
 
 
+def _common_itemsize(itemsizes, blob_at: dict, entries: list) -> int | None:
+    """The one float element size of every blob among ``entries`` (their padding is
+    64-byte aligned, so every element keeps its byte order across the piece); None
+    if they have none or several."""
+    if not itemsizes:
+        return None
+    found = {itemsizes[blob_at[off]] if off in blob_at else None for off, _, is_blob in entries if is_blob}
+    return found.pop() if len(found) == 1 else None
+
+
 def _head_pieces(w: format.ContainerWriter, head: list) -> list[tuple]:
     """The header, metadata and padding as pieces (key, buffers), cut where they
     change apart: the header with the first keys (they change at every checkpoint),
@@ -287,11 +299,12 @@ def _head_pieces(w: format.ContainerWriter, head: list) -> list[tuple]:
 
 
 def store_chunks(w: format.ContainerWriter, has: Callable[[bytes, int], bool],
-                 add: Callable[[bytes, memoryview], None], cache: WriteCache | None = None, *,
+                 add: Callable[[bytes, memoryview, int | None], None], cache: WriteCache | None = None, *,
                  expect_unchanged: Collection[int] = (), ref: str | None = None) -> Chunks:
-    """Split the container ``w`` into chunks, and ``add`` each one ``has(address,
-    size)`` says is missing (once, even if it occurs twice). The caller makes the added chunks
-    durable before committing the listing."""
+    """Split the container ``w`` into chunks, and ``add(address, bytes, itemsize)`` each
+    one ``has(address, size)`` says is missing (once, even if it occurs twice;
+    ``itemsize``: :attr:`agck.chunking.PieceChunks.itemsize`, for compressing it). The
+    caller makes the added chunks durable before committing the listing."""
     out = Chunks([], [])
     seen: set[bytes] = set()
     for piece in split_container(w, cache, expect_unchanged=expect_unchanged, ref=ref):
@@ -303,7 +316,7 @@ def store_chunks(w: format.ContainerWriter, has: Callable[[bytes, int], bool],
             seen.add(a)
             if not has(a, piece.sizes[i]):
                 c = piece.chunk(i)
-                add(a, _private(a, c, expect_unchanged, ref))
+                add(a, _private(a, c, expect_unchanged, ref), piece.itemsize)
                 out.new_bytes += c.nbytes
                 out.new_chunks += 1
     return out
@@ -330,6 +343,10 @@ class Plan:
         piece, i = self.distinct[address]
         return piece.sizes[i]
 
+    def itemsize(self, address: bytes) -> int | None:
+        """The float element size of the chunk's piece, if one (for compressing it)."""
+        return self.distinct[address][0].itemsize
+
     def upload(self, address: bytes) -> memoryview:
         """The bytes to write for one chunk the store lacks (see :meth:`count_new`)."""
         return _private(address, self.chunk(address), self.expect_unchanged, self.ref)
@@ -349,6 +366,26 @@ class Plan:
         return out
 
 
+def encode_chunks(items: list[tuple[bytes, memoryview]], encoding,
+                  itemsize: Callable[[bytes], int | None]) -> list[tuple[bytes, int, object]]:
+    """``items`` (address, raw bytes: :meth:`Plan.missing`) as ``encoding``
+    (:class:`agck.stores.compression.ChunkEncoding`) stores them: (address, raw size,
+    bytes to write), in order; compressed (and verified) on a few threads (zstd and
+    BLAKE3 release the GIL) when the store compresses and there is enough to share.
+    ``itemsize(address)``: the chunk's float element size (:meth:`Plan.itemsize`)."""
+    def one(item):
+        a, view = item
+        return a, view.nbytes, encoding.encode(a, view, itemsize(a)).stored
+
+    if not encoding.on:
+        return [(a, v.nbytes, v) for a, v in items]
+    k = min(memory.threads(), len(items))
+    if k <= 1 or sum(v.nbytes for _, v in items) < thresholds.PARALLEL_READ:
+        return list(map(one, items))
+    with ThreadPoolExecutor(max_workers=k, thread_name_prefix="agck-compress") as pool:
+        return list(pool.map(one, items))
+
+
 def plan_chunks(w: format.ContainerWriter, cache: WriteCache | None = None, *,
                 expect_unchanged: Collection[int] = (), ref: str | None = None,
                 large: tuple[int, int, int] = chunking.LARGE) -> Plan:
@@ -363,11 +400,12 @@ def plan_chunks(w: format.ContainerWriter, cache: WriteCache | None = None, *,
     return out
 
 
-def listing(w: format.ContainerWriter, chunks: Chunks, *, run, step, parent, meta) -> bytes:
-    """The chunked container (v1.1) that lists ``chunks`` as the bytes of ``w``."""
+def listing(w: format.ContainerWriter, chunks: Chunks, *, run, step, parent, meta, framed: bool = False) -> bytes:
+    """The chunked container that lists ``chunks`` as the bytes of ``w``: version 1.1,
+    or with ``framed`` (the store compresses chunks) 1.2 with flag FRAMED (rule 12.8)."""
     return format.dumps_chunked(run=run, step=step, parent=parent, meta=meta,
                                 addresses=chunks.addresses, sizes=chunks.sizes,
-                                created_at_ns=w.header.created_at_ns)
+                                created_at_ns=w.header.created_at_ns, framed=framed)
 
 
 def assemble(listed: format.ChunkedContainer, fetch: Callable[[bytes, int], object], *,
@@ -405,9 +443,39 @@ def _check_got(i: int, address: bytes, size: int, got: int | None, ref: str | No
 
 
 def _fetched(i: int, address: bytes, size: int, data, ref: str | None):
-    """Chunk ``i`` as ``fetch`` returned it, checked to be there at its listed size (12.3)."""
+    """Chunk ``i`` as ``fetch`` returned it, checked to be there at its listed size (12.3),
+    decoded first if it is stored compressed (12.9)."""
+    if data is not None and memoryview(data).nbytes < size:
+        data = _unframe(i, address, size, data, ref)
     _check_got(i, address, size, None if data is None else memoryview(data).nbytes, ref)
     return data
+
+
+def _unframe(i: int, address: bytes, size: int, stored, ref: str | None, out=None):
+    """Chunk ``i``, stored compressed (``stored``: shorter than its listed ``size``, rule
+    12.9), decoded (into ``out`` when given). A frame that does not decode is damage to
+    that chunk; one of a newer frame version is not a verdict (UnsupportedVersionError)."""
+    try:
+        if out is None:
+            return chunkcodec.decode(stored, encoded=True, raw_size=size)
+        chunkcodec.decode_into(stored, out, encoded=True)
+        return out
+    except UnsupportedVersionError as e:
+        raise UnsupportedVersionError(f"chunk {i} ({address.hex()[:16]}): {e.reason}", ref=ref,
+                                      hint=e.hint) from None
+    except CorruptCheckpointError as e:
+        raise _chunk_error(i, address, f"is stored as {memoryview(stored).nbytes} bytes of {size} and is not a "
+                                       f"compressed chunk that decodes ({e.reason})", ref) from None
+
+
+def _placed(i: int, address: bytes, size: int, got: int | None, view: memoryview, ref: str | None) -> None:
+    """Chunk ``i`` was read into ``view`` (its listed ``size`` bytes) by a ``fetch_into``
+    that returned ``got``: checked there at its size (12.3), and if it was stored
+    compressed (its first ``got`` bytes, fewer than ``size``: 12.9), decoded in place."""
+    if got is not None and got < size:
+        _unframe(i, address, size, bytes(view[:got]), ref, out=view)
+        got = size
+    _check_got(i, address, size, got, ref)
 
 
 def _buffer_for(listed: format.ChunkedContainer, fetch: Callable[[bytes, int], object], ref: str | None,
@@ -428,7 +496,7 @@ def _buffer_for(listed: format.ChunkedContainer, fetch: Callable[[bytes, int], o
             first = _fetched(0, a, n, fetch(a, n), ref)
         else:
             first = memoryview(bytearray(n))
-            _check_got(0, a, n, fetch_into(a, first), ref)
+            _placed(0, a, n, fetch_into(a, first), first, ref)
     try:
         return memory.new_buffer(listed.length), first   # a uint8 array, not zero-filled
     except MemoryError:
@@ -477,7 +545,7 @@ def _read_into(listed: format.ChunkedContainer, fetch_into, view: memoryview, re
                 got = n
             else:
                 got = fetch_into(a, view[starts[i]:starts[i] + n])
-            _check_got(i, a, n, got, ref)
+            _placed(i, a, n, got, view[starts[i]:starts[i] + n], ref)
             if checked is not None and a not in checked.addresses \
                     and chunking.address(view[starts[i]:starts[i] + n]) == a:
                 checked.addresses.add(a)     # a set's add is atomic: the reading threads share it

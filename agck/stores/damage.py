@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from .. import chunking
-from ..errors import CorruptCheckpointError, FormatError, StoreError, UnsupportedVersionError, UsageError
+from .. import chunkcodec, chunking
+from ..errors import AgckError, CorruptCheckpointError, FormatError, StoreError, UnsupportedVersionError, UsageError
 
 VERIFY_REUSED = ("none", "size", "sample", "full")
 DEFAULT_VERIFY_REUSED = "sample"
@@ -54,17 +54,40 @@ def checks_size(mode: str) -> bool:
 
 
 def intact(address: bytes, data) -> bool:
-    """Whether ``data`` are the bytes named by ``address``."""
-    return data is not None and chunking.address(data) == address
+    """Whether the stored chunk ``data`` holds the bytes named by ``address``."""
+    return verdict(address, data) is None
+
+
+def _decoded(data, size: int | None):
+    """The chunk a compressed chunk's bytes decode to (``size``: its listed size, else
+    what its frame says); None if ``data`` is not a frame that decodes (FORMAT.md 12.9)."""
+    view = memoryview(data).cast("B")
+    if view.nbytes < chunkcodec.HEADER_SIZE or bytes(view[:4]) != chunkcodec.MAGIC:
+        return None
+    try:
+        raw_size = chunkcodec.read_header(view).raw_size if size is None else size
+        return chunkcodec.decode(view, encoded=True, raw_size=raw_size)
+    except AgckError:
+        return None
 
 
 def verdict(address: bytes, data, size: int | None = None) -> str | None:
-    """Why a stored chunk cannot stand for its address, or None if it can."""
+    """Why a stored chunk cannot stand for its address, or None if it can. A chunk
+    stored compressed is judged by what it decodes to: shorter than its listed
+    ``size`` it must be a frame (rule 12.9); with no size known, bytes that are a
+    frame decoding to the address are intact, and any others are judged as they are."""
     if data is None:
         return "missing"
     n = memoryview(data).nbytes
-    if size is not None and n != size:
+    if size is not None and n > size:
         return f"holds {n} bytes, {size} expected"
+    if size is None or n < size:
+        raw = _decoded(data, size)
+        if raw is not None and chunking.address(raw) == address:
+            return None
+        if size is not None:
+            return f"holds {n} bytes, {size} expected" + (" (a compressed chunk that does not match its address)"
+                                                          if raw is not None else "")
     if chunking.address(data) != address:
         return "does not match its address"
     return None
@@ -93,10 +116,14 @@ def reused_damage(stored: dict[bytes, int | None], want: Callable[[bytes], int],
     bad: dict[bytes, str] = {}
     if mode == "none":
         return bad
+    short = set()     # fewer bytes than listed: compressed (rule 12.9) or cut short; read and judged
     for a, n in stored.items():
         if n is not None and checks_size(mode) and n != want(a):
-            bad[a] = f"holds {n} bytes, {want(a)} expected"
-    again = [a for a in stored if a not in bad and reread(a, mode, turn)]
+            if n > want(a):
+                bad[a] = f"holds {n} bytes, {want(a)} expected"
+            else:
+                short.add(a)
+    again = [a for a in stored if a not in bad and (a in short or reread(a, mode, turn))]
     if again:
         found = read(again)
         for a in again:

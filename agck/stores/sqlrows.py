@@ -161,7 +161,8 @@ def prepare_put(store: "Store", run: str, step: int, state: Any, *, meta: Any, p
     plan = listing = data = None
     if cache is not None:
         plan = content.plan_chunks(w, cache, expect_unchanged=expect_unchanged, ref=ref)
-        listing = content.listing(w, plan.chunks, run=run, step=step, parent=parent, meta=meta)
+        listing = content.listing(w, plan.chunks, run=run, step=step, parent=parent, meta=meta,
+                                  framed=store.compression.on)
     elif w.total_len <= ASSEMBLED_MAX:
         data = b"".join(w.parts())     # sets w.footer
         if len(data) != w.total_len:

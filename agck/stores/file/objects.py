@@ -41,7 +41,7 @@ from typing import Iterable
 
 from ... import durable, failpoints, thresholds
 from ...errors import DurabilityError, StoreError
-from .. import damage
+from .. import compression, damage
 
 DIRNAME = ".objects"
 QUARANTINE = "quarantine"
@@ -134,11 +134,12 @@ class ObjectDir:
                                   ref=path) from None
 
     # -- writing ---------------------------------------------------------------
-    def batch(self, verify_reused: str = "none", turn: int = 0) -> "Batch":
+    def batch(self, verify_reused: str = "none", turn: int = 0,
+              encoding: "compression.ChunkEncoding | None" = None) -> "Batch":
         """The chunks of one checkpoint: check, add, then :meth:`Batch.sync`.
         ``verify_reused`` and ``turn``: what is checked of a chunk found present
-        (:func:`agck.stores.damage.reread`)."""
-        return Batch(self, verify_reused, turn)
+        (:func:`agck.stores.damage.reread`); ``encoding``: how chunks are stored."""
+        return Batch(self, verify_reused, turn, encoding)
 
     def _known_durable(self, address: bytes, inode: tuple) -> bool:
         return self._durable.get(address) == inode
@@ -148,7 +149,10 @@ class ObjectDir:
             self._durable.clear()          # a bound on memory; costs a directory fsync or two later
         self._durable.update(found)
 
-    def _add(self, address: bytes, chunk: memoryview, background: bool = False) -> tuple[str, tuple]:
+    def _add(self, address: bytes, chunk: memoryview, background: bool = False,
+             encoding: "compression.ChunkEncoding | None" = None, itemsize: int | None = None) -> tuple[str, tuple]:
+        if encoding is not None:     # compressed (and verified) here, on the writing thread
+            chunk = encoding.encode(address, chunk, itemsize).stored
         path = self.path(address)
         d = os.path.dirname(path)
         self._ensure_dir(d, self.dir)
@@ -211,8 +215,10 @@ class ObjectDir:
             raise StoreError(f"cannot read a chunk: {e.strerror}", ref=path) from None
         try:
             size = os.fstat(fd).st_size
-            if size != view.nbytes:
+            if size > view.nbytes:
                 return size
+            # a shorter file is a compressed chunk (FORMAT.md 12.9) or a damaged one: read into
+            # the start of view, for the caller to decode and judge
             got = 0
             while got < size:
                 k = os.preadv(fd, [view[got:]], got)
@@ -405,8 +411,10 @@ class Batch:
     will rely on, unless this process already made that very file (same inode)
     durable under its name."""
 
-    def __init__(self, objects: ObjectDir, verify_reused: str = "none", turn: int = 0):
+    def __init__(self, objects: ObjectDir, verify_reused: str = "none", turn: int = 0,
+                 encoding: "compression.ChunkEncoding | None" = None):
         self.objects = objects
+        self.encoding = encoding if encoding is not None and encoding.on else None
         self.verify_reused, self.turn = verify_reused, turn
         self.healed: list[bytes] = []      # reused chunks found damaged, written afresh by this batch
         self.dirs: set[str] = set()
@@ -433,9 +441,10 @@ class Batch:
             return False
         inode = (st.st_ino, st.st_ctime_ns)
         why = None
-        if size is not None and damage.checks_size(mode) and st.st_size != size:
+        if size is not None and damage.checks_size(mode) and st.st_size > size:
             why = f"holds {st.st_size} bytes, {size} expected"
-        elif reread:
+        elif reread or (size is not None and damage.checks_size(mode) and st.st_size < size):
+            # a shorter file is compressed or cut short: what it decodes to decides
             why = damage.verdict(address, self.objects.read_whole(address), size)
             if why == "missing":
                 return False
@@ -448,19 +457,21 @@ class Batch:
             self.found[address] = inode
         return True
 
-    def add(self, address: bytes, chunk: memoryview) -> None:
-        """Write one chunk file (data fsync'd, then renamed into place), now or on a
-        writer thread; ``chunk`` must stay unchanged until :meth:`sync` returns."""
+    def add(self, address: bytes, chunk: memoryview, itemsize: int | None = None) -> None:
+        """Write one chunk file (compressed as the store says, data fsync'd, then renamed
+        into place), now or on a writer thread; ``chunk`` must stay unchanged until
+        :meth:`sync` returns. ``itemsize``: its float element size, if one."""
+        args = (address, chunk, self.background, self.encoding, itemsize)
         if self._pool is None:
-            self._added(address, self.objects._add(address, chunk, self.background))
+            self._added(address, self.objects._add(*args))
             return
         if len(self._writing) >= _IN_FLIGHT:
             self._wait(len(self._writing) // 2)
         try:
-            fut = self._pool.submit(self.objects._add, address, chunk, self.background)
+            fut = self._pool.submit(self.objects._add, *args)
         except RuntimeError:     # the interpreter is shutting down (a last snapshot at exit): no new threads
             self._pool = None
-            self._added(address, self.objects._add(address, chunk, self.background))
+            self._added(address, self.objects._add(*args))
             return
         self._writing.append((address, fut))
 

@@ -38,7 +38,7 @@ from ...errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError
                       DamagedChunkError,
                       DurabilityError, FormatError, StoreConnectionError, StoreError, UnsupportedVersionError)
 from ...names import MAX_STEP, is_run_name
-from .. import content, damage
+from .. import compression, content, damage
 from ..base import (CheckpointInfo, MIN_CHUNKED, Store, check_identity,
                    check_last, check_position, check_records, check_run, check_step)
 from .log import CLAIMS_NAME, LOG_NAME, FileLogs
@@ -71,15 +71,18 @@ class FileStore(Store):
     ``create=False`` opens only an existing store. ``fs`` is the file system the writes go
     through (:class:`agck.durable.FileSystem`; the crash tests give a simulated one).
     ``incremental``, ``full_every``, ``min_chunked`` and ``verify_reused`` choose how
-    checkpoints share chunks, as on every store (README, "Incremental checkpoints")."""
+    checkpoints share chunks, as on every store (README, "Incremental checkpoints");
+    ``compress`` and ``level`` how their chunks are stored (:mod:`agck.stores.compression`)."""
 
     log_positions_are_bytes = True     # one append-only file per run, which can end in a torn tail
 
     def __init__(self, root: str | os.PathLike, *, create: bool = True, fs: durable.FileSystem | None = None,
                  incremental: bool = True, full_every: int | None = None, min_chunked: int = MIN_CHUNKED,
-                 verify_reused: str = damage.DEFAULT_VERIFY_REUSED):
+                 verify_reused: str = damage.DEFAULT_VERIFY_REUSED, compress: str = compression.DEFAULT,
+                 level: int | None = None):
         super().__init__()
         self._set_policy(incremental, full_every, min_chunked, verify_reused)
+        self._set_compression(compress, level, local=True, what="directory")
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
         self.fs = fs or durable.REAL
@@ -176,11 +179,12 @@ class FileStore(Store):
         if not overwrite and os.path.exists(path):   # before writing chunks; link(2) below still decides
             raise CheckpointExistsError.refused(path, step)
         with self.objects.locked():   # no chunk we rely on can be collected until the listing is durable
-            batch = self.objects.batch(self.verify_reused, self._reread_turn())
+            batch = self.objects.batch(self.verify_reused, self._reread_turn(), self.compression)
             chunks = content.store_chunks(w, batch.has, batch.add, cache, expect_unchanged=expect_unchanged,
                                           ref=path)
             batch.sync()
-            listing = content.listing(w, chunks, run=run, step=step, parent=parent, meta=meta)
+            listing = content.listing(w, chunks, run=run, step=step, parent=parent, meta=meta,
+                                      framed=self.compression.on)
             self._write_step(run, step, epoch, path, lambda: [listing], overwrite, len(listing))
         self._caches.give(run, cache)
         self.last_put = chunks

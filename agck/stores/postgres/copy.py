@@ -121,17 +121,19 @@ _OBJECT_HEAD = struct.Struct("!hi32siq")   # 3 fields; address (len, 32 bytes); 
 
 
 class ObjectsIn(CopyStream):
-    """``COPY {objects} (address, size, data) FROM STDIN (FORMAT binary)`` from chunks."""
+    """``COPY {objects} (address, size, data) FROM STDIN (FORMAT binary)`` from chunks:
+    (address, raw size, stored bytes) each (:func:`agck.stores.content.encode_chunks`)."""
 
-    def __init__(self, chunks: list[tuple[bytes, memoryview]]):
+    def __init__(self, chunks: list[tuple[bytes, int, object]]):
         self.chunks = chunks
         super().__init__()
 
     def _stream(self):
         yield _COPY_HEADER
-        for address, view in self.chunks:
+        for address, size, stored in self.chunks:
+            view = memoryview(stored).cast("B")
             n = view.nbytes
-            yield _OBJECT_HEAD.pack(3, 32, address, 8, n) + _I32.pack(n)
+            yield _OBJECT_HEAD.pack(3, 32, address, 8, size) + _I32.pack(n)
             for i in range(0, n, COPY_IO_SIZE):
                 yield view[i:i + COPY_IO_SIZE]
         yield _COPY_TRAILER

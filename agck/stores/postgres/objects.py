@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import threading
 from functools import partial
+from typing import Callable
 
 import psycopg2
 import psycopg2.errors
@@ -68,6 +69,16 @@ _CLAIM_WAIT = 60.0
 # Objects a store object remembers having committed (32 bytes each), so a put asks the
 # database only about the others while no collection has run (the gc generation).
 _KNOWN_OBJECTS_MAX = 1 << 22
+
+
+def _itemsizes(plans: list["content.Plan"]) -> Callable[[bytes], int | None]:
+    """A chunk's float element size, from the first of ``plans`` holding it."""
+    def itemsize(address: bytes) -> int | None:
+        for plan in plans:
+            if address in plan.distinct:
+                return plan.itemsize(address)
+        return None
+    return itemsize
 
 
 def _missing(plans: list["content.Plan"], present: set[bytes]) -> list:
@@ -163,6 +174,7 @@ class SharedObjects:
         if self._objects is not None:
             self._put_external(cur, plans, present)
             return
+        encoded: dict = {}      # address -> (raw size, stored bytes), kept across rounds
         for _ in range(_OBJECT_ROUNDS):
             missing = _missing(plans, present)
             if not missing:
@@ -174,7 +186,9 @@ class SharedObjects:
                 present |= self._present(cur, [a for a, _ in missing])
                 continue
             missing.sort()      # writers sending the same new objects meet them in one order: no deadlock
-            stream = ObjectsIn(missing)
+            todo = [(a, v) for a, v in missing if a not in encoded]
+            encoded.update((a, e) for a, *e in content.encode_chunks(todo, self.compression, _itemsizes(plans)))
+            stream = ObjectsIn([(a, *encoded[a]) for a, _ in missing])
             try:     # the savepoint stays open to COMMIT, which commits what it holds
                 cur.copy_expert(f"SAVEPOINT agck_objects; COPY {n.objects} (address, size, data) FROM STDIN "
                                 "(FORMAT binary)", stream, size=COPY_IO_SIZE)
@@ -235,7 +249,8 @@ class SharedObjects:
         missing = _missing(plans, present)
         if not missing:
             return
-        self._objects.upload(missing)
+        itemsize = _itemsizes(plans)
+        self._objects.upload(missing, lambda a, v: self.compression.encode(a, v, itemsize(a)).stored)
         failpoints.hit("pgobj.after_upload")
         missing.sort()      # writers inserting the same new rows meet them in one order: no deadlock
         cur.execute(f"INSERT INTO {self.names.objects} (address, size, data) SELECT * FROM "

@@ -61,7 +61,7 @@ from ... import failpoints, thresholds
 from ...args import check_seconds
 from ...errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, DurabilityError,
                       SchemaUninitializedError, StoreConnectionError, StoreError, UsageError)
-from .. import content, damage
+from .. import compression, content, damage
 from . import schema as pgschema
 from ..base import MIN_CHUNKED, Store, check_run, check_step
 from ..dsn import dsn_secrets, dsn_without_password, redact_dsn
@@ -149,6 +149,14 @@ def _weak(method) -> Callable[[], None]:
     return call
 
 
+def _local_server(conn) -> bool:
+    """Whether the connection's server is on this machine (a Unix socket or loopback)."""
+    try:
+        return compression.is_local_host(conn.info.host)
+    except Exception:      # no answer: count it as remote, where compressing costs no more than it saves
+        return False
+
+
 def _commit_unknown(e: psycopg2.Error, cur) -> bool:
     """Whether a write ended without the server's verdict on it (the connection lost,
     no SQLSTATE), so its COMMIT may have happened. An error the server sent (a lock
@@ -176,8 +184,10 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
                  connect_timeout: int = 10, incremental: bool = True,
                  full_every: int | None = None, min_chunked: int = MIN_CHUNKED,
                  verify_reused: str = damage.DEFAULT_VERIFY_REUSED, objects: "str | ObjectChunks | None" = None,
-                 pool: "int | str" = DEFAULT_POOL_SIZE, pool_timeout: float = DEFAULT_POOL_TIMEOUT):
+                 pool: "int | str" = DEFAULT_POOL_SIZE, pool_timeout: float = DEFAULT_POOL_TIMEOUT,
+                 compress: str = compression.DEFAULT, level: int | None = None):
         super().__init__()
+        compression.ChunkEncoding(compress, level, local=True)     # the options checked before any connection
         if not isinstance(url, str) or not url:
             raise StoreConnectionError(f"not a Postgres URL: {type(url).__name__}",
                                        hint="use postgresql://user@host:port/dbname")
@@ -194,6 +204,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
         self.schema = check_identifier(schema, "schema name") if schema is not None else None
         self.chunk_size = check_chunk_size(chunk_size)
         self._set_policy(incremental, full_every, min_chunked, verify_reused)
+        self._compress_args = (compress, level)   # set once it is known where the bytes go (below)
         self.last_put: content.Chunks | None = None
         self._connect_timeout = connect_timeout
         self._known_lock = threading.Lock()
@@ -214,6 +225,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
         try:
             with self._pool.connection() as conn:    # the first connection now: a bad URL or server fails here
                 self.names = Names(conn, self.prefix, self.schema, self.url)
+                local = _local_server(conn)
             self._objects: ObjectChunks | None = None
             if init:
                 self.init_schema()
@@ -221,6 +233,10 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
                 self._check_schema()
             if init or check_schema:
                 self._objects = self._object_store(objects)
+            if self._objects is not None:     # the chunks' bytes go to the bucket
+                self._set_compression(*self._compress_args, local=self._objects.c.local, what="object store")
+            else:
+                self._set_compression(*self._compress_args, local=local, what="Postgres server")
         except BaseException:
             self._pool.close()     # refused (no schema, another bucket): its connection closed now, not at a GC
             raise

@@ -119,10 +119,12 @@ class ObjectChunks:
         found = self.map(lambda a: self.c.head(chunk_key(a)), addresses)
         return {a: (h.size if h is not None else None) for a, h in zip(addresses, found)}
 
-    def upload(self, items: list[tuple[bytes, memoryview]]) -> None:
-        """Store each (address, bytes); durable when this returns. A chunk already
-        there is written again: same name, same bytes (and good ones over a damaged copy)."""
-        self.map(lambda item: self.c.put(chunk_key(item[0]), item[1]), items)
+    def upload(self, items: list[tuple[bytes, memoryview]],
+               encode: Callable[[bytes, memoryview], object] | None = None) -> None:
+        """Store each (address, bytes), as ``encode(address, bytes)`` gives them to store
+        (compressed, on the uploading threads); durable when this returns. A chunk
+        already there is written again: the same chunk (and good bytes over a damaged copy)."""
+        self.map(lambda item: self.c.put(chunk_key(item[0]), item[1] if encode is None else encode(*item)), items)
 
     def fetch(self, addresses: list[bytes]) -> dict[bytes, memoryview]:
         """The chunks found (address -> bytes); an absent one is left out."""

@@ -34,9 +34,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator
-from urllib.parse import parse_qsl, quote, unquote
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 from ... import thresholds
+from .. import compression
 from ...errors import DependencyError, DurabilityError, StoreConnectionError, StoreError, UsageError
 
 SCHEMES = ("s3://",)
@@ -227,6 +228,8 @@ class ObjectClient:
                              hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE")
         timeouts = {k: _seconds_param(k, params[k]) if k in params else v for k, v in TIMEOUTS.items()}
         self.timeouts = timeouts
+        # whether the server is on this machine (what compress="auto" decides by); AWS is not
+        self.local = bool(endpoint) and compression.is_local_host(urlsplit(endpoint).hostname)
         config: dict = {"conditional_put": "etag"}
         if endpoint:
             _check_endpoint(endpoint)

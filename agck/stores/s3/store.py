@@ -48,7 +48,7 @@ from ...args import check_addresses, check_seconds
 from ...checkpoint import Checkpoint
 from ...errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                       DamagedChunkError, DurabilityError, StoreConnectionError, StoreError, UsageError)
-from .. import content, damage
+from .. import compression, content, damage
 from . import log as s3log
 from ...names import is_run_name
 from ..base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
@@ -82,11 +82,12 @@ class S3Store(JournalLogs, Store):
     def __init__(self, url: str, *, create: bool = True, incremental: bool = True, full_every: int | None = None,
                  min_chunked: int = MIN_CHUNKED, verify_reused: str = damage.DEFAULT_VERIFY_REUSED,
                  client: ObjectClient | None = None, stale_after: float | None = None, grace: float = 3600.0,
-                 chunk_grid: int = CHUNK_GRID):
+                 chunk_grid: int = CHUNK_GRID, compress: str = compression.DEFAULT, level: int | None = None):
         super().__init__()
         if client is not None and not isinstance(client, ObjectClient):
             raise UsageError(f"client must be an agck.stores.s3.client.ObjectClient, not {type(client).__name__}")
         self._set_policy(incremental, full_every, min_chunked, verify_reused)
+        compression.ChunkEncoding(compress, level, local=True)     # the options checked before any request
         try:
             self.large = chunking.grid(chunk_grid)
         except ValueError as e:
@@ -94,6 +95,7 @@ class S3Store(JournalLogs, Store):
         self.chunk_grid = chunk_grid
         self.c = client or ObjectClient(url)
         self.url = self.c.url
+        self._set_compression(compress, level, local=self.c.local, what="object store")
         self.stale_after = STALE_AFTER if stale_after is None else check_seconds(stale_after, "stale_after")
         # an unlisted data object younger than this may be a put in flight
         self.grace = check_seconds(grace, "grace", maximum=365 * 86_400.0, zero=True)
@@ -367,7 +369,8 @@ class S3Store(JournalLogs, Store):
             plan = content.plan_chunks(w, cache, expect_unchanged=expect_unchanged, ref=ref, large=self.large)
             self._send_missing(plan)
             self._known.update(plan.distinct)
-            listing = content.listing(w, plan.chunks, run=run, step=step, parent=parent, meta=meta)
+            listing = content.listing(w, plan.chunks, run=run, step=step, parent=parent, meta=meta,
+                                      framed=self.compression.on)
             held.check()
             self._commit(run, step, [listing], w.total_len, parent, overwrite, epoch, ref)
         self._caches.give(run, cache)
@@ -394,7 +397,7 @@ class S3Store(JournalLogs, Store):
             h = self.c.head(chunk_key(a))
             if h is not None:
                 return h.size
-            self.c.put(chunk_key(a), plan.upload(a))
+            self.c.put(chunk_key(a), self._stored_form(plan, a))
             with count:
                 sent.append(a)
                 midway = len(sent) == half
@@ -408,8 +411,12 @@ class S3Store(JournalLogs, Store):
         bad = damage.reused_damage(stored, plan.size, mode, turn, read=self._read_chunks)
         for a, why in bad.items():
             self._set_aside(a, why)
-        self._map(lambda a: self.c.put(chunk_key(a), plan.upload(a)), list(bad))
+        self._map(lambda a: self.c.put(chunk_key(a), self._stored_form(plan, a)), list(bad))
         plan.count_new(sent + list(bad))
+
+    def _stored_form(self, plan: content.Plan, address: bytes):
+        """The bytes to upload for one chunk: as the store compresses them (on the uploading thread)."""
+        return self.compression.encode(address, plan.upload(address), plan.itemsize(address)).stored
 
     def _read_chunks(self, addresses: list[bytes]) -> dict[bytes, Any]:
         got = self._map(lambda a: self.c.get(chunk_key(a)), addresses)

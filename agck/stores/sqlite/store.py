@@ -66,7 +66,7 @@ from ...errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError
                       DurabilityError, SchemaMismatchError, StoreConnectionError, StoreError,
                       UsageError)
 from ...memory import new_buffer
-from .. import content, damage
+from .. import compression, content, damage
 from ..base import (CheckpointInfo, MIN_CHUNKED, Store, check_last,
                    check_position, check_records, check_run, check_step)
 from ..logclaims import FileClaims
@@ -130,8 +130,10 @@ class SqliteStore(TransactionalPuts, Store):
     def __init__(self, url: str | os.PathLike, *, prefix: str = "agck", chunk_size: int = DEFAULT_CHUNK_SIZE,
                  busy_timeout: float = 30.0, create: bool = True, incremental: bool = True,
                  full_every: int | None = None, min_chunked: int = MIN_CHUNKED,
-                 verify_reused: str = damage.DEFAULT_VERIFY_REUSED):
+                 verify_reused: str = damage.DEFAULT_VERIFY_REUSED, compress: str = compression.DEFAULT,
+                 level: int | None = None):
         super().__init__()
+        self._set_compression(compress, level, local=True, what="SQLite database")
         url = os.fspath(url)
         self.path = sqlite_path(url)
         if not self.path:
@@ -441,7 +443,7 @@ class SqliteStore(TransactionalPuts, Store):
             self._quarantine_rows(c, bad)
         present = set(stored) - set(bad)
         c.executemany(f"INSERT INTO {self._t_objects} (address, size, data) VALUES (?, ?, ?)",
-                      ((a, v.nbytes, v) for a, v in plan.missing(present)))
+                      content.encode_chunks(plan.missing(present), self.compression, plan.itemsize))
 
     def _write_chunks(self, c: sqlite3.Connection, run: str, step: int, parts, total: int) -> int:
         insert = f"INSERT INTO {self._t_chunks} (run, step, idx, data) VALUES (?, ?, ?, zeroblob(?))"
