@@ -22,7 +22,7 @@ comes back compared with the raw chunk's address. On a mismatch the chunk is
 stored raw and the result says so (:attr:`EncodedChunk.mismatch`), so a faulty
 compressor (a library bug, a bit flipped in memory) can cost space, never data.
 
-The frame, version 1 (every integer little-endian; 15 bytes, then the payload):
+The frame, version 1 (FORMAT.md 12.10; every integer little-endian; 15 bytes, then the payload):
 
 ====== ====== ==================================================================
 offset size   field
@@ -47,7 +47,7 @@ offset size   field
               the chunk as they are.
 ====== ====== ==================================================================
 
-Reading a frame checks all of the above before decompressing, so a hostile or
+Reading a frame checks all of the above before decompressing (FORMAT.md 12.11), so a hostile or
 damaged frame is refused without allocating more than the listed size; the
 decompressed bytes are then compared with the chunk's address when one is given
 (``address=``). A store that hashes every chunk it reads (``verify``) passes
@@ -212,7 +212,8 @@ def split_planes(raw, itemsize: int) -> np.ndarray:
 
 
 def join_planes(planes, out: np.ndarray, itemsize: int) -> None:
-    """The inverse of :func:`split_planes`, written into ``out`` (uint8, same length)."""
+    """The inverse of :func:`split_planes`, written into ``out`` (uint8, same length):
+    FORMAT.md 12.12."""
     src = np.frombuffer(planes, np.uint8)
     n = src.size // itemsize
     body = n * itemsize

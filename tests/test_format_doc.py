@@ -251,3 +251,72 @@ def test_append_log_segment_example_is_what_a_snapshot_writes_and_resume_reads(t
     assert isinstance(tree["state"]["results"], agck.AppendLog) and list(tree["state"]["results"]) == [
         {"i": 0}, {"i": 1}]
     store.close()
+
+
+# --- compressed chunks (rules 12.8-12.12) -------------------------------------------------
+
+FRAME_RAW = np.array([0.5, -1.25, 3.0, 0.125, 1.0, 1.5, -2.0, 0.75] * 4, np.float32).tobytes() + b"\x07"
+
+
+def _independent_decode(frame: bytes, listed_size: int) -> bytes:
+    """A reader written from FORMAT.md rules 12.10-12.12 alone: struct and zstandard."""
+    import struct
+    import zstandard
+    assert len(frame) < listed_size                                   # 12.9: shorter than listed: a frame
+    magic, version, method, itemsize, n = struct.unpack_from("<4sBBBQ", frame)
+    assert (magic, version) == (b"AGCZ", 1) and n == listed_size      # 12.11
+    assert (method, itemsize) in {(1, 0), (2, 2), (2, 4), (2, 8)}
+    payload = frame[15:]
+    assert zstandard.frame_content_size(payload) == n
+    content = zstandard.ZstdDecompressor().decompress(payload, max_output_size=n)
+    assert len(content) == n
+    if method == 1:
+        return content
+    m = n // itemsize                                                 # 12.12
+    out = bytearray(n)
+    for e in range(m):
+        for j in range(itemsize):
+            out[e * itemsize + j] = content[j * m + e]
+    out[m * itemsize:] = content[m * itemsize:]
+    return bytes(out)
+
+
+def test_frame_example_is_what_the_writer_writes_and_decodes_from_the_text_alone():
+    from agck import chunkcodec, chunking
+    frame = example_bytes("hex frame")
+    assert len(frame) == 52 and len(FRAME_RAW) == 129
+    assert frame[:15].hex() == "4147435a0102048100000000000000"
+    assert _independent_decode(frame, 129) == FRAME_RAW
+    assert bytes(chunkcodec.decode(frame, encoded=True, raw_size=129, address=chunking.address(FRAME_RAW))) \
+        == FRAME_RAW
+    written = chunkcodec.frame(FRAME_RAW, chunkcodec.Method.PLANES_ZSTD, itemsize=4, level=1)
+    assert written[:15] == frame[:15]
+    assert _independent_decode(written, 129) == FRAME_RAW
+    assert written == frame, "FORMAT.md's frame example has drifted from the writer (or zstd's encoder changed)"
+
+
+def test_12_8_framed_listing_is_version_1_2_and_a_1_1_reader_refuses_it(monkeypatch):
+    from agck import format
+    from agck.errors import MalformedCheckpointError, UnsupportedVersionError
+    a = bytes(32)
+    data = format.dumps_chunked(run="r", step=1, parent=None, meta=None, addresses=[a], sizes=[10], framed=True)
+    h = format.parse_header(data)
+    assert (h.minor, h.flags) == (2, 0x3)
+    assert format.open_chunked(format.open_container(data)).framed
+    plain = format.dumps_chunked(run="r", step=1, parent=None, meta=None, addresses=[a], sizes=[10])
+    assert format.parse_header(plain).flags == 0x1
+    monkeypatch.setattr(format, "KNOWN_REQUIRED_FLAGS", format.FLAG_CHUNKED)    # a 1.1 reader
+    import pytest
+    with pytest.raises(UnsupportedVersionError):
+        format.parse_header(data)
+    format.parse_header(plain)
+    monkeypatch.undo()
+    # FRAMED without CHUNKED: malformed, to the writer (which checks its own header) and to a reader
+    with pytest.raises(MalformedCheckpointError):
+        format.ContainerWriter({"x": 1}, [], flags=format.FLAG_FRAMED)
+    import struct
+    head = bytearray(plain[:64])
+    struct.pack_into("<I", head, 8, format.FLAG_FRAMED)
+    struct.pack_into("<Q", head, 56, format.digest(bytes(head[:56])))
+    with pytest.raises(MalformedCheckpointError):
+        format.parse_header(bytes(head) + plain[64:])

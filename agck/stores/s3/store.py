@@ -681,7 +681,8 @@ class S3Store(JournalLogs, Store):
             batch = chunks[i:i + REQUESTS * 4]
             datas = self._map(lambda item: self.c.get(item[1].key), batch)
             for (a, o), d in zip(batch, datas):
-                yield a, o.size, self.c.ref(o.key), (lambda d=d: d)
+                # no size to judge by: a bucket lists the stored size, which a compressed chunk's is not
+                yield a, None, self.c.ref(o.key), (lambda d=d: d)
 
     # -- housekeeping -------------------------------------------------------------
     def orphans(self, run: str | None = None) -> list[str]:

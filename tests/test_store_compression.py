@@ -1,0 +1,274 @@
+"""Compressed chunks on every store (FORMAT.md rules 12.8-12.12, agck.stores.compression).
+
+Checkpoints of float weights and text are put with ``compress="zstd"`` at sizes
+on both sides of the chunking thresholds (a few MiB, past the object grid, and
+past 64 MiB), read back bit-exactly by a fresh store object, scrubbed, and mixed
+with raw puts of the same content; a compressor that corrupts its output never
+gets a corrupt chunk committed; a damaged compressed chunk is damage like any
+other; an older reader refuses a compressed checkpoint instead of judging it.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+import agck
+from agck import chunkcodec, chunking, format
+from agck.errors import DamagedChunkError, UnsupportedVersionError, UsageError
+from agck.recovery import verify_store
+from agck.stores import compression, open_store
+from crashtests import chunkrot
+
+from conftest import BACKENDS, make_spec
+
+MiB = 1 << 20
+
+
+def weights(nbytes: int, seed: int) -> dict:
+    """Trained-looking weights (small normal values) in bf16 and fp32, an int table,
+    and chat-like text: the content kinds a checkpoint holds."""
+    g = torch.Generator().manual_seed(seed)
+    half = nbytes // 2
+    bf16 = (torch.randn(half // 2, generator=g) * 0.02).to(torch.bfloat16)
+    fp32 = torch.randn(half // 4, generator=g) * 0.02
+    turns = [{"role": "user" if i % 2 else "assistant", "content": f"turn {i}: " + "the checkpoint is safe. " * 20}
+             for i in range(200)]
+    return {"bf16": bf16, "fp32": fp32, "ids": np.arange(4096, dtype=np.int64), "turns": turns, "seed": seed}
+
+
+def same(a: dict, b: dict) -> bool:
+    return (torch.equal(a["bf16"], b["bf16"]) and torch.equal(a["fp32"], b["fp32"])
+            and np.array_equal(a["ids"], b["ids"]) and a["turns"] == b["turns"] and a["seed"] == b["seed"])
+
+
+def open_spec(spec, **extra):
+    _, url, opts = spec
+    return open_store(url, **{**opts, **extra})
+
+
+@pytest.fixture(params=BACKENDS)
+def spec(request, tmp_path):
+    return make_spec(request.param, request, tmp_path)
+
+
+@pytest.mark.parametrize("nbytes", [3 * MiB, 9 * MiB, 70 * MiB], ids=["3MiB", "9MiB", "70MiB"])
+def test_compressed_puts_read_back_bit_exact_on_a_fresh_store_object(spec, nbytes):
+    s = open_spec(spec, compress="zstd", min_chunked=0)
+    states = [weights(nbytes, 1), weights(nbytes, 1) | {"seed": 2}]
+    for step, st in enumerate(states, 1):
+        s.put("run", step, st)
+    info = s.compression.as_dict()
+    assert info["mode"] == "zstd" and info["mismatches"] == 0 and info["framed_chunks"] > 0
+    # bf16 and fp32 weights (where a piece mixes them, zstd without planes) and text: smaller
+    # (the ratios per content kind are measured by scripts/bench_compress.py)
+    assert info["stored_bytes"] < 0.9 * info["raw_bytes"], info
+    fresh = open_spec(spec)
+    for step, st in enumerate(states, 1):
+        assert same(fresh.get("run", step).state, st)
+    report = fresh.scrub()
+    assert report.ok and report.chunks > 0, report.as_dict()
+    verified = verify_store(fresh)
+    assert len(verified.ok) == 2 and not verified.rejected, verified.as_dict()
+    # the second put shared the first's weights: only its small pieces were new
+    assert s.last_put.new_bytes < nbytes // 4
+
+
+def test_raw_and_compressed_copies_of_one_chunk_are_interchangeable(spec):
+    """A chunk's address is that of its raw bytes (rule 12.9): a compressed put reuses the
+    raw chunks a raw put stored, a raw put the compressed ones, and every checkpoint reads."""
+    raw = open_spec(spec, compress="none", min_chunked=0)
+    a = weights(6 * MiB, 3)
+    raw.put("run", 1, a)
+    assert raw.compression.framed_chunks == 0
+    packed = open_spec(spec, compress="zstd", min_chunked=0)
+    b = a | {"seed": 4}
+    packed.put("run", 2, b)
+    assert packed.last_put.new_bytes < MiB        # the weights were found stored raw, and reused
+    c = weights(6 * MiB, 5)
+    packed.put("run", 3, c)                       # new weights, stored compressed
+    assert packed.compression.framed_chunks > 0
+    raw2 = open_spec(spec, compress="none", min_chunked=0)
+    raw2.put("run", 4, c | {"seed": 6})           # a raw put relying on compressed chunks
+    assert raw2.last_put.new_bytes < MiB
+    fresh = open_spec(spec)
+    for step, st in ((1, a), (2, b), (3, c), (4, c | {"seed": 6})):
+        assert same(fresh.get("run", step).state, st)
+    assert fresh.scrub().ok
+
+
+def _flip_one(data: bytes, rng: random.Random) -> bytes:
+    b = bytearray(data)
+    i = rng.randrange(len(b))
+    b[i] ^= 1 << rng.randrange(8)
+    return bytes(b)
+
+
+@pytest.mark.parametrize("fault", ["flipped", "other content", "not zstd", "raises"])
+def test_a_corrupting_compressor_never_gets_a_corrupt_chunk_committed(spec, fault, caplog):
+    """The compressor's output is decoded again and checked against the chunk's address
+    before it is written: a compressor that corrupts (restic#4523) costs space, never data."""
+    rng = random.Random(fault)
+    calls = []
+
+    def bad(data, level):
+        calls.append(len(data))
+        if fault == "raises":
+            raise RuntimeError("compressor crashed")
+        out = chunkcodec.zstd_compress(data, level)
+        if fault == "flipped":
+            return out[:4] + _flip_one(out[4:], rng) if len(calls) % 2 else out
+        if fault == "other content":          # a valid frame of the same size, of other bytes
+            return chunkcodec.zstd_compress(bytes(reversed(bytes(data))), level)
+        return b"\x00" * (len(out) // 2)
+
+    s = open_spec(spec, compress="zstd", min_chunked=0)
+    s.compression.compressor = bad
+    st = weights(9 * MiB, 7)
+    if fault == "raises":
+        with pytest.raises(RuntimeError):
+            s.put("run", 1, st)
+        assert open_spec(spec).steps("run") == []
+        return
+    s.put("run", 1, st)
+    assert calls
+    info = s.compression.as_dict()
+    assert info["mismatches"] > 0 or fault == "flipped" and info["framed_chunks"] > 0
+    fresh = open_spec(spec)
+    assert same(fresh.get("run", 1).state, st)
+    assert fresh.scrub().ok
+    if info["mismatches"]:
+        assert "does not decode back to it" in caplog.text
+
+
+def test_a_damaged_compressed_chunk_is_damage_found_by_read_and_scrub(spec):
+    """Rule 12.11: a frame that fails a check is damage to its chunk (DamagedChunkError, the
+    chunk named), found by a read and by scrub, and the next put holding it heals it."""
+    s = open_spec(spec, compress="zstd", min_chunked=0)
+    st = weights(4 * MiB, 8)
+    s.put("run", 1, st)
+    sizes = dict(zip(s.last_put.addresses, s.last_put.sizes))
+    framed = [a for a in sizes if len(chunkrot._stored(s, a)) < sizes[a]]
+    assert framed
+    target = framed[len(framed) // 2]
+    chunkrot.damage(s, target, "flip", random.Random(1))
+    fresh = open_spec(spec)
+    report = fresh.scrub(quarantine=False)
+    assert [d.address for d in report.damaged] == [target.hex()]
+    with pytest.raises(DamagedChunkError) as e:
+        fresh.get("run", 1)
+    assert target in e.value.damaged
+    s2 = open_spec(spec, compress="zstd", min_chunked=0)
+    s2.put("run", 2, st)                 # holds the damaged chunk's content: written afresh
+    assert same(open_spec(spec).get("run", 1).state, st)
+
+
+def test_a_newer_frame_version_is_refused_and_not_judged_damaged(tmp_path):
+    """Rule 12.11: a frame version this reader does not know is UnsupportedVersionError,
+    not damage: nothing is quarantined."""
+    s = open_store(str(tmp_path / "s"), compress="zstd", min_chunked=0)
+    st = weights(2 * MiB, 9)
+    s.put("run", 1, st)
+    listed = format.open_chunked(format.open_container(_listing(s, "run", 1)))
+    sizes = dict(zip(listed.addresses, listed.sizes))
+    a = next(a for a in listed.addresses if len(s.objects.read_whole(a)) < sizes[a])
+    path = s.objects.path(a)
+    data = bytearray(open(path, "rb").read())
+    data[4] = 2
+    with open(path, "wb") as f:
+        f.write(data)
+    with pytest.raises(UnsupportedVersionError):
+        open_store(str(tmp_path / "s")).get("run", 1)
+    assert open_store(str(tmp_path / "s")).quarantined() == []
+    import os
+    assert os.path.exists(path)
+
+
+def test_an_older_reader_refuses_a_compressed_checkpoint_and_reads_a_raw_one(tmp_path, monkeypatch):
+    """Rule 12.8: a compressing store's listings carry the required flag FRAMED; a reader
+    that knows only CHUNKED (agck before compression) refuses them, and still reads the
+    listings of a store that does not compress."""
+    packed = open_store(str(tmp_path / "s"), compress="zstd", min_chunked=0)
+    packed.put("run", 1, weights(2 * MiB, 10))
+    raw = open_store(str(tmp_path / "s"), compress="none", min_chunked=0)
+    st = weights(2 * MiB, 11)
+    raw.put("run", 2, st)
+    assert format.parse_header(_listing(packed, "run", 1)).flags == format.FLAG_CHUNKED | format.FLAG_FRAMED
+    assert format.parse_header(_listing(raw, "run", 2)).flags == format.FLAG_CHUNKED
+    monkeypatch.setattr(format, "KNOWN_REQUIRED_FLAGS", format.FLAG_CHUNKED)
+    old = open_store(str(tmp_path / "s"))
+    with pytest.raises(UnsupportedVersionError):
+        old.get("run", 1)
+    assert same(old.get("run", 2).state, st)
+    assert old.quarantined() == []
+
+
+def test_auto_is_raw_on_this_machine_and_compressed_over_a_network(tmp_path):
+    """compress="auto": raw where the store's disk writes faster than zstd compresses
+    (this machine), compressed over a network link; the choice is reported."""
+    s = open_store(str(tmp_path / "s"))
+    assert s.compression.requested == "auto" and not s.compression.on
+    assert "on this machine" in s.compression.reason
+    s.put("run", 1, weights(2 * MiB, 12))
+    assert s.compression.framed_chunks == 0
+    for host, local in [("localhost", True), ("127.0.0.1", True), ("::1", True), ("/var/run/postgresql", True),
+                        ("", True), (None, True), ("db.example.com", False), ("10.0.0.5", False)]:
+        assert compression.is_local_host(host) is local, host
+    remote = compression.ChunkEncoding("auto", local=False, what="object store")
+    assert remote.on and "network" in remote.reason
+    from agck.stores.s3.client import ObjectClient
+    assert ObjectClient("s3://b/p?endpoint=http://127.0.0.1:9").local
+    assert not ObjectClient("s3://b/p?endpoint=https://s3.example.com").local
+
+
+def test_options_are_checked_before_anything_is_opened(tmp_path):
+    with pytest.raises(UsageError, match="compress="):
+        open_store(str(tmp_path / "s"), compress="lz4")
+    with pytest.raises(UsageError, match="level="):
+        open_store(str(tmp_path / "s"), compress="zstd", level=99)
+    with pytest.raises(UsageError, match="compress="):
+        open_store("postgresql://nobody@127.0.0.1:1/none", compress="gzip")
+
+
+def test_parts_stores_compress_as_their_store_does(tmp_path):
+    s = open_store(str(tmp_path / "s"), compress="zstd", level=3)
+    assert s._policy()["compress"] == "zstd" and s._policy()["level"] == 3
+
+
+def test_rule_12_12_planes_are_cut_only_where_a_piece_holds_floats_of_one_size():
+    w = agck.checkpoint.encode({"a": np.zeros(8, np.float32), "b": torch.zeros(4, dtype=torch.bfloat16),
+                                "c": np.zeros(4, np.int64), "d": np.zeros(2, np.complex128)})
+    assert w.blob_itemsizes == [4, 2, None, 8]
+    from agck.stores import content
+    big = {"w": torch.zeros(1 << 21, dtype=torch.float16)}     # 4 MiB: a piece of its own
+    pieces = content.split_container(agck.checkpoint.encode(big))
+    assert {p.itemsize for p in pieces} >= {2}
+    mixed = {"a": np.zeros(100, np.float32), "b": np.zeros(100, np.float64)}
+    assert all(p.itemsize is None for p in content.split_container(agck.checkpoint.encode(mixed)))
+
+
+def _listing(store, run: str, step: int) -> bytes:
+    """A file store's stored container of (run, step)."""
+    with open(store.path(run, step), "rb") as f:
+        return f.read()
+
+
+def test_frames_hash_back_to_their_address_on_disk(tmp_path):
+    """Rule 12.9 on disk: every chunk file shorter than its listed size is a frame whose
+    decoded bytes hash to the file's name."""
+    s = open_store(str(tmp_path / "s"), compress="zstd", min_chunked=0)
+    s.put("run", 1, weights(3 * MiB, 13))
+    listed = format.open_chunked(format.open_container(_listing(s, "run", 1)))
+    seen = 0
+    for a, n in zip(listed.addresses, listed.sizes):
+        data = s.objects.read_whole(a)
+        if len(data) < n:
+            assert data[:4] == chunkcodec.MAGIC
+            assert chunking.address(chunkcodec.decode(data, encoded=True, raw_size=n)) == a
+            assert struct.unpack_from("<Q", data, 7)[0] == n
+            seen += 1
+    assert seen
