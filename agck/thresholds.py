@@ -29,6 +29,9 @@ INLINE_RECORD = 64 * KiB
 #: every incremental store: a container smaller than this is stored standalone, not split
 #: into chunks (splitting would cost more writes than sharing could save).
 MIN_CHUNKED = 64 * KiB
+#: ... unless the store compresses: then from this size (chunks compress, and the containers of
+#: a growing conversation share their prefix; BENCHMARKS.md, "Compressed chunks in the stores").
+MIN_CHUNKED_COMPRESSED = 4 * KiB
 #: Postgres: a standalone container up to this size is written in one statement ...
 SMALL_PUT = 256 * KiB
 #: ... and read in one statement.

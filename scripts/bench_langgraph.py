@@ -135,6 +135,51 @@ def _graph_growth(subject: Subject, steps: int = 100, big_mb: int = 16) -> tuple
     return subject.tables_size() - before, thread, out
 
 
+def _conversation_growth(subject: Subject, turns: int = 100) -> tuple[int, str, dict]:
+    """Bytes the saver's tables grow by over a chat of ``turns`` turns (a super-step each:
+    a human message and an AI answer appended to ``messages``, English-like text), the
+    thread, and its final state."""
+    from typing import Annotated, TypedDict
+
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langgraph.graph import END, START, StateGraph
+    from langgraph.graph.message import add_messages
+
+    from bench_compress import word_list
+
+    rng = np.random.default_rng(2)
+    words = word_list(rng, 5000)
+    weights = 1 / np.arange(1, len(words) + 1) ** 1.1     # Zipf, as bench_compress's conversation
+    weights /= weights.sum()
+
+    def paragraph(sentences: int) -> str:
+        out = []
+        for _ in range(sentences):
+            text = " ".join(words[i] for i in rng.choice(len(words), rng.integers(5, 25), p=weights))
+            out.append(text[0].upper() + text[1:] + ".")
+        return " ".join(out)
+
+    # the functional form: this module's annotations are strings, evaluated where these names are not
+    State = TypedDict("State", {"messages": Annotated[list, add_messages], "turn": int})
+
+    def chat(state):
+        return {"messages": [HumanMessage(content=paragraph(int(rng.integers(1, 5)))),
+                             AIMessage(content=paragraph(int(rng.integers(3, 12))))],
+                "turn": state["turn"] + 1}
+
+    b = StateGraph(State)
+    b.add_node("chat", chat)
+    b.add_edge(START, "chat")
+    b.add_conditional_edges("chat", lambda s: "chat" if s["turn"] < turns else END)
+    graph = b.compile(checkpointer=subject.saver)
+    before = subject.tables_size()
+    thread = f"chat-{subject.thread}"
+    out = graph.invoke({"messages": [], "turn": 0}, {"configurable": {"thread_id": thread},
+                                                     "recursion_limit": turns + 10})
+    assert out["turn"] == turns and len(out["messages"]) == 2 * turns
+    return subject.tables_size() - before, thread, out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=5)
@@ -144,6 +189,8 @@ def main(argv=None) -> int:
                    help="the states to measure: small and/or MiB of the array channel (the small put measured "
                         "alone, without large puts filling the server's WAL alongside: --sizes small)")
     p.add_argument("--no-graph", action="store_true", help="skip the 100-super-step graph")
+    p.add_argument("--no-chat", action="store_true", help="skip the 100-turn conversation")
+    p.add_argument("--chat-only", action="store_true", help="only the 100-turn conversation")
     a = p.parse_args(argv)
     from langgraph.checkpoint.postgres import PostgresSaver
     from psycopg import Connection
@@ -172,15 +219,17 @@ def main(argv=None) -> int:
     lg = PostgresSaver(conn)
     lg.setup()
     store = PostgresStore(a.dsn, prefix="agck", schema=schema, init=True)
+    zstore = PostgresStore(a.dsn, prefix="agckz", schema=schema, init=True, compress="zstd")
     subjects = [Subject("LangGraph PostgresSaver", lg, size_of("checkpoint%")),
-                Subject("agck AgckSaver (Postgres)", AgckSaver(store), size_of("agck%"))]
+                Subject("agck AgckSaver (Postgres)", AgckSaver(store), size_of("agck\\_%"))]
+    zsubject = Subject('agck AgckSaver (Postgres, compress="zstd")', AgckSaver(zstore), size_of("agckz\\_%"))
     written = {}     # (thread, checkpoint id) -> the values AgckSaver was given there, to read back
     log = lambda m: print(m, file=sys.stderr, flush=True)   # noqa: E731
     results: dict = {"rounds": a.rounds, "cases": {}, "graph_growth": {}}
     try:
         msgs = _messages()
         sizes = [("small (~10 KB of messages)", None) if x == "small" else (f"{int(x)} MiB array", int(x))
-                 for x in a.sizes.split(",")]
+                 for x in ([] if a.chat_only else a.sizes.split(","))]
         cases = []
         threads = []     # AgckSaver's
         rng = np.random.default_rng(0)
@@ -246,15 +295,17 @@ def main(argv=None) -> int:
                     f["stream"] = _copy_rows(v()["x"])
                 cases.append(benchio.Case(f"put {label} | one COPY of its bytes as 1 MiB rows", copy_rows,
                                           after=clear_rows, nbytes=mb * MiB))
-        benchio.run_rounds(cases, a.rounds, log, warmup=1)
+        if cases:
+            benchio.run_rounds(cases, a.rounds, log, warmup=1)
         written.update({(t.thread, t.parent): t.written for t in threads})
         rows = []
         for c in cases:
             results["cases"][c.name] = c.times
             rows.append((c.name, c.median))
-        print(f"## LangGraph checkpointers on one Postgres server, medians of {a.rounds} rounds\n")
-        print("| case | saver | median ms | ratio (PostgresSaver / agck) |")
-        print("|---|---|---:|---:|")
+        if cases:
+            print(f"## LangGraph checkpointers on one Postgres server, medians of {a.rounds} rounds\n")
+            print("| case | saver | median ms | ratio (PostgresSaver / agck) |")
+            print("|---|---|---:|---:|")
         med = dict(rows)
         for label, mb in sizes:
             for op in ("put", "get"):
@@ -271,7 +322,18 @@ def main(argv=None) -> int:
                         floor = med[f"put {label} | one COPY of its bytes as 1 MiB rows"]
                         print(f"| {op} {label} | floor: one COPY of the array's bytes as 1 MiB rows | "
                               f"{floor * 1e3:.1f} | PostgresSaver {ref / floor:.2f}x, agck {ours / floor:.2f}x of it |")
-        if not a.no_graph:
+        if not a.no_chat:
+            print(f"\n{100} turns of a chat (add_messages; a checkpoint per turn):\n")
+            print("| saver | tables grew by |")
+            print("|---|---:|")
+            results["chat_growth"] = {}
+            for s in subjects + [zsubject]:
+                grew, thread, final = _conversation_growth(s)
+                results["chat_growth"][s.name] = grew
+                print(f"| {s.name} | {grew / 1e6:.2f} MB |")
+                if s is subjects[1]:
+                    written[(thread, None)] = final
+        if not a.no_graph and not a.chat_only:
             print("\n100 super-steps, a 16 MiB channel set once, then only a counter changes:\n")
             print("| saver | tables grew by |")
             print("|---|---:|")
@@ -287,6 +349,7 @@ def main(argv=None) -> int:
     finally:
         conn.close()
         store.close()
+        zstore.close()
         admin.cursor().execute(f"DROP SCHEMA {schema} CASCADE")
         admin.close()
     if a.json:

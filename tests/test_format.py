@@ -227,10 +227,15 @@ def test_header_digest_is_checked_before_the_version():
         agck.loads(bytes(data))
 
 
-@pytest.mark.parametrize("bit", range(1, 16))   # bit 0 is CHUNKED (version 1.1)
+@pytest.mark.parametrize("bit", range(2, 16))   # bit 0 is CHUNKED (version 1.1), bit 1 FRAMED (1.2)
 def test_unknown_required_flag_is_refused(bit):
     with pytest.raises(UnsupportedVersionError, match="required flag"):
         agck.loads(assemble(STATE_NONE, flags=1 << bit))
+
+
+def test_framed_flag_on_a_plain_container_is_malformed():
+    with pytest.raises(MalformedCheckpointError, match="FRAMED"):
+        agck.loads(assemble(STATE_NONE, flags=2))
 
 
 def test_chunked_flag_on_a_plain_container_is_malformed():

@@ -98,7 +98,7 @@ class Store(ABC):
 
     incremental = False
     full_every: int | None = None
-    min_chunked = MIN_CHUNKED
+    _min_chunked: int | None = None     # as given; None: the default, which depends on compression
     verify_reused = DEFAULT_VERIFY_REUSED
     log_positions_are_bytes = False     # journal logs: byte offsets, else numbers of batches (log_read)
     native_async = False     # whether the a* methods run on the event loop (else on a worker thread each)
@@ -122,14 +122,24 @@ class Store(ABC):
         whether the store is on this machine (what "auto" decides by)."""
         self.compression = compression.ChunkEncoding(compress, level, local=local, what=what)
 
-    def _set_policy(self, incremental, full_every, min_chunked=MIN_CHUNKED,
+    @property
+    def min_chunked(self) -> int:
+        """A container of fewer bytes is written standalone: as given, else
+        ``MIN_CHUNKED`` (64 KiB), or ``MIN_CHUNKED_COMPRESSED`` (4 KiB) where the store
+        compresses (agck/thresholds.py)."""
+        if self._min_chunked is not None:
+            return self._min_chunked
+        return thresholds.MIN_CHUNKED_COMPRESSED if self.compression.on else MIN_CHUNKED
+
+    def _set_policy(self, incremental, full_every, min_chunked=None,
                     verify_reused=DEFAULT_VERIFY_REUSED) -> None:
         """``incremental``: keep checkpoints as chunk listings sharing content.
         ``full_every=K``: the first put of each run by this store object, and
         every K-th after it, is a standalone container all the same, so damage
         to one shared chunk can reach at most the checkpoints since the last
         standalone one (README, "Incremental checkpoints"). ``min_chunked``: a
-        container of fewer bytes is written standalone (0: every one is chunked).
+        container of fewer bytes is written standalone (0: every one is chunked; None,
+        the default: 64 KiB, or 4 KiB where the store compresses).
         ``verify_reused``: what a chunked put checks of the chunks it reuses before
         relying on them: ``"none"`` (that they exist), ``"size"`` (their stored size),
         ``"sample"`` (the default: that they exist, and the bytes of one address bucket
@@ -140,16 +150,17 @@ class Store(ABC):
         if full_every is not None and (not isinstance(full_every, numbers.Integral) or isinstance(full_every, bool)
                                        or full_every < 1):
             raise UsageError(f"full_every must be a positive integer or None, not {full_every!r}")
-        if not isinstance(min_chunked, numbers.Integral) or isinstance(min_chunked, bool) or min_chunked < 0:
-            raise UsageError(f"min_chunked must be a byte count >= 0, not {min_chunked!r}")
+        if min_chunked is not None and (not isinstance(min_chunked, numbers.Integral)
+                                        or isinstance(min_chunked, bool) or min_chunked < 0):
+            raise UsageError(f"min_chunked must be a byte count >= 0 or None, not {min_chunked!r}")
         self.incremental = incremental
         self.full_every = None if full_every is None else int(full_every)
-        self.min_chunked = int(min_chunked)
+        self._min_chunked = None if min_chunked is None else int(min_chunked)
         self.verify_reused = check_verify_reused(verify_reused)
 
     def _policy(self) -> dict:
         """The options that make another store of this backend write as this one does."""
-        return {"incremental": self.incremental, "full_every": self.full_every, "min_chunked": self.min_chunked,
+        return {"incremental": self.incremental, "full_every": self.full_every, "min_chunked": self._min_chunked,
                 "verify_reused": self.verify_reused, "compress": self.compression.requested,
                 "level": self.compression.level}
 

@@ -39,7 +39,7 @@ from ...errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError
                       DurabilityError, FormatError, StoreConnectionError, StoreError, UnsupportedVersionError)
 from ...names import MAX_STEP, is_run_name
 from .. import compression, content, damage
-from ..base import (CheckpointInfo, MIN_CHUNKED, Store, check_identity,
+from ..base import (CheckpointInfo, Store, check_identity,
                    check_last, check_position, check_records, check_run, check_step)
 from .log import CLAIMS_NAME, LOG_NAME, FileLogs
 from ..logclaims import FileClaims
@@ -77,7 +77,7 @@ class FileStore(Store):
     log_positions_are_bytes = True     # one append-only file per run, which can end in a torn tail
 
     def __init__(self, root: str | os.PathLike, *, create: bool = True, fs: durable.FileSystem | None = None,
-                 incremental: bool = True, full_every: int | None = None, min_chunked: int = MIN_CHUNKED,
+                 incremental: bool = True, full_every: int | None = None, min_chunked: int | None = None,
                  verify_reused: str = damage.DEFAULT_VERIFY_REUSED, compress: str = compression.DEFAULT,
                  level: int | None = None):
         super().__init__()

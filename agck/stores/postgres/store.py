@@ -63,7 +63,7 @@ from ...errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError
                       SchemaUninitializedError, StoreConnectionError, StoreError, UsageError)
 from .. import compression, content, damage
 from . import schema as pgschema
-from ..base import MIN_CHUNKED, Store, check_run, check_step
+from ..base import Store, check_run, check_step
 from ..dsn import dsn_secrets, dsn_without_password, redact_dsn
 from ..s3.chunks import ObjectChunks
 from ..s3.client import parse_url
@@ -182,7 +182,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
     def __init__(self, url: str, *, prefix: str = "agck", schema: str | None = None,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, init: bool = False, check_schema: bool = True,
                  connect_timeout: int = 10, incremental: bool = True,
-                 full_every: int | None = None, min_chunked: int = MIN_CHUNKED,
+                 full_every: int | None = None, min_chunked: int | None = None,
                  verify_reused: str = damage.DEFAULT_VERIFY_REUSED, objects: "str | ObjectChunks | None" = None,
                  pool: "int | str" = DEFAULT_POOL_SIZE, pool_timeout: float = DEFAULT_POOL_TIMEOUT,
                  compress: str = compression.DEFAULT, level: int | None = None):

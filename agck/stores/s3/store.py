@@ -51,7 +51,7 @@ from ...errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError
 from .. import compression, content, damage
 from . import log as s3log
 from ...names import is_run_name
-from ..base import MIN_CHUNKED, CheckpointInfo, Store, check_identity, check_last, check_run, check_step
+from ..base import CheckpointInfo, Store, check_identity, check_last, check_run, check_step
 from .chunks import CATALOG_MARKER, STORE_MARKER, address_of, chunk_key
 from .client import ObjectClient, ObjectExists, ObjectInfo
 from .journal import JournalLogs
@@ -80,7 +80,7 @@ class S3Store(JournalLogs, Store):
     """``open_store("s3://bucket/prefix")``: see the module docstring for the layout."""
 
     def __init__(self, url: str, *, create: bool = True, incremental: bool = True, full_every: int | None = None,
-                 min_chunked: int = MIN_CHUNKED, verify_reused: str = damage.DEFAULT_VERIFY_REUSED,
+                 min_chunked: int | None = None, verify_reused: str = damage.DEFAULT_VERIFY_REUSED,
                  client: ObjectClient | None = None, stale_after: float | None = None, grace: float = 3600.0,
                  chunk_grid: int = CHUNK_GRID, compress: str = compression.DEFAULT, level: int | None = None):
         super().__init__()

@@ -67,7 +67,7 @@ from ...errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError
                       UsageError)
 from ...memory import new_buffer
 from .. import compression, content, damage
-from ..base import (CheckpointInfo, MIN_CHUNKED, Store, check_last,
+from ..base import (CheckpointInfo, Store, check_last,
                    check_position, check_records, check_run, check_step)
 from ..logclaims import FileClaims
 from ..sqlrows import (batch_ref, decode_read, DEFAULT_CHUNK_SIZE, PreparedPut, TransactionalPuts, batches, check_checksum, check_chunk_size,
@@ -129,7 +129,7 @@ class SqliteStore(TransactionalPuts, Store):
 
     def __init__(self, url: str | os.PathLike, *, prefix: str = "agck", chunk_size: int = DEFAULT_CHUNK_SIZE,
                  busy_timeout: float = 30.0, create: bool = True, incremental: bool = True,
-                 full_every: int | None = None, min_chunked: int = MIN_CHUNKED,
+                 full_every: int | None = None, min_chunked: int | None = None,
                  verify_reused: str = damage.DEFAULT_VERIFY_REUSED, compress: str = compression.DEFAULT,
                  level: int | None = None):
         super().__init__()
