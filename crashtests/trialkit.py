@@ -31,6 +31,8 @@ import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from agck.stores import compression
+
 from . import checker, pgcluster, s3server
 from .checker import FAULTS, STORES, Trial
 from .trialstores import TrialStores
@@ -66,6 +68,7 @@ class Config:
     min_kills: int = 0                  # per store: top random kills up to this many delivered SIGKILLs
     ranks: int = 2                      # processes per job in the ``dist`` trials
     profile: str = "small"              # the workload's state size (crashtests.workload.PROFILES)
+    compress: str | None = None         # every store's compress option (AGCK_COMPRESS); None: their default
 
     def n(self, store: str, fault: str) -> int:
         return self.counts.get((store, fault), self.counts.get(fault, self.trials))
@@ -84,6 +87,11 @@ class TrialKit:
         if cfg.profile not in PROFILES:
             raise ValueError(f"profile must be one of {PROFILES}, not {cfg.profile!r}")
         self.cfg = cfg
+        # every store the campaign and its processes open compresses as asked (their default otherwise)
+        if cfg.compress is None:
+            os.environ.pop(compression.ENV, None)
+        else:
+            os.environ[compression.ENV] = cfg.compress
         self.rng = random.Random(cfg.seed)
         self.trials: list[Trial] = []
         self.notes: list[str] = []

@@ -9,7 +9,8 @@
   checked against its address before it is written (a mismatch is stored raw,
   logged and counted in :attr:`ChunkEncoding.mismatches`).
 - ``"none"``: every chunk raw, as agck wrote them before compression.
-- ``"auto"`` (the default): ``"zstd"`` where the store is reached over a network,
+- ``"auto"`` (the default, unless the environment variable ``AGCK_COMPRESS`` names
+  another): ``"zstd"`` where the store is reached over a network,
   ``"none"`` where it is on this machine (a directory, SQLite, a Postgres server or
   an object store on localhost or a Unix socket). Measured (BENCHMARKS.md, "Chunk
   compression"): zstd at level 1 compresses about 270-350 MB/s per thread, planes
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import threading
 
 from .. import chunkcodec
@@ -35,7 +37,8 @@ from ..errors import UsageError
 log = logging.getLogger("agck")
 
 MODES = ("auto", "zstd", "none")
-DEFAULT = "auto"
+DEFAULT = None            # the store options' default: $AGCK_COMPRESS, else "auto"
+ENV = "AGCK_COMPRESS"     # a process's default (a deployment's, the crash campaign's)
 _MAX_REPORTED = 64     # mismatched addresses kept for a report
 
 
@@ -54,8 +57,13 @@ class ChunkEncoding:
     """A store's compression setting and what it did. Thread-safe: a store's writer
     threads encode at once."""
 
-    def __init__(self, compress: str = DEFAULT, level: int | None = None, *, local: bool, what: str = "store",
-                 compressor: chunkcodec.Compressor | None = None):
+    def __init__(self, compress: str | None = DEFAULT, level: int | None = None, *, local: bool,
+                 what: str = "store", compressor: chunkcodec.Compressor | None = None):
+        if compress is None:
+            compress = os.environ.get(ENV) or "auto"
+            if compress not in MODES:
+                raise UsageError(f"{ENV}={compress!r} is not a compression setting",
+                                 hint=f"set {ENV} to 'auto', 'zstd' or 'none', or unset it")
         if compress not in MODES:
             raise UsageError(f"compress={compress!r} is not a compression setting",
                              hint="pass 'auto' (the default), 'zstd' or 'none'")
