@@ -104,7 +104,20 @@ def seeds() -> dict[str, list[bytes]]:
             "db\0status\0postgresql://h/db\0--prefix\0p", "journal\0ckpts/\0--run\0r"]
     return {"container": containers, "container_resealed": containers, "journal": [log],
             "s3_record": records, "store_url": [u.encode() for u in urls], "cli": [a.encode() for a in argv],
-            "chunk_listing": listing_seeds(), "commit_part": commit_seeds()}
+            "chunk_listing": listing_seeds(), "commit_part": commit_seeds(), "chunk_frame": frame_seeds()}
+
+
+def frame_seeds() -> list[bytes]:
+    """Compressed chunks as a store writes them (both methods, every itemsize), and a raw one."""
+    from agck import chunkcodec
+    rng = np.random.default_rng(0)
+    floats = (rng.standard_normal(3000) * 0.02).astype(np.float32)
+    out = [chunkcodec.frame(b"the checkpoint is safe. " * 200, chunkcodec.Method.ZSTD)]
+    for itemsize, data in ((2, floats.astype(np.float16).tobytes() + b"\x01"), (4, floats.tobytes()),
+                           (8, floats.astype(np.float64).tobytes()[:5003])):
+        out.append(chunkcodec.frame(data, chunkcodec.Method.PLANES_ZSTD, itemsize=itemsize))
+    out.append(floats.tobytes()[:512])
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,6 +27,11 @@ Targets:
                          checked, the listed content decoded, its run, step, parent
                          and meta compared with the listing's), verified, lazily and
                          verified once for many (``agck verify``);
+* ``chunk_frame``        a stored chunk that may be compressed (FORMAT.md rules 12.9-12.12):
+                         decoded as a store's reader decodes one (``chunkcodec.decode``
+                         and ``decode_into`` at the size its header claims and at
+                         another, the assembly's ``_fetched``), and judged as scrub
+                         judges one (``damage.verdict``, with and without a size);
 * ``commit_part``        a multi-rank step (FORMAT.md section 13): the commit record's
                          state tree (``codec.decode_state``) judged by
                          ``sharded.as_commit``, a ``"dcp"`` record's metadata by
@@ -309,6 +314,34 @@ def commit_part(data: bytes) -> None:
             pass
 
 
+FRAME_ADDRESS = bytes(range(32))   # no chunk has it: every judgement says "does not match"
+
+
+def chunk_frame(data: bytes) -> None:
+    from agck import chunkcodec
+    from agck.stores import content, damage
+    sizes = {len(data) + 1, 4096}
+    if len(data) >= chunkcodec.HEADER_SIZE:
+        claimed = struct.unpack_from("<Q", data, 7)[0]
+        if claimed <= chunkcodec.MAX_RAW_SIZE and claimed < 1 << 24:   # the fuzzer's memory bound
+            sizes.add(claimed)
+    for size in sorted(sizes):
+        try:
+            chunkcodec.decode(data, encoded=True, raw_size=size)
+        except AgckError:
+            pass
+        try:
+            chunkcodec.decode_into(data, bytearray(size), encoded=True)
+        except AgckError:
+            pass
+        try:
+            content._fetched(0, FRAME_ADDRESS, size, data, "fuzz")
+        except AgckError:
+            pass
+        damage.verdict(FRAME_ADDRESS, data, size)
+    damage.verdict(FRAME_ADDRESS, data)
+
+
 TARGETS = {"container": container, "container_resealed": container_resealed, "journal": journal,
            "s3_record": s3_record, "store_url": store_url, "cli": cli, "chunk_listing": chunk_listing,
-           "commit_part": commit_part}
+           "commit_part": commit_part, "chunk_frame": chunk_frame}
