@@ -117,7 +117,8 @@ class AppendLog(Sequence):
                     d.gen = os.urandom(16)
                     d.chain.append([d.gen, d.taken])
                 try:
-                    enc, payload = journalrec.encode_value(self._items[d.taken:n], "item")
+                    enc, payload = journalrec.encode_value(self._items[d.taken:n], "item",
+                                                           level=getattr(segments, "level", None))
                 except EncodeError as e:
                     raise EncodeError(f"AppendLog {self.name!r}, items {d.taken}..{n - 1}: {e.reason}",
                                       hint="append plain data, arrays or tensors (nothing is pickled)") from None
@@ -142,11 +143,13 @@ class _Destination:
 
 class Segments(list):
     """The segments one snapshot captures, and where they go: ``dest`` names the journal
-    log they are written to (:meth:`agck.stores.Store.log_ref`)."""
+    log they are written to (:meth:`agck.stores.Store.log_ref`); ``level``: compress
+    them at this zstd level where that pays (the store's, where it compresses)."""
 
-    def __init__(self, dest: str = ""):
+    def __init__(self, dest: str = "", level: int | None = None):
         super().__init__()
         self.dest = dest
+        self.level = level     # the zstd level segments are compressed at, where the store compresses
 
 
 class Segment:

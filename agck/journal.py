@@ -99,6 +99,8 @@ class Journal:
         self.commit, self.every, self.ms = commit, every, float(ms)
         self.shared = bool(shared)
         self.ref = self.store.log_ref(self.run)
+        # values are compressed where the store compresses its chunks (agck.stores.compression)
+        self._compress_level = self.store.compression.active_level
         self.damaged: list[str] = []      # what was found damaged and run again, for humans
         # the index: (name, key) -> the value's (enc, payload), plain tuples that the cyclic
         # collector stops tracking (an index of objects made every full collection walk them
@@ -481,7 +483,7 @@ class Journal:
 
     def _encode(self, value: Any, what: str) -> tuple[str, bytes]:
         try:
-            return journalrec.encode_value(value, "result")
+            return journalrec.encode_value(value, "result", level=self._compress_level)
         except EncodeError as e:
             raise EncodeError(f"step {what!r}: {e.reason}", ref=self.ref,
                               hint="return plain data, arrays or tensors (nothing is pickled)") from None

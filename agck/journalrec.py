@@ -26,6 +26,7 @@ produced, and a container only for values that hold tensors.
 
 from __future__ import annotations
 
+import logging
 import math
 import struct
 import sys
@@ -36,8 +37,10 @@ import msgpack
 import numpy as np
 import xxhash
 
-from . import checkpoint, codec, format
-from .errors import EncodeError, MalformedCheckpointError
+from . import checkpoint, chunkcodec, codec, format
+from .errors import AgckError, CorruptCheckpointError, EncodeError, MalformedCheckpointError
+
+log = logging.getLogger("agck")
 
 MAGIC = b"AGJR"
 _HEAD = struct.Struct("<4sI")
@@ -45,6 +48,9 @@ _CHECK = struct.Struct("<Q")
 HEAD_SIZE = _HEAD.size                  # 8
 OVERHEAD = HEAD_SIZE + _CHECK.size      # 16 bytes per record besides its body
 MAX_BODY = (1 << 32) - 1
+#: The largest value tree a compressed record may claim to hold (FORMAT.md 17.3): what a
+#: reader may be made to allocate for one record.
+MAX_TREE = 1 << 30   # not a threshold: a limit (FORMAT.md 17.3)
 KINDS = ("r", "i", "e", "s")
 
 
@@ -62,17 +68,45 @@ class Entry:
 
 # --- values -------------------------------------------------------------------------------
 
-def encode_value(value: Any, what: str = "result") -> tuple[str, bytes]:
+def encode_value(value: Any, what: str = "result", *, level: int | None = None) -> tuple[str, bytes]:
     """(enc, payload) for ``value``: plain msgpack where it is plain data, a codec tree
     where it holds no array or tensor, else a whole container. Raises EncodeError
-    naming the path of what agck's codec cannot store (never pickled)."""
+    naming the path of what agck's codec cannot store (never pickled). ``level``: a
+    tree of :data:`COMPRESS_MIN` bytes or more is compressed at that zstd level where
+    that pays (:func:`compress_tree`); None (a store that does not compress): never."""
     packed = codec.plain_packed(value)
     if packed is not None:
-        return "t", packed
+        return compress_tree(packed, level)
     enc = codec.encode_state(value, root=what)
     if not enc.blobs:
-        return "t", enc.tree
+        return compress_tree(enc.tree, level)
     return "c", checkpoint.dumps(value)
+
+
+#: A value tree shorter than this is never compressed: a zstd frame's overhead (15 + about
+#: 10 bytes) and a decompression on every replay cost more than text this short saves.
+COMPRESS_MIN = 512
+
+
+def compress_tree(tree: bytes, level: int | None) -> tuple[str, bytes]:
+    """``("z", frame)``: the value tree as one zstd frame (FORMAT.md 17.3), when ``level``
+    is given, the tree is at least :data:`COMPRESS_MIN` bytes, the frame saves at least
+    ``chunkcodec.MIN_SAVING`` and decodes back to the same bytes (checked here, before
+    the record exists); else ``("t", tree)``."""
+    if level is None or len(tree) < COMPRESS_MIN or len(tree) > MAX_TREE:
+        return "t", tree
+    frame = chunkcodec.frame(tree, chunkcodec.Method.ZSTD, level=level)
+    if len(frame) > len(tree) * (1 - chunkcodec.MIN_SAVING):
+        return "t", tree
+    try:
+        back = chunkcodec.decode(frame, encoded=True, raw_size=len(tree))
+    except AgckError:
+        back = None
+    if back is None or bytes(back) != tree:
+        log.warning("agck: compressing a journal value of %d bytes gave a frame that does not decode back to it; "
+                    "kept uncompressed. A faulty compressor or memory: report it if it repeats", len(tree))
+        return "t", tree
+    return "z", frame
 
 
 def decode_value(entry: Entry, ref: str | None = None) -> Any:
@@ -80,6 +114,22 @@ def decode_value(entry: Entry, ref: str | None = None) -> Any:
     AgckError (``verdict``: the data is bad) for anything malformed (FORMAT.md 17.3)."""
     if entry.enc == "t":
         return codec.decode_state(entry.payload, [], _no_blob, 0, ref=ref)
+    if entry.enc == "z":    # a value tree as one frame (FORMAT.md 17.3): its claimed size bounded first
+        try:
+            head = chunkcodec.read_header(entry.payload)
+        except CorruptCheckpointError as e:
+            raise MalformedCheckpointError(f"a journal record's compressed value: {e.reason}", ref=ref,
+                                           section="record") from None
+        if head.method is not chunkcodec.Method.ZSTD or head.raw_size > MAX_TREE:
+            raise MalformedCheckpointError(f"a journal record's compressed value is not one zstd frame of at most "
+                                           f"{MAX_TREE} bytes (method {head.method.name.lower()}, "
+                                           f"{head.raw_size} bytes)", ref=ref, section="record")
+        try:
+            tree = chunkcodec.decode(entry.payload, encoded=True, raw_size=head.raw_size)
+        except CorruptCheckpointError as e:
+            raise MalformedCheckpointError(f"a journal record's compressed value: {e.reason}", ref=ref,
+                                           section="record") from None
+        return codec.decode_state(bytes(tree), [], _no_blob, 0, ref=ref)
     # "c" (parse_body admits no other): a standalone container, never a listing of chunks
     if format.is_chunked(format.parse_header(entry.payload, ref=ref)):
         raise MalformedCheckpointError("a journal record's container is a chunked container, which names chunks "
@@ -117,7 +167,7 @@ def parse_body(body: bytes) -> Entry:
         raise ValueError("not a 6-field record")
     kind, name, key, index, enc, payload = fields
     if kind not in KINDS or type(name) is not str or type(key) is not bytes or len(key) != 16 \
-            or type(index) is not int or index < 0 or enc not in ("t", "c") or type(payload) is not bytes:
+            or type(index) is not int or index < 0 or enc not in ("t", "c", "z") or type(payload) is not bytes:
         raise ValueError("fields of the wrong types")                          # FORMAT.md 17.2
     if not name:
         raise ValueError("an empty name")

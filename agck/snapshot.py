@@ -433,9 +433,12 @@ class Snapshotter:
             self._start_over()
         state = self._state if state is None else state
         t0 = time.perf_counter()
+        # of AppendLogs: written before the checkpoint, compressed where the store compresses
+        store = getattr(self._target, "store", None)
+        segments = applog.Segments(self._target.log_dest(),
+                                   level=store.compression.active_level if store is not None else None)
         # the step first: what changes at every checkpoint sits together, before the
         # state, not between the end of a growing list and the RNG states (chunking)
-        segments = applog.Segments(self._target.log_dest())   # of AppendLogs: written before the checkpoint
         try:
             tree = {"step": step, "state": capture(state, segments)}
             if self.capture_rng:

@@ -69,6 +69,7 @@ def test_planes_are_bytes_of_each_element_then_the_partial_one(n, itemsize, seed
 
 
 def test_frame_layout_byte_by_byte():
+    """The frame of FORMAT.md rule 12.10, field by field."""
     raw = _content("fp32", 4096 + 3, 1)
     e = encode(raw, itemsize=4)
     assert e.method is Method.PLANES_ZSTD

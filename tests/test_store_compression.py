@@ -272,3 +272,98 @@ def test_frames_hash_back_to_their_address_on_disk(tmp_path):
             assert struct.unpack_from("<Q", data, 7)[0] == n
             seen += 1
     assert seen
+
+
+# --- the journal and AppendLog segments (FORMAT.md 17.2, 17.3) -----------------------------
+
+TEXT = "The assistant answered at length about checkpoints, chunks and recovery. " * 30
+
+
+def _journal_size(path) -> int:
+    import os
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs if f.endswith(".log")
+               or "journal" in r)
+
+
+@pytest.mark.parametrize("kind", ["file", "sqlite", "postgres"])
+def test_journal_values_are_compressed_where_the_store_compresses_and_replay_bit_exact(request, tmp_path, kind):
+    """Rule 17.3: a value tree of 512 bytes or more is kept as one zstd frame (enc "z") by a
+    journal whose store compresses, checked to decode back before it is appended; a fresh
+    journal replays every value, and a store that does not compress writes "t"."""
+    from agck import journalrec as jr
+    spec = make_spec(kind, request, tmp_path)
+    for mode in ("zstd", "none"):
+        run = f"j-{mode}"
+        store = open_spec(spec, compress=mode)
+        j = agck.Journal(store, run)
+        values = [j.step("answer", lambda i: {"i": i, "text": TEXT, "short": "ok"}, i) for i in range(20)]
+        values.append(j.step("tiny", lambda: {"x": 1}))
+        j.close()
+        data, _ = open_spec(spec).log_read(run)
+        found = jr.scan(data)
+        encs = [e.enc for _, e in found.entries]
+        assert encs == (["z"] * 20 + ["t"] if mode == "zstd" else ["t"] * 21), encs
+        again = agck.Journal(open_spec(spec), run)
+        replayed = [again.step("answer", lambda i: 1 / 0, i) for i in range(20)] + [again.step("tiny", lambda: 1 / 0)]
+        assert replayed == values and not again.damaged
+        again.close()
+        if mode == "zstd":
+            z = sum(len(e.payload) for _, e in found.entries)
+        else:
+            t = sum(len(e.payload) for _, e in found.entries)
+    assert z * 5 < t
+
+
+def test_appendlog_segments_are_compressed_and_a_resume_reads_them(tmp_path):
+    from agck import journalrec as jr
+    store = open_store(str(tmp_path / "s"), compress="zstd")
+    state = {"results": agck.AppendLog()}
+    with agck.Snapshotter(store, "r", every=10, capture_rng=False) as snap:
+        state = snap.restore(state)
+        for i in snap.steps(50):
+            state["results"].append({"i": i, "text": TEXT})
+    data, _ = store.log_read("r")
+    segs = [e for _, e in jr.scan(data).entries if e.kind == "s"]
+    assert segs and {e.enc for e in segs} == {"z"}
+    assert len(data) < 50 * len(TEXT) // 5
+    back = agck.Snapshotter(open_store(str(tmp_path / "s")), "r", every=10)
+    restored = back.restore({"results": agck.AppendLog()})
+    assert back.start_step == 50 and list(restored["results"]) == [{"i": i, "text": TEXT} for i in range(50)]
+    back.close()
+
+
+def test_a_damaged_or_hostile_compressed_journal_value_is_damage_reported_not_raised(tmp_path):
+    """Rule 17.3: a "z" value whose frame fails its checks (a flipped payload byte, a
+    claim of more than MAX_TREE bytes, planes where a tree is one zstd frame) is a damaged
+    record: reported, its step run again; nothing is allocated for what it claims."""
+    from agck import journalrec as jr
+    from agck.errors import MalformedCheckpointError
+    tree = agck.codec.plain_packed({"text": TEXT})
+    enc, frame = jr.compress_tree(tree, 1)
+    assert enc == "z" and jr.decode_value(jr.Entry("r", "s", bytes(16), 0, "z", frame)) == {"text": TEXT}
+    assert jr.compress_tree(tree[:100], 1) == ("t", tree[:100])      # below COMPRESS_MIN
+    assert jr.compress_tree(tree, None) == ("t", tree)               # a store that does not compress
+    flipped = bytearray(frame)
+    flipped[len(frame) // 2] ^= 0x10
+    huge = chunkcodec.HEADER.pack(chunkcodec.MAGIC, 1, 1, 0, jr.MAX_TREE + 1) + frame[15:]
+    planes = chunkcodec.frame(tree + bytes(-len(tree) % 4), chunkcodec.Method.PLANES_ZSTD, itemsize=4)
+    for bad in (bytes(flipped), huge, planes, b"AGCZ", b""):
+        with pytest.raises((MalformedCheckpointError, agck.errors.CorruptCheckpointError)):
+            jr.decode_value(jr.Entry("r", "s", bytes(16), 0, "z", bad))
+    # in a log: the record is damaged (reported), and the step runs again
+    store = open_store(str(tmp_path / "s"), compress="zstd")
+    key = jr.fingerprint((), {})
+    store.log_append("r", [jr.record("r", "step", key, 0, "z", bytes(flipped))], sync=True)
+    j = agck.Journal(store, "r")
+    assert j.step("step", lambda: "ran again") == "ran again"
+    assert j.damaged
+    j.close()
+
+
+def test_compressing_a_journal_value_that_does_not_decode_back_keeps_it_whole(monkeypatch, caplog):
+    from agck import journalrec as jr
+    tree = agck.codec.plain_packed({"text": TEXT})
+    real = chunkcodec.decode
+    monkeypatch.setattr(chunkcodec, "decode", lambda *a, **k: bytes(reversed(bytes(real(*a, **k)))))
+    assert jr.compress_tree(tree, 1) == ("t", tree)
+    assert "does not decode back" in caplog.text

@@ -93,6 +93,12 @@ class ChunkEncoding:
         """What is done: "zstd" or "none"."""
         return "zstd" if self.on else "none"
 
+    @property
+    def active_level(self) -> int | None:
+        """The zstd level where the store compresses, else None (what the journal and
+        AppendLog compress their values with: :func:`agck.journalrec.compress_tree`)."""
+        return self.level if self.on else None
+
     def encode(self, address: bytes, chunk, itemsize: int | None) -> chunkcodec.EncodedChunk:
         """How to store one chunk (``chunk``: its raw bytes, named by ``address``)."""
         if not self.on:
