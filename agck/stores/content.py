@@ -557,6 +557,22 @@ def _read_into(listed: format.ChunkedContainer, fetch_into, view: memoryview, re
         checked.hashed_bytes += sum(hashed)
 
 
+def found_into(found: dict) -> Callable[[bytes, memoryview], int | None]:
+    """A ``fetch_into`` for :func:`decode` over chunks already read (``found``: address ->
+    stored bytes): each copied into its place, by the thread that then decodes it if it
+    is stored compressed (12.9), so a large checkpoint's chunks decode on a few threads."""
+    def into(address: bytes, view: memoryview) -> int | None:
+        data = found.get(address)
+        if data is None:
+            return None
+        d = memoryview(data).cast("B")
+        n = min(d.nbytes, view.nbytes)
+        view[:n] = d[:n]
+        return d.nbytes
+
+    return into
+
+
 def fetcher(found: dict, addresses: list[bytes]) -> Callable[[bytes, int], object]:
     """A ``fetch`` for :func:`decode` over chunks already read (``found``: address ->
     bytes), that drops each chunk after its last use in ``addresses``."""

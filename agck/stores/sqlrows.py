@@ -199,6 +199,8 @@ def decode_read(store: "Store", buf, found: dict, addresses: list[bytes] | None,
     """The checkpoint a SQL store read: its container ``buf`` and, for a listing, the
     objects found for ``addresses`` (or ``fetch_into``: :func:`content.decode`). Chunks
     found damaged or missing are quarantined before the error is raised."""
+    if fetch_into is None:    # chunks copied into place, and decoded, on a few threads
+        fetch_into = content.found_into(found)
     try:
         ck = content.decode(buf, content.fetcher(found, addresses or []), verify=verify, map_location=map_location,
                             ref=ref, fetch_into=fetch_into, fetch_threads=fetch_threads)

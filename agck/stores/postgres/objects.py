@@ -151,16 +151,11 @@ class SharedObjects:
     def _fetch_into(self, found: dict):
         """A ``fetch_into`` for :func:`content.decode`: an object read from the database
         (``found``) copied into place, any other read from the object store straight into it."""
-        ext = self._objects
+        ext, held = self._objects, content.found_into(found)
 
         def into(address: bytes, view: memoryview) -> int | None:
-            data = found.get(address)
-            if data is None:
-                return ext.fetch_into(address, view)
-            d = memoryview(data).cast("B")
-            n = min(d.nbytes, view.nbytes)
-            view[:n] = d[:n]
-            return d.nbytes
+            got = held(address, view)
+            return ext.fetch_into(address, view) if got is None else got
 
         return into
 
