@@ -180,7 +180,7 @@ def _store_calls(s: Store, run, step, value, extra) -> list:
 
 # Store attributes that are values, not calls (read only)
 STORE_VALUES = {"where", "incremental", "full_every", "min_chunked", "verify_reused", "log_positions_are_bytes",
-                "policies", "native_async"}
+                "policies", "native_async", "compression"}
 
 
 @HOSTILE
@@ -208,7 +208,8 @@ def test_open_store_takes_hostile_urls_and_options(seaweed, logs, tmp_path_facto
                               values))
     options = data.draw(st.dictionaries(st.sampled_from(["create", "incremental", "full_every", "min_chunked",
                                                          "verify_reused", "pool", "pool_timeout", "grace",
-                                                         "stale_after", "chunk_grid", "objects", "bogus"]),
+                                                         "stale_after", "chunk_grid", "objects", "compress",
+                                                         "level", "bogus"]),
                                         values, max_size=2))
     if isinstance(url, str) and not url.startswith(("s3:", "sqlite:", "postgresql:")):
         url = str(tmp_path_factory.mktemp("h") / "x") + url.replace("/", "_").replace("\x00", "")[:50]
@@ -220,7 +221,8 @@ def test_open_store_takes_hostile_urls_and_options(seaweed, logs, tmp_path_facto
 
 @HOSTILE
 @given(env=st.dictionaries(st.sampled_from(["AWS_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                            "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL"]),
+                                            "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL",
+                                            "AGCK_COMPRESS"]),
                            env_values, min_size=1, max_size=3))
 def test_s3_with_hostile_environment_values(seaweed, logs, env):
     url = s3_url(seaweed)
