@@ -367,3 +367,43 @@ def test_compressing_a_journal_value_that_does_not_decode_back_keeps_it_whole(mo
     monkeypatch.setattr(chunkcodec, "decode", lambda *a, **k: bytes(reversed(bytes(real(*a, **k)))))
     assert jr.compress_tree(tree, 1) == ("t", tree)
     assert "does not decode back" in caplog.text
+
+
+OLD_READER = "4e45dd7"     # the last agck before compressed chunks (format 1.1 listings only)
+
+
+def test_the_agck_before_compression_refuses_a_compressed_checkpoint_and_reads_a_raw_one(tmp_path):
+    """Rule 12.8 against the real older reader: agck as it was before compression, checked
+    out from this repository's history, opens a store holding a compressed checkpoint and
+    a raw one: UnsupportedVersionError for the first (no verdict, nothing quarantined), the
+    second read bit-exact."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    old = tmp_path / "old"
+    made = subprocess.run(["git", "-C", root, "worktree", "add", "--detach", str(old), OLD_READER],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"no git history to check the older reader out of: {made.stderr.strip()[:200]}")
+    try:
+        store = str(tmp_path / "s")
+        open_store(store, compress="zstd", min_chunked=0).put("run", 1, weights(2 * MiB, 20))
+        open_store(store, compress="none", min_chunked=0).put("run", 2, {"x": list(range(1000)), "t": TEXT})
+        script = ("import sys, agck\n"
+                  "from agck.errors import UnsupportedVersionError\n"
+                  "s = agck.open_store(sys.argv[1])\n"
+                  "try:\n    s.get('run', 1)\n    print('READ')\n"
+                  "except UnsupportedVersionError as e:\n    print('REFUSED', e.reason)\n"
+                  "ck = s.get('run', 2)\n"
+                  "assert ck.state == {'x': list(range(1000)), 't': sys.argv[2]}\n"
+                  "print('RAW OK', agck.__file__, len(s.quarantined()))\n")
+        env = dict(os.environ, PYTHONPATH=str(old))
+        done = subprocess.run([sys.executable, "-c", script, store, TEXT], capture_output=True, text=True,
+                              env=env, cwd=str(old), timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        lines = done.stdout.splitlines()
+        assert lines[0].startswith("REFUSED") and "required flag" in lines[0], lines
+        assert lines[1].startswith("RAW OK") and str(old) in lines[1] and lines[1].endswith(" 0"), lines
+    finally:
+        subprocess.run(["git", "-C", root, "worktree", "remove", "--force", str(old)], capture_output=True)
