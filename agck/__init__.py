@@ -7,15 +7,15 @@
 
 from .checkpoint import Checkpoint, dumps, inspect, load, loads, save
 from .errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, ContentChangedError, CorruptCheckpointError,
-                     DependencyError, DurabilityError, EncodeError, FormatError, InvalidRunNameError, MalformedCheckpointError,
-                     NoValidCheckpointError, SchemaMismatchError, SchemaUninitializedError, SnapshotError, StaleEpochError,
+                     DependencyError, DurabilityError, EncodeError, EncryptionKeyError, FormatError, InvalidRunNameError,
+                     MalformedCheckpointError, NoValidCheckpointError, SchemaMismatchError, SchemaUninitializedError, SnapshotError, StaleEpochError,
                      StoreConnectionError, StoreError, UnsupportedVersionError, UsageError)
 
 from .version import __version__  # noqa: E402
 
 __all__ = [
     "Checkpoint", "dumps", "loads", "save", "load", "inspect",
-    "AgckError", "DependencyError", "FormatError", "UnsupportedVersionError", "CorruptCheckpointError", "MalformedCheckpointError",
+    "AgckError", "DependencyError", "EncryptionKeyError", "FormatError", "UnsupportedVersionError", "CorruptCheckpointError", "MalformedCheckpointError",
     "EncodeError", "StoreError", "StoreConnectionError", "SchemaUninitializedError", "SchemaMismatchError",
     "CheckpointNotFoundError", "CheckpointExistsError", "ContentChangedError", "DurabilityError", "InvalidRunNameError",
     "NoValidCheckpointError", "SnapshotError", "StaleEpochError", "UsageError",

@@ -95,6 +95,12 @@ class DamagedChunkError(CorruptCheckpointError):
         self.missing = tuple(missing)
 
 
+class EncryptionKeyError(AgckError):
+    """An encrypted store was opened without a key, or with one that opens none of its
+    key slots (FORMAT.md 18.6): nothing was decrypted, and no verdict is made on any
+    checkpoint."""
+
+
 class DependencyError(AgckError):
     """A library this checkpoint needs (torch) is missing or broken here. Says
     nothing about the checkpoint: recovery does not walk back past it."""

@@ -185,8 +185,8 @@ def _cited(path) -> set[str]:
 def test_rule_ids_are_defined_once_and_every_citation_names_one():
     defined = _defined_rules()
     assert len(defined) == len(set(defined)), "a rule id is defined twice"
-    assert {d.split(".")[0] for d in defined} == {"10", "12", "13", "17"}
-    for section in ("10", "12", "13", "17"):    # numbered from 1 without a gap
+    assert {d.split(".")[0] for d in defined} == {"10", "12", "13", "17", "18"}
+    for section in ("10", "12", "13", "17", "18"):    # numbered from 1 without a gap
         numbers = [int(d.split(".")[1]) for d in defined if d.split(".")[0] == section]
         assert numbers == list(range(1, len(numbers) + 1)), section
     for path in _sources():
@@ -194,8 +194,8 @@ def test_rule_ids_are_defined_once_and_every_citation_names_one():
         assert not unknown, f"{path.relative_to(ROOT)} cites rules FORMAT.md does not define: {sorted(unknown)}"
 
 
-def test_sections_12_13_and_17_rules_are_cited_by_the_code_and_held_by_tests():
-    defined = [d for d in _defined_rules() if d.split(".")[0] in ("12", "13", "17")]
+def test_sections_12_13_17_and_18_rules_are_cited_by_the_code_and_held_by_tests():
+    defined = [d for d in _defined_rules() if d.split(".")[0] in ("12", "13", "17", "18")]
     code = set().union(*(_cited(p) for p in sorted((ROOT / "agck").rglob("*.py"))))
     others = [p for p in sorted((ROOT / "tests").glob("test_*.py")) if p.name != Path(__file__).name]
     tests = set().union(*map(_cited, others))
@@ -320,3 +320,29 @@ def test_12_8_framed_listing_is_version_1_2_and_a_1_1_reader_refuses_it(monkeypa
     struct.pack_into("<Q", head, 56, format.digest(bytes(head[:56])))
     with pytest.raises(MalformedCheckpointError):
         format.parse_header(bytes(head) + plain[64:])
+
+
+# --- encryption at rest (rules 18.1-18.6) ---------------------------------------------------------
+
+def test_sealed_example_is_what_the_writer_writes_and_opens_from_the_text_alone():
+    import blake3
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from agck import cipher, chunking
+    sealed = example_bytes("hex sealed")
+    data_key, salt, plain = bytes(range(32)), bytes(range(100, 124)), b"hello, agck"
+    # a reader from FORMAT.md section 18 alone
+    a = blake3.blake3(data_key, derive_key_context="agck 2026-12 sealed objects v1").digest()
+    n = blake3.blake3(data_key, derive_key_context="agck 2026-12 chunk names v1").digest()
+    address = blake3.blake3(plain).digest()
+    name = blake3.blake3(address, key=n).digest()
+    assert address.hex() == "2f841e78e6f8e36a23d343166c860749e1db42f58d26a5e4c7247e21dcd85446"
+    assert name.hex() == "362a0e449108e28f5c233375130b312445db83a606a914fdf18864e70c4a3ab1"
+    assert sealed[:4] == b"AGCE" and sealed[4:8] == bytes([1, 1, 1, 0]) and sealed[8:32] == salt
+    key = blake3.blake3(sealed[8:32], key=a).digest()
+    assert AESGCM(key).decrypt(bytes(12), sealed[32:], sealed[:32] + b"chunk\0" + name) == plain
+    # the writer
+    k = cipher.DataKey(data_key)
+    assert k.name(chunking.address(plain)) == name
+    assert k.seal(cipher.Kind.CHUNK, cipher.chunk_context(name), plain, salt=salt) == sealed
+    assert k.open(cipher.Kind.CHUNK, cipher.chunk_context(name), sealed) == plain

@@ -52,7 +52,7 @@ def _edges(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
 # (floor, module prefixes): a module's floor is that of its longest matching prefix.
 FLOORS = [
     (0, ["agck.errors", "agck.names", "agck.args", "agck.thresholds", "agck.memory", "agck.chunking", "agck.chunkcodec",
-         "agck.version", "agck.failpoints"]),
+         "agck.cipher", "agck.version", "agck.failpoints"]),
     (1, ["agck.format", "agck.durable"]),
     (2, ["agck.codec"]),
     (3, ["agck.checkpoint", "agck.export", "agck.journalrec"]),
