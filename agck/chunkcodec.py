@@ -28,11 +28,10 @@ The frame, version 1 (FORMAT.md 12.10; every integer little-endian; 15 bytes, th
 offset size   field
 ====== ====== ==================================================================
 0      4      magic ``b"AGCZ"``
-4      1      format version: 1. A larger version is a newer format
-              (:class:`~agck.errors.UnsupportedVersionError`); 0 is damage.
-5      1      method: 1 = zstd, 2 = planes+zstd. Any other number is a method
-              this reader does not know (``UnsupportedVersionError``), except 0
-              (a raw chunk is never framed): damage.
+4      1      format version: 1. Any other is damage (a newer frame version
+              comes with a new required listing flag, FORMAT.md 12.11).
+5      1      method: 1 = zstd, 2 = planes+zstd. Any other number is damage
+              (0: a raw chunk is never framed).
 6      1      itemsize: 0 with method 1; 2, 4 or 8 with method 2 (the element
               size the planes were cut with). Anything else is damage.
 7      8      raw length: the chunk's size in bytes (u64). It must equal the
@@ -70,7 +69,7 @@ import zstandard
 
 from . import thresholds
 from .chunking import DIGEST_SIZE, address as chunk_address
-from .errors import AgckError, CorruptCheckpointError, UnsupportedVersionError, UsageError
+from .errors import AgckError, CorruptCheckpointError, UsageError
 
 MAGIC = b"AGCZ"
 VERSION = 1
@@ -305,21 +304,21 @@ def read_header(stored) -> FrameHeader:
     magic, version, method, itemsize, raw_size = HEADER.unpack_from(view)
     if magic != MAGIC:
         raise _damaged(f"a chunk listed as compressed does not start with {MAGIC!r} (it starts with {bytes(magic)!r})")
-    if version > VERSION:
-        raise UnsupportedVersionError(
-            f"a compressed chunk has frame version {version}; this agck reads version {VERSION}",
-            hint="upgrade agck to read chunks written by a newer one")
-    if version == 0:
-        raise _damaged("a compressed chunk has frame version 0, which no agck writes")
+    # A version or method this reader does not know is damage, not a newer format: the frame's
+    # header has no checksum, so a flipped bit there reads as a "newer" version, and a chunk
+    # is shared, so a read that only refused it would leave it for every later put to rely
+    # on. A newer frame comes with a new required listing flag (FORMAT.md 12.11): no listing
+    # this reader accepts holds one unless it is damaged, and a quarantine never deletes.
+    if version != VERSION:
+        raise _damaged(f"a compressed chunk has frame version {version}; the only one is {VERSION}")
     if method == 0:
         raise _damaged("a compressed chunk's frame names method 0 (raw), which is never framed")
     try:
         method = Method(method)
     except ValueError:
-        raise UnsupportedVersionError(
-            f"a compressed chunk uses method {method}, which this agck does not know (it knows "
-            f"{', '.join(f'{m.value} ({m.name.lower()})' for m in Method if m is not Method.RAW)})",
-            hint="upgrade agck to read chunks written by a newer one") from None
+        raise _damaged(f"a compressed chunk names method {method}; the methods are "
+                       f"{', '.join(f'{m.value} ({m.name.lower()})' for m in Method if m is not Method.RAW)}") \
+            from None
     if (method is Method.ZSTD and itemsize != 0) or (method is Method.PLANES_ZSTD and itemsize not in PLANE_ITEMSIZES):
         raise _damaged(f"a compressed chunk's frame has itemsize {itemsize}, which method {method.name.lower()} "
                        f"does not use")

@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 from agck import chunkcodec, chunking
 from agck.chunkcodec import HEADER_SIZE, MAGIC, Method, decode, decode_into, encode
-from agck.errors import AgckError, CorruptCheckpointError, UnsupportedVersionError, UsageError
+from agck.errors import AgckError, CorruptCheckpointError, UsageError
 
 
 def _content(kind: str, n: int, seed: int) -> bytes:
@@ -165,13 +165,15 @@ def test_a_truncated_or_extended_frame_is_refused():
 
 
 @pytest.mark.parametrize("offset,value", [(4, 2), (4, 255), (5, 3), (5, 200)])
-def test_a_newer_version_or_an_unknown_method_asks_for_a_newer_agck(offset, value):
+def test_an_unknown_version_or_method_is_damage(offset, value):
+    """FORMAT.md 12.11: the frame header has no checksum, so a flipped version or method
+    byte must not read as a newer format (which no verdict, and no quarantine, follows)."""
     raw, e = _small_frames()[0]
     bad = bytearray(e.stored)
     bad[offset] = value
-    with pytest.raises(UnsupportedVersionError, match="upgrade agck") as info:
+    with pytest.raises(CorruptCheckpointError) as info:
         decode(bad, encoded=True, raw_size=len(raw))
-    assert not info.value.verdict   # not damage: recovery must not walk past it
+    assert info.value.verdict
 
 
 def _zstd_frame_claiming(size: int) -> bytes:

@@ -19,7 +19,7 @@ import torch
 
 import agck
 from agck import chunkcodec, chunking, format
-from agck.errors import DamagedChunkError, UnsupportedVersionError, UsageError
+from agck.errors import DamagedChunkError, UnsupportedVersionError, UsageError  # noqa: F401
 from agck.recovery import verify_store
 from agck.stores import compression, open_store
 from crashtests import chunkrot
@@ -167,10 +167,15 @@ def test_a_damaged_compressed_chunk_is_damage_found_by_read_and_scrub(spec):
     assert same(open_spec(spec).get("run", 1).state, st)
 
 
-def test_a_newer_frame_version_is_refused_and_not_judged_damaged(tmp_path):
-    """Rule 12.11: a frame version this reader does not know is UnsupportedVersionError,
-    not damage: nothing is quarantined."""
-    s = open_store(str(tmp_path / "s"), compress="zstd", min_chunked=0)
+def test_a_frame_version_byte_flipped_is_damage_quarantined_and_healed_by_the_next_put(tmp_path):
+    """Rule 12.11: a frame version (or method) this reader does not know is damage: the
+    frame header has no checksum, so a flipped bit there must not read as a newer format,
+    which would leave the chunk in place for every later put to rely on (the crash
+    campaign's chunk damage found exactly that). Quarantined, never deleted; the next put
+    holding the content writes it afresh."""
+    import os
+    root = str(tmp_path / "s")
+    s = open_store(root, compress="zstd", min_chunked=0)
     st = weights(2 * MiB, 9)
     s.put("run", 1, st)
     listed = format.open_chunked(format.open_container(_listing(s, "run", 1)))
@@ -178,14 +183,16 @@ def test_a_newer_frame_version_is_refused_and_not_judged_damaged(tmp_path):
     a = next(a for a in listed.addresses if len(s.objects.read_whole(a)) < sizes[a])
     path = s.objects.path(a)
     data = bytearray(open(path, "rb").read())
-    data[4] = 2
+    data[4] ^= 0x02                                   # version 1 reads as 3
     with open(path, "wb") as f:
         f.write(data)
-    with pytest.raises(UnsupportedVersionError):
-        open_store(str(tmp_path / "s")).get("run", 1)
-    assert open_store(str(tmp_path / "s")).quarantined() == []
-    import os
-    assert os.path.exists(path)
+    with pytest.raises(DamagedChunkError) as e:
+        open_store(root).get("run", 1)
+    assert a in e.value.damaged
+    [q] = open_store(root).quarantined()
+    assert q.address == a.hex() and not os.path.exists(path)
+    open_store(root, compress="zstd", min_chunked=0).put("run", 2, st)
+    assert same(open_store(root).get("run", 1).state, st)
 
 
 def test_an_older_reader_refuses_a_compressed_checkpoint_and_reads_a_raw_one(tmp_path, monkeypatch):

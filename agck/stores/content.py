@@ -453,16 +453,13 @@ def _fetched(i: int, address: bytes, size: int, data, ref: str | None):
 
 def _unframe(i: int, address: bytes, size: int, stored, ref: str | None, out=None):
     """Chunk ``i``, stored compressed (``stored``: shorter than its listed ``size``, rule
-    12.9), decoded (into ``out`` when given). A frame that does not decode is damage to
-    that chunk; one of a newer frame version is not a verdict (UnsupportedVersionError)."""
+    12.9), decoded (into ``out`` when given). A frame that does not decode, whatever its
+    header says, is damage to that chunk (rule 12.11)."""
     try:
         if out is None:
             return chunkcodec.decode(stored, encoded=True, raw_size=size)
         chunkcodec.decode_into(stored, out, encoded=True)
         return out
-    except UnsupportedVersionError as e:
-        raise UnsupportedVersionError(f"chunk {i} ({address.hex()[:16]}): {e.reason}", ref=ref,
-                                      hint=e.hint) from None
     except CorruptCheckpointError as e:
         raise _chunk_error(i, address, f"is stored as {memoryview(stored).nbytes} bytes of {size} and is not a "
                                        f"compressed chunk that decodes ({e.reason})", ref) from None

@@ -203,13 +203,17 @@ class ScrubReport:
 
 def scrub(url: str, listings: Iterable[tuple[str, Callable[[], list[bytes] | None]]],
           stored: Iterable[tuple[bytes, int | None, str, Callable[[], object]]],
-          progress: Callable[[int], None] | None = None) -> ScrubReport:
+          progress: Callable[[int], None] | None = None,
+          name: Callable[[bytes], bytes] | None = None) -> ScrubReport:
     """Check every stored chunk against its address and map the bad ones to the
     checkpoints that list them. ``listings``: (ref, listed) of each checkpoint,
     ``listed()`` returning the addresses its verified listing lists (None for a
     standalone container; CorruptCheckpointError or FormatError for a damaged one);
     ``stored``: (address, recorded size or None, ref, read) of each stored chunk,
-    ``read()`` returning its bytes (None if it is gone)."""
+    ``read()`` returning its bytes (None if it is gone). ``name``: an encrypted store's
+    keyed names (FORMAT.md 18.3), which ``stored`` gives in place of addresses: a chunk a
+    listing names is judged by its address, one none names by whether its content's
+    name is the one it is stored under (and reported by that name)."""
     import time as _time
     t0 = _time.monotonic()
     rep = ScrubReport(url=url)
@@ -228,11 +232,23 @@ def scrub(url: str, listings: Iterable[tuple[str, Callable[[], list[bytes] | Non
         rep.listings += 1
         for a in dict.fromkeys(addresses):
             users.setdefault(a, []).append(ref)
+    by_name = {name(a): a for a in users} if name is not None else {}
     seen: set[bytes] = set()
     for address, size, ref, read in stored:
         data = read()
         if data is None:          # collected while scrubbed
             continue
+        if name is not None:      # a name: the address a listing gives it, or judged by its name
+            stored_as, address = address, by_name.get(address)
+            if address is None:
+                rep.chunks += 1
+                rep.bytes += memoryview(data).nbytes
+                raw = _decoded(data, None)
+                raw = data if raw is None else raw
+                if name(chunking.address(raw)) != stored_as:
+                    rep.damaged.append(Damage(stored_as.hex(), "does not match its name (listed by no "
+                                                               "checkpoint)", ref, []))
+                continue
         seen.add(address)
         rep.chunks += 1
         rep.bytes += memoryview(data).nbytes

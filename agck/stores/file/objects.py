@@ -39,8 +39,9 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Iterable
 
-from ... import durable, failpoints, thresholds
-from ...errors import DurabilityError, StoreError
+from ... import cipher, durable, failpoints, thresholds
+from ...errors import (CorruptCheckpointError, DamagedChunkError, DurabilityError, StoreError,
+                       UnsupportedVersionError)
 from .. import compression, damage
 
 DIRNAME = ".objects"
@@ -69,6 +70,8 @@ class ObjectDir:
         self._trusted = False      # _durable holds without a stat, for the batch in progress
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+        # an encrypted store's data key (agck.cipher): chunks sealed, each under its keyed name
+        self.sealer: cipher.DataKey | None = None
 
     def pool(self) -> ThreadPoolExecutor | None:
         """The threads that write chunks, made on first use; None where the file system
@@ -81,8 +84,25 @@ class ObjectDir:
             return self._pool
 
     def path(self, address: bytes) -> str:
-        h = address.hex()
+        """The file of the chunk at ``address``: named by the address, or in an encrypted
+        store by its keyed name (FORMAT.md 18.3)."""
+        h = (address if self.sealer is None else self.sealer.name(address)).hex()
         return os.path.join(self.dir, h[:2], h[2:])
+
+    def _open(self, data, path: str, address: bytes | None = None):
+        """A stored chunk's bytes as the store wrote them before sealing (FORMAT.md 18.5).
+        With ``address``, one that does not open is DamagedChunkError; without, it comes
+        back sealed, for a verdict to judge (it matches no address)."""
+        if self.sealer is None or data is None:
+            return data
+        name = bytes.fromhex(os.path.basename(os.path.dirname(path)) + os.path.basename(path))
+        try:
+            return self.sealer.open(cipher.Kind.CHUNK, cipher.chunk_context(name), data, what="a chunk")
+        except (UnsupportedVersionError, CorruptCheckpointError) as e:
+            # a chunk's unknown sealed version is damage, as an unknown frame's is (FORMAT.md 18.5)
+            if address is None:
+                return data
+            raise DamagedChunkError(f"chunk {address.hex()[:16]} {e.reason}", ref=path, damaged=(address,)) from None
 
     # -- locking ---------------------------------------------------------------
     @contextmanager
@@ -154,6 +174,9 @@ class ObjectDir:
         if encoding is not None:     # compressed (and verified) here, on the writing thread
             chunk = encoding.encode(address, chunk, itemsize).stored
         path = self.path(address)
+        if self.sealer is not None:  # then sealed, under its name (FORMAT.md 18.2-18.4)
+            name = self.sealer.name(address)
+            chunk = self.sealer.seal(cipher.Kind.CHUNK, cipher.chunk_context(name), chunk)
         d = os.path.dirname(path)
         self._ensure_dir(d, self.dir)
         tmp = durable.temp_name_for(path)
@@ -194,19 +217,30 @@ class ObjectDir:
     # -- reading ---------------------------------------------------------------
     def get(self, address: bytes, size: int):
         """The chunk's bytes, or None if there is no such chunk."""
+        path = self.path(address)
+        extra = 0 if self.sealer is None else cipher.OVERHEAD
         try:
-            with open(self.path(address), "rb") as f:
-                return f.read(size + 1)   # one byte more: a longer file is caught by the caller
+            with open(path, "rb") as f:
+                data = f.read(size + extra + 1)   # one byte more: a longer file is caught by the caller
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise StoreError(f"cannot read a chunk: {e.strerror}", ref=self.path(address)) from None
+            raise StoreError(f"cannot read a chunk: {e.strerror}", ref=path) from None
+        return self._open(data, path, address)
 
     def read_into(self, address: bytes, view: memoryview) -> int | None:
         """Read the chunk into ``view`` (one copy, from the page cache); returns the
         chunk file's size (the caller checks it is ``len(view)``), or None if there
         is no such chunk. Releases the GIL while reading."""
         path = self.path(address)
+        if self.sealer is not None:     # opened whole, then placed
+            data = self.get(address, view.nbytes)
+            if data is None:
+                return None
+            d = memoryview(data)
+            n = min(d.nbytes, view.nbytes)
+            view[:n] = d[:n]
+            return d.nbytes
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -232,15 +266,19 @@ class ObjectDir:
             os.close(fd)
 
     def read_whole(self, address: bytes):
-        """The chunk file's bytes, whatever their length; None if there is none."""
-        path = self.path(address)
+        """The chunk file's bytes, whatever their length (opened, in an encrypted store,
+        if they open); None if there is none."""
+        return self._read_path(self.path(address))
+
+    def _read_path(self, path: str):
         try:
             with open(path, "rb") as f:
-                return f.read()
+                data = f.read()
         except (FileNotFoundError, IsADirectoryError):     # a directory where the file should be: no chunk
             return None
         except OSError as e:
             raise StoreError(f"cannot read a chunk: {e.strerror}", ref=path) from None
+        return self._open(data, path)
 
     # -- damaged chunks --------------------------------------------------------
     def quarantine_dir(self) -> str:
@@ -331,7 +369,8 @@ class ObjectDir:
                 continue
             if len(address) != 32:
                 continue
-            yield address, None, path, (lambda a=address: self.read_whole(a))
+            # in an encrypted store, "address" is the chunk's name (damage.scrub maps them)
+            yield address, None, path, (lambda p=path: self._read_path(p))
 
     # -- collecting ------------------------------------------------------------
     def entries(self) -> Iterable[tuple[str, str]]:
@@ -364,11 +403,12 @@ class ObjectDir:
         files = nbytes = 0
         touched = set()
         self.new_generation()
+        names = live if self.sealer is None else {self.sealer.name(a) for a in live}   # what the files are named
         for path, name in self.entries():
             base = os.path.basename(path)
             if not durable.is_temp_name(base):
                 try:
-                    if bytes.fromhex(name) in live:
+                    if bytes.fromhex(name) in names:
                         continue
                 except ValueError:
                     continue   # not a chunk name: not ours to delete
@@ -441,9 +481,10 @@ class Batch:
             return False
         inode = (st.st_ino, st.st_ctime_ns)
         why = None
-        if size is not None and damage.checks_size(mode) and st.st_size > size:
-            why = f"holds {st.st_size} bytes, {size} expected"
-        elif reread or (size is not None and damage.checks_size(mode) and st.st_size < size):
+        held = st.st_size - (0 if self.objects.sealer is None else cipher.OVERHEAD)   # the bytes sealed
+        if size is not None and damage.checks_size(mode) and held > size:
+            why = f"holds {held} bytes, {size} expected"
+        elif reread or (size is not None and damage.checks_size(mode) and held < size):
             # a shorter file is compressed or cut short: what it decodes to decides
             why = damage.verdict(address, self.objects.read_whole(address), size)
             if why == "missing":

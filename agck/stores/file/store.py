@@ -31,18 +31,20 @@ import shlex
 from contextlib import contextmanager
 from typing import Any, Callable, Collection, Sequence
 
-from ... import checkpoint, durable, format
+from ... import checkpoint, cipher, durable, format
 from ...args import check_addresses
 from ...checkpoint import Checkpoint
 from ...errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                       DamagedChunkError,
-                      DurabilityError, FormatError, StoreConnectionError, StoreError, UnsupportedVersionError)
+                      DurabilityError, FormatError, StoreConnectionError, StoreError, UnsupportedVersionError,
+                      UsageError)
 from ...names import MAX_STEP, is_run_name
-from .. import compression, content, damage
+from .. import compression, content, damage, encryption
 from ..base import (CheckpointInfo, Store, check_identity,
                    check_last, check_position, check_records, check_run, check_step)
 from .log import CLAIMS_NAME, LOG_NAME, FileLogs
 from ..logclaims import FileClaims
+from .keys import KeySlots
 from .objects import ObjectDir
 
 SUFFIX = ".agck"
@@ -79,10 +81,11 @@ class FileStore(Store):
     def __init__(self, root: str | os.PathLike, *, create: bool = True, fs: durable.FileSystem | None = None,
                  incremental: bool = True, full_every: int | None = None, min_chunked: int | None = None,
                  verify_reused: str = damage.DEFAULT_VERIFY_REUSED, compress: str = compression.DEFAULT,
-                 level: int | None = None):
+                 level: int | None = None, key=None):
         super().__init__()
         self._set_policy(incremental, full_every, min_chunked, verify_reused)
         self._set_compression(compress, level, local=True, what="directory")
+        given = encryption.given_key(key)     # a bad key argument is refused before anything is made
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
         self.fs = fs or durable.REAL
@@ -108,6 +111,17 @@ class FileStore(Store):
             if not os.path.isdir(self.root):
                 raise StoreConnectionError("not a checkpoint directory: a file is in the way", ref=self.root,
                                            hint="pass a directory path")
+        self._slots = KeySlots(self.root, self.fs)
+        self.sealer = encryption.data_key(self._slots, given, where=self.root,
+                                          empty=lambda: not self.runs() and not os.path.isdir(self.objects.dir))
+        self.objects.sealer = self.sealer
+        if self.sealer is not None:
+            # every checkpoint a listing (a small container, sealed whole) and chunks (sealed
+            # each): no standalone container of any size is ever written in the clear
+            if not self.incremental or self.full_every is not None:
+                raise UsageError("an encrypted store writes every checkpoint as chunks: incremental=False and "
+                                 "full_every are not available", ref=self.root)
+            self._min_chunked = 0
 
     # -- journal logs (agck.journal; stores/file/log.py) ---------------------------
     def log_ref(self, run: str) -> str:
@@ -119,6 +133,10 @@ class FileStore(Store):
     def log_append(self, run: str, records: Sequence[bytes], *, sync: bool = True) -> tuple[int, int]:
         """Append journal records to the run's log (see :meth:`Store.log_append`)."""
         records = check_records(records)
+        if self.sealer is not None:
+            raise UsageError("journals and AppendLogs are not kept in an encrypted store yet: their records would "
+                             "be written in the clear", ref=self.log_ref(run),
+                             hint="keep the journal in a store without a key, or the items in a plain list")
         path = self.log_ref(run)
         if path in self._logs_durable:     # its directory made, its entry durable: append
             return self._logs.append(path, records, sync)
@@ -155,7 +173,7 @@ class FileStore(Store):
         path = os.path.join(self.root, ".parts")   # not a run name: never listed as a run
         if not create and not os.path.isdir(path):
             return None
-        return FileStore(path, fs=self.fs, **self._policy())
+        return FileStore(path, fs=self.fs, key=self.sealer, **self._policy())
 
     def _run_dir(self, run: str) -> str:
         return os.path.join(self.root, check_run(run))
@@ -185,6 +203,8 @@ class FileStore(Store):
             batch.sync()
             listing = content.listing(w, chunks, run=run, step=step, parent=parent, meta=meta,
                                       framed=self.compression.on)
+            if self.sealer is not None:    # sealed to its run and step (FORMAT.md 18.4)
+                listing = self.sealer.seal(cipher.Kind.CONTAINER, cipher.container_context(run, step), listing)
             self._write_step(run, step, epoch, path, lambda: [listing], overwrite, len(listing))
         self._caches.give(run, cache)
         self.last_put = chunks
@@ -331,7 +351,10 @@ class FileStore(Store):
                 info = CheckpointInfo(run=r, step=s, ref=path)
                 try:
                     info.size = os.path.getsize(path)
-                    h, m = checkpoint.read_head(path)
+                    if self.sealer is None:
+                        h, m = checkpoint.read_head(path)
+                    else:
+                        h, m = checkpoint.parse_head(self._opened(path, r, s, checkpoint.read_file(path)), ref=path)
                     if format.is_chunked(h) and type(m.get("length")) is int:
                         info.size = m["length"]   # the checkpoint's size, not its listing's
                     info.created_at = h.created_at_ns / 1e9
@@ -355,8 +378,9 @@ class FileStore(Store):
                                               f"{shlex.quote(self.root)} --run {run}` lists the steps") from None
             # a read that judges the bytes (verify) reads them: a disk's I/O error is then an
             # error the walk back can judge, where a mapped page would kill the process (SIGBUS)
-            buf = checkpoint.read_file(path, mmap=verify is False)
+            buf = checkpoint.read_file(path, mmap=verify is False and self.sealer is None)
             try:
+                buf = self._opened(path, run, step, buf)
                 ck = content.decode(buf, self.objects.get, verify=verify, map_location=map_location, ref=path,
                                     fetch_into=self.objects.read_into)
             except CorruptCheckpointError as e:
@@ -387,8 +411,8 @@ class FileStore(Store):
         if not os.path.isdir(self.objects.dir):
             return content.Collected(listings=0, live_chunks=0, deleted_chunks=0, deleted_bytes=0)
         with self.objects.locked(exclusive=True):
-            paths = [self.path(r, s) for r in self.runs() for s in self.steps(r)]
-            live = content.live_chunks([(p, partial(_read_listing, p)) for p in paths])
+            keys = [(r, s) for r in self.runs() for s in self.steps(r)]
+            live = content.live_chunks([(self.path(r, s), partial(self._stored_listing, r, s)) for r, s in keys])
             if not live.complete:
                 return live.collected()
             files, nbytes = self.objects.collect(live.addresses)
@@ -410,14 +434,52 @@ class FileStore(Store):
         if not os.path.isdir(self.objects.dir):
             return damage.ScrubReport(url=self.url)
 
-        def listed(path):
-            buf = _read_listing(path)
-            return None if buf is None else content.listed_addresses(buf, verify=True, ref=path)
+        def listed(run, step):
+            buf = self._stored_listing(run, step)
+            return None if buf is None else content.listed_addresses(buf, verify=True, ref=self.path(run, step))
 
         with self.objects.locked():
-            listings = [(self.path(r, s), lambda p=self.path(r, s): listed(p)) for r in self.runs()
-                        for s in self.steps(r)]
-            return damage.scrub(self.url, listings, self.objects.stored(), progress)
+            listings = [(self.path(r, s), partial(listed, r, s)) for r in self.runs() for s in self.steps(r)]
+            return damage.scrub(self.url, listings, self.objects.stored(), progress,
+                                name=None if self.sealer is None else self.sealer.name)
+
+    # -- encryption (agck.cipher) ----------------------------------------------
+    def _opened(self, path: str, run: str, step: int, buf):
+        """A checkpoint file's bytes as they were before sealing (in an encrypted store):
+        one that does not open is a verdict on that checkpoint (CorruptCheckpointError)."""
+        if self.sealer is None:
+            return buf
+        try:
+            return self.sealer.open(cipher.Kind.CONTAINER, cipher.container_context(run, step), buf,
+                                    what="the checkpoint file")
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(e.reason, ref=path, section="sealed") from None
+
+    def _stored_listing(self, run: str, step: int):
+        """What a collector or scrub reads of a checkpoint file (:func:`_read_listing`), opened."""
+        path = self.path(run, step)
+        if self.sealer is None:
+            return _read_listing(path)
+        try:
+            buf = checkpoint.read_file(path)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StoreError(f"cannot read a checkpoint, so no chunk is collected: {e.strerror}", ref=path) from None
+        return self._opened(path, run, step, buf)
+
+    def key_slots(self) -> list[dict]:
+        """The store's key slots (FORMAT.md 18.6; nothing secret in them); [] when not encrypted."""
+        return self._slots.load()
+
+    def add_key(self, key) -> dict:
+        """Wrap the store's data key under one more user key (a passphrase, 32 raw bytes,
+        a callable): a new key slot, returned. No data is rewritten."""
+        return encryption.add_key(self._slots, self.sealer, key, self.root)
+
+    def remove_key(self, slot_id: str) -> None:
+        """Remove a key slot: its key opens the store no more. The last slot stays."""
+        encryption.remove_key(self._slots, self.sealer, slot_id, self.root)
 
     # -- housekeeping ----------------------------------------------------------
     def orphans(self, run: str | None = None) -> list[str]:
@@ -462,12 +524,13 @@ def locate(path: str) -> tuple[str, str, int] | None:
     step)``); None for anything else (a standalone container, another file)."""
     try:
         with open(path, "rb") as f:
-            h = format.parse_header(f.read(format.HEADER_SIZE), ref=path)
+            head = f.read(format.HEADER_SIZE)
+        h = None if head[:4] == cipher.MAGIC else format.parse_header(head, ref=path)   # sealed: a store's
     except (OSError, AgckError):
         return None
     run_dir = os.path.dirname(os.path.abspath(path))
     root, step = os.path.dirname(run_dir), parse_step_filename(os.path.basename(path))
-    if not format.is_chunked(h) or step is None or not os.path.isdir(os.path.join(root, ObjectDir.DIRNAME)):
+    if (h is not None and not format.is_chunked(h)) or step is None or not os.path.isdir(os.path.join(root, ObjectDir.DIRNAME)):
         return None
     return root, os.path.basename(run_dir), step
 

@@ -1,0 +1,93 @@
+"""How a store finds its data key: its ``key`` option, the environment, its key slots.
+
+A store is encrypted when it holds key slots (:mod:`agck.cipher`, FORMAT.md 18.6;
+where a backend keeps them is its own: the file store in ``<root>/.keys/``). Opening
+one needs a user key that opens a slot: the ``key`` option (a passphrase, 32 raw
+bytes, a callable returning one: a KMS client), else ``$AGCK_KEY`` (a passphrase),
+else ``$AGCK_KEY_FILE`` (a file holding 64 hex digits or a passphrase). An
+encrypted store opened without one, or with one that opens no slot, is
+:class:`~agck.errors.EncryptionKeyError`: nothing is read.
+
+A store with no slots is not encrypted; given a key, an empty one becomes encrypted
+(a new random data key, wrapped under that key in its first slot), and one that
+already holds checkpoints is refused: its data would stay in the clear.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Protocol
+
+from .. import cipher
+from ..errors import EncryptionKeyError, UsageError
+
+ENV_KEY = "AGCK_KEY"
+ENV_KEY_FILE = "AGCK_KEY_FILE"
+
+
+class SlotFiles(Protocol):
+    """Where a backend keeps its key slots."""
+
+    def load(self) -> list[dict]: ...
+    def save(self, slot: dict) -> None: ...
+    def remove(self, slot_id: str) -> None: ...
+
+
+def given_key(key) -> "cipher.UserKey | cipher.DataKey | None":
+    """The user key a store is opened with: ``key`` (a DataKey passes through: a store's
+    parts namespace shares its data key), else the environment's, else None."""
+    if isinstance(key, cipher.DataKey):
+        return key
+    if key is not None:
+        return cipher.user_key(key)
+    if os.environ.get(ENV_KEY):
+        return cipher.user_key(os.environ[ENV_KEY], source=f"${ENV_KEY}")
+    if os.environ.get(ENV_KEY_FILE):
+        return cipher.key_from_file(os.environ[ENV_KEY_FILE])
+    return None
+
+
+def data_key(slots: SlotFiles, key, *, empty: Callable[[], bool], where: str) -> cipher.DataKey | None:
+    """The store's data key (None: the store is not encrypted and no key was given)."""
+    user = given_key(key)
+    found = slots.load()
+    if isinstance(user, cipher.DataKey):
+        return user
+    if found:
+        if user is None:
+            raise EncryptionKeyError(f"the store is encrypted ({len(found)} key slot(s)) and no key was given",
+                                     ref=where, hint=f"pass key=... to open_store, or set ${ENV_KEY} (a passphrase) "
+                                                     f"or ${ENV_KEY_FILE} (a key file)")
+        return cipher.open_slots(found, user, where)[0]
+    if user is None:
+        return None
+    if not empty():
+        raise UsageError("a key was given for a store that holds unencrypted checkpoints: they would stay in the "
+                         "clear", ref=where, hint="open it without a key, or copy its checkpoints into a new "
+                                                  "encrypted store (agck export, then put)")
+    new = cipher.DataKey.new()
+    slots.save(cipher.wrap(new, user))
+    return new
+
+
+def add_key(slots: SlotFiles, current: cipher.DataKey | None, new, where: str) -> dict:
+    """Wrap the store's data key under one more user key; the new slot."""
+    if current is None:
+        raise UsageError("the store is not encrypted: it has no data key to add a key for", ref=where)
+    slot = cipher.wrap(current, cipher.user_key(new, source="the new key"))
+    slots.save(slot)
+    return slot
+
+
+def remove_key(slots: SlotFiles, current: cipher.DataKey | None, slot_id: str, where: str) -> None:
+    """Remove one key slot; the last one is never removed (the data would be lost)."""
+    found = slots.load()
+    if current is None or not found:
+        raise UsageError("the store is not encrypted: it has no key slots", ref=where)
+    if slot_id not in {s["id"] for s in found}:
+        raise UsageError(f"no key slot {slot_id!r}", ref=where,
+                         hint=f"the store's slots: {', '.join(s['id'] for s in found)}")
+    if len(found) == 1:
+        raise UsageError(f"key slot {slot_id!r} is the store's last: without it nothing could be read", ref=where,
+                         hint="add another key first (store.add_key), then remove this one")
+    slots.remove(slot_id)

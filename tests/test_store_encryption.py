@@ -1,0 +1,233 @@
+"""Encryption at rest on the file store (agck/cipher.py, FORMAT.md section 18).
+
+A marker planted in a state is in no byte of the store; the same content in two
+stores of different keys has different chunk names; every byte of a stored chunk and
+of a checkpoint file flipped in turn is caught; a chunk swapped for another of the
+same store, and a checkpoint file copied to another step, do not open; keys are added,
+rotated and removed without rewriting data; a wrong or missing key is one clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import agck
+from agck import cipher
+from agck.cli import main as cli_main
+from agck.errors import (CorruptCheckpointError, DamagedChunkError, EncryptionKeyError, UnsupportedVersionError,
+                         UsageError)
+from agck.recovery import verify_store
+from agck.stores import open_store
+
+MARK = b"AGCK-PLANTED-MARKER-5e1d"
+KEY = "correct horse battery staple"
+
+
+def state(i: int = 0) -> dict:
+    g = torch.Generator().manual_seed(i)
+    return {"w": torch.randn(300_000, generator=g) * 0.02, "note": MARK.decode() * 50 + str(i),
+            "raw": np.frombuffer(MARK * 2000, np.uint8).copy(), "turns": [{"text": MARK.decode(), "i": i}] * 20,
+            "i": i}
+
+
+def same(a: dict, b: dict) -> bool:
+    return (torch.equal(a["w"], b["w"]) and a["note"] == b["note"] and np.array_equal(a["raw"], b["raw"])
+            and a["turns"] == b["turns"] and a["i"] == b["i"])
+
+
+def files(root) -> list[str]:
+    return sorted(os.path.join(r, f) for r, _, fs in os.walk(root) for f in fs)
+
+
+def chunk_files(root) -> list[str]:
+    return [p for p in files(os.path.join(root, ".objects")) if "quarantine" not in p
+            and os.path.basename(p) not in ("lock", "generation")]
+
+
+@pytest.mark.parametrize("compress", ["none", "zstd"])
+def test_a_planted_marker_is_in_no_byte_of_the_store_and_everything_reads_back(tmp_path, compress):
+    root = str(tmp_path / "s")
+    s = open_store(root, key=KEY, compress=compress)
+    for i in (1, 2, 3):
+        s.put("run", i, state(i), meta={"step": i})
+    for p in files(root):
+        with open(p, "rb") as f:
+            assert MARK not in f.read(), p
+    fresh = open_store(root, key=KEY)
+    for i in (1, 2, 3):
+        assert same(fresh.get("run", i).state, state(i))
+    assert [c.step for c in fresh.list("run")] == [1, 2, 3] and fresh.list("run")[0].meta == {"step": 1}
+    assert fresh.scrub().ok
+    verified = verify_store(fresh)
+    assert len(verified.ok) == 3 and not verified.rejected
+    assert agck.recover(fresh, "run").step == 3
+    fresh.delete("run", 1)
+    got = fresh.collect_garbage()
+    assert got.listings == 2 and not got.unreadable
+    assert same(open_store(root, key=KEY).get("run", 3).state, state(3))
+
+
+def test_the_same_content_has_other_names_under_another_key_and_one_within_a_store(tmp_path):
+    a, b, plain = str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "plain")
+    for root, key in ((a, KEY), (b, os.urandom(32)), (plain, None)):
+        s = open_store(root, key=key)
+        s.put("run", 1, state(1))
+    names = {root: {os.path.relpath(p, os.path.join(root, ".objects")) for p in chunk_files(root)}
+             for root in (a, b, plain)}
+    assert not names[a] & names[b] and not names[a] & names[plain] and not names[b] & names[plain]
+    s = open_store(a, key=KEY)
+    s.put("run", 2, state(1) | {"i": 2})
+    assert s.last_put.new_bytes < 64 << 10          # the weights found stored under their names
+
+
+def test_every_byte_of_a_chunk_and_of_a_checkpoint_file_flipped_in_turn_is_caught(tmp_path):
+    root = str(tmp_path / "s")
+    key = os.urandom(32)
+    s = open_store(root, key=key)
+    s.put("run", 1, {"text": MARK.decode() * 40, "i": 1})       # small: a few chunks of a few hundred bytes
+    s.put("run", 2, {"text": MARK.decode() * 40, "i": 2})
+    smallest = min(chunk_files(root), key=os.path.getsize)
+    good = open(smallest, "rb").read()
+    assert len(good) < 4096
+    judge = open_store(root, key=key)
+    for i in range(len(good)):
+        bad = bytearray(good)
+        bad[i] ^= 1 << (i % 8)
+        with open(smallest, "wb") as f:
+            f.write(bad)
+        report = judge.scrub(quarantine=False)
+        assert report.damaged or report.missing, i
+    with open(smallest, "wb") as f:
+        f.write(good)
+    listing = s.path("run", 2)
+    good = open(listing, "rb").read()
+    for i in range(len(good)):
+        bad = bytearray(good)
+        bad[i] ^= 1 << (i % 8)
+        with open(listing, "wb") as f:
+            f.write(bad)
+        # the version and algorithm bytes changed read as a newer format (FORMAT.md 18.5): refused, no verdict
+        with pytest.raises(UnsupportedVersionError if i in (4, 5) and bad[i] > good[i] else CorruptCheckpointError):
+            judge.get("run", 2)
+    assert agck.recover(judge, "run").step == 1      # walked back past it
+
+
+def test_a_swapped_chunk_and_a_replayed_checkpoint_file_do_not_open(tmp_path):
+    root = str(tmp_path / "s")
+    s = open_store(root, key=KEY)
+    s.put("run", 1, state(1))
+    s.put("run", 2, state(2))
+    chunks = chunk_files(root)
+    victim, other = chunks[0], chunks[1]
+    saved = open(victim, "rb").read()
+    shutil.copyfile(other, victim)           # a valid ciphertext of this store, at another name
+    report = open_store(root, key=KEY).scrub(quarantine=False)
+    assert len(report.damaged) == 1 and report.damaged[0].checkpoints
+    failed = 0
+    for step in (1, 2):
+        try:
+            open_store(root, key=KEY).get("run", step)
+        except DamagedChunkError:
+            failed += 1
+    assert failed
+    with open(victim, "wb") as f:
+        f.write(saved)
+    assert open_store(root, key=KEY).scrub().ok
+    shutil.copyfile(s.path("run", 1), s.path("run", 2))      # step 1's listing replayed as step 2
+    with pytest.raises(CorruptCheckpointError):
+        open_store(root, key=KEY).get("run", 2)
+
+
+def test_keys_are_added_rotated_and_removed_without_rewriting_data(tmp_path):
+    root = str(tmp_path / "s")
+    s = open_store(root, key=KEY)
+    s.put("run", 1, state(1))
+    before = {p: open(p, "rb").read() for p in files(os.path.join(root, ".objects")) + files(os.path.join(root, "run"))}
+    new = os.urandom(32)
+    slot = s.add_key(new)
+    assert [x["id"] for x in s.key_slots()] == sorted([slot["id"], s.key_slots()[0]["id"]]) or len(s.key_slots()) == 2
+    assert same(open_store(root, key=new).get("run", 1).state, state(1))
+    old_id = next(x["id"] for x in s.key_slots() if x["id"] != slot["id"])
+    s.remove_key(old_id)
+    with pytest.raises(EncryptionKeyError, match="opens none"):
+        open_store(root, key=KEY)
+    s2 = open_store(root, key=new)
+    assert same(s2.get("run", 1).state, state(1))
+    with pytest.raises(UsageError, match="last"):
+        s2.remove_key(slot["id"])
+    with pytest.raises(UsageError, match="no key slot"):
+        s2.remove_key("00000000")
+    after = {p: open(p, "rb").read() for p in before}
+    assert after == before                     # no data rewritten
+    for p in files(os.path.join(root, ".keys")):
+        text = open(p).read()
+        assert KEY not in text and new.hex() not in text
+        json.loads(text)
+
+
+def test_the_key_from_the_environment_and_a_key_file(tmp_path, monkeypatch):
+    root = str(tmp_path / "s")
+    raw = os.urandom(32)
+    key_file = tmp_path / "k"
+    key_file.write_text(raw.hex() + "\n")
+    monkeypatch.setenv("AGCK_KEY_FILE", str(key_file))
+    open_store(root).put("run", 1, state(1))
+    monkeypatch.delenv("AGCK_KEY_FILE")
+    with pytest.raises(EncryptionKeyError, match="no key was given"):
+        open_store(root)
+    assert same(open_store(root, key=raw).get("run", 1).state, state(1))
+    monkeypatch.setenv("AGCK_KEY", "not the key")
+    with pytest.raises(EncryptionKeyError, match=r"\$AGCK_KEY"):
+        open_store(root)
+    monkeypatch.setenv("AGCK_KEY_FILE", str(key_file))
+    monkeypatch.delenv("AGCK_KEY")
+    assert cli_main(["verify", root]) == 0       # the CLI takes the key the same way
+    assert same(open_store(root, key=lambda: raw).get("run", 1).state, state(1))   # a KMS-like callable
+
+
+def test_what_an_encrypted_store_refuses(tmp_path):
+    plain = str(tmp_path / "plain")
+    open_store(plain).put("run", 1, {"x": 1})
+    with pytest.raises(UsageError, match="unencrypted checkpoints"):
+        open_store(plain, key=KEY)
+    root = str(tmp_path / "s")
+    open_store(root, key=KEY)
+    for opts in ({"incremental": False}, {"full_every": 5}):
+        with pytest.raises(UsageError, match="every checkpoint as chunks"):
+            open_store(root, key=KEY, **opts)
+    j_store = open_store(root, key=KEY)
+    with pytest.raises(UsageError, match="in the clear"):
+        agck.Journal(j_store, "run").step("s", lambda: 1)
+    for bad in ("", b"short", 12):
+        with pytest.raises(UsageError):
+            open_store(str(tmp_path / "x"), key=bad)
+    assert not os.path.exists(tmp_path / "x" / ".keys")
+    with pytest.raises(UsageError, match="key"):
+        open_store(f"sqlite:///{tmp_path}/x.db", key=KEY)        # the file store only, for now
+
+
+def test_a_damaged_key_slot_or_every_slot_lost_is_said_plainly(tmp_path):
+    root = str(tmp_path / "s")
+    open_store(root, key=KEY).put("run", 1, {"x": 1})
+    [slot] = files(os.path.join(root, ".keys"))
+    text = open(slot).read()
+    with open(slot, "w") as f:
+        f.write(text.replace('"scrypt"', '"argon9"'))
+    with pytest.raises(CorruptCheckpointError, match="key slot"):
+        open_store(root, key=KEY)
+    os.unlink(slot)
+    # every slot gone: the store opens as unencrypted, its sealed files are no AGCK container
+    # to it (never read as data), and a collection deletes nothing it cannot read
+    s = open_store(root)
+    with pytest.raises(agck.AgckError):
+        s.get("run", 1)
+    found = agck.recover(s, "run")
+    assert found.checkpoint is None and "AGCE" in found.rejected[0].reason
+    assert s.collect_garbage().deleted_chunks == 0
