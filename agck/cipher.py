@@ -119,6 +119,7 @@ class DataKey:
         self._aead = derive(self._key, AEAD_CONTEXT)
         self._names = derive(self._key, NAME_CONTEXT)
         self.key_id = blake3.blake3(self._key, derive_key_context="agck 2026-12 key id v1").hexdigest()[:8]
+        self.slot_id: str | None = None      # the key slot this data key was opened from, if any
 
     @classmethod
     def new(cls) -> "DataKey":
@@ -334,8 +335,9 @@ def open_slots(slots: list[dict], user: UserKey, where: str) -> tuple[DataKey, d
     for slot in slots:
         key = unwrap(slot, user)
         if key is not None:
+            key.slot_id = slot["id"]
             return key, slot
-    raise EncryptionKeyError(f"the {user.kind} from {user.source} opens none of the store's {len(slots)} key "
+    raise EncryptionKeyError(f"the {'raw key' if user.kind == 'raw' else 'passphrase'} from {user.source} opens none of the store's {len(slots)} key "
                              f"slot(s) ({', '.join(s['id'] for s in slots)})", ref=where,
                              hint="pass a key that was added to this store (agck key list STORE shows its "
                                   "slots); without one its data cannot be read")

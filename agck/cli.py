@@ -595,6 +595,49 @@ def _converted(converted: dict) -> str:
     return " and ".join(w for w in what if w)
 
 
+def cmd_key(args) -> int:
+    """Key slots of an encrypted store (FORMAT.md 18.6): list, init, add, remove, rotate."""
+    from .stores import encryption, open_store
+    if args.action == "init":
+        if os.path.exists(args.store) and (not os.path.isdir(args.store) or os.listdir(args.store)):
+            raise _Exit(EXIT_USAGE, f"agck key init: {_redact(args.store)} is not an empty directory")
+        with open_store(args.store, key=encryption.new_key(args.new_key_file)) as store:
+            [slot] = store.key_slots()
+        _emit(args, {"store": store.url, "slot": _slot_row(slot)},
+              lambda: f"{store.url}: encrypted; key slot {slot['id']} ({slot['kind']}). Keep that key: without "
+                      "it (or another added later) nothing in the store can be read")
+        return EXIT_OK
+    with _open(args.store) as store:
+        if not hasattr(store, "key_slots"):
+            raise _Exit(EXIT_USAGE, f"agck key: {store.where} does not encrypt (the file store does)")
+        if args.action == "add":
+            slot = store.add_key(encryption.new_key(args.new_key_file))
+            _emit(args, _slot_row(slot), lambda: f"added key slot {slot['id']} ({slot['kind']})")
+        elif args.action in ("remove", "rotate"):
+            if args.action == "rotate":
+                slot = store.add_key(encryption.new_key(args.new_key_file))
+                gone = store.sealer.slot_id if store.sealer is not None else None
+                if gone is None:
+                    raise _Exit(EXIT_USAGE, "agck key rotate: the store is not encrypted")
+            else:
+                if not args.slot:
+                    raise _Exit(EXIT_USAGE, "agck key remove: name the slot (agck key list STORE shows them)")
+                gone, slot = args.slot, None
+            store.remove_key(gone)
+            _emit(args, {"removed": gone, "added": _slot_row(slot) if slot else None},
+                  lambda: (f"added key slot {slot['id']}; " if slot else "") + f"removed key slot {gone}")
+        else:
+            slots = store.key_slots()
+            _emit(args, [_slot_row(x) for x in slots],
+                  lambda: "\n".join(f"{x['id']}  {x['kind']:10}  created {_time(x['created'])}" for x in slots)
+                  or f"{store.url}: not encrypted (no key slots)")
+    return EXIT_OK
+
+
+def _slot_row(slot: dict) -> dict:
+    return {"id": slot["id"], "kind": slot["kind"], "created": slot["created"]}
+
+
 def cmd_db(args) -> int:
     from .stores import is_kv_dsn, postgres_store_class, split_agck_params
     PostgresStore = postgres_store_class()
@@ -757,6 +800,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="write at most this much tensor data (default: twice the checkpoint's size)")
     common(sp)
     sp.set_defaults(func=cmd_export)
+
+    sp = sub.add_parser("key", help="an encrypted store's keys: list, init, add, remove, rotate")
+    sp.add_argument("action", choices=["list", "init", "add", "remove", "rotate"],
+                    help="list the key slots; init: make an empty encrypted store; add a key; remove a slot; "
+                         "rotate: add a new key and remove the one used to open the store")
+    sp.add_argument("store", help="a store directory (the store's current key: $AGCK_KEY or $AGCK_KEY_FILE)")
+    sp.add_argument("slot", nargs="?", help="remove: the slot id (agck key list shows them)")
+    sp.add_argument("--new-key-file", metavar="PATH",
+                    help="init, add, rotate: the new key (64 hex digits, or a passphrase); else $AGCK_NEW_KEY, "
+                         "else typed at the terminal")
+    common(sp)
+    sp.set_defaults(func=cmd_key)
 
     sp = sub.add_parser("db", help="Postgres schema: init, migrate, status")
     sp.add_argument("action", choices=["init", "migrate", "status"],

@@ -59,7 +59,8 @@ FLOORS = [
     # the stores: what the backends share, the backends (a package each; the catalog over a
     # bucket makes postgres/ use s3/'s chunks), and open_store above them all
     (4.0, ["agck.stores.base", "agck.stores.compression", "agck.stores.content", "agck.stores.damage",
-           "agck.stores.logclaims", "agck.stores.sqlrows", "agck.stores.metajson", "agck.stores.dsn"]),
+           "agck.stores.encryption", "agck.stores.logclaims", "agck.stores.sqlrows", "agck.stores.metajson",
+           "agck.stores.dsn"]),
     (4.1, ["agck.stores.file", "agck.stores.sqlite", "agck.stores.s3"]),
     (4.2, ["agck.stores.postgres"]),
     (4.3, ["agck.stores="]),

@@ -231,3 +231,41 @@ def test_a_damaged_key_slot_or_every_slot_lost_is_said_plainly(tmp_path):
     found = agck.recover(s, "run")
     assert found.checkpoint is None and "AGCE" in found.rejected[0].reason
     assert s.collect_garbage().deleted_chunks == 0
+
+
+def test_the_key_command_inits_lists_adds_rotates_and_removes(tmp_path, monkeypatch, capsys):
+    root = str(tmp_path / "s")
+    k1, k2, k3 = tmp_path / "k1", tmp_path / "k2", tmp_path / "k3"
+    k1.write_text(os.urandom(32).hex())
+    k2.write_text("the second passphrase")
+    k3.write_text(os.urandom(32).hex())
+    assert cli_main(["key", "init", root, "--new-key-file", str(k1)]) == 0
+    monkeypatch.setenv("AGCK_KEY_FILE", str(k1))
+    open_store(root).put("run", 1, state(1))
+    assert cli_main(["key", "add", root, "--new-key-file", str(k2)]) == 0
+    capsys.readouterr()
+    assert cli_main(["key", "list", root, "--json"]) == 0
+    slots = json.loads(capsys.readouterr().out)
+    assert sorted(x["kind"] for x in slots) == ["passphrase", "raw"]
+    assert cli_main(["key", "rotate", root, "--new-key-file", str(k3)]) == 0     # k1's slot goes
+    with pytest.raises(EncryptionKeyError):
+        open_store(root)
+    monkeypatch.setenv("AGCK_KEY_FILE", str(k3))
+    assert same(open_store(root).get("run", 1).state, state(1))
+    passphrase = next(x["id"] for x in slots if x["kind"] == "passphrase")
+    assert cli_main(["key", "remove", root, passphrase]) == 0
+    assert len(open_store(root).key_slots()) == 1
+    assert cli_main(["key", "remove", root, open_store(root).key_slots()[0]["id"]]) != 0   # never the last
+    assert cli_main(["key", "init", root, "--new-key-file", str(k1)]) != 0              # not an empty directory
+
+
+def test_multi_rank_parts_are_sealed_with_the_store_s_data_key(tmp_path):
+    root = str(tmp_path / "s")
+    s = open_store(root, key=KEY)
+    parts = s.parts_store()
+    parts.put("run.e1.r0", 1, state(1))
+    for p in files(root):
+        with open(p, "rb") as f:
+            assert MARK not in f.read(), p
+    assert same(open_store(root, key=KEY).parts_store().get("run.e1.r0", 1).state, state(1))
+    assert not os.path.isdir(os.path.join(root, ".parts", ".keys"))     # one data key, the store's

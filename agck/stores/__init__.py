@@ -26,6 +26,7 @@ from .dsn import dsn_secrets, dsn_without_password, is_kv_dsn, redact_dsn, split
 __all__ = ["open_store", "Store", "PutEntry", "CheckpointInfo", "check_run", "check_step", "redact_dsn",
            "dsn_secrets", "dsn_without_password", "is_kv_dsn", "split_agck_params"]
 
+_KEY_ENV = ("AGCK_KEY", "AGCK_KEY_FILE")   # agck.stores.encryption's
 _URL_HINT = ("use a directory path, sqlite:///relative.db, sqlite:////abs/path.db, postgresql://... or "
              "s3://bucket/prefix")
 
@@ -64,6 +65,13 @@ def _construct(cls, url: str, options: dict) -> Store:
     was Python's TypeError about ``__init__``)."""
     params = list(inspect.signature(cls.__init__).parameters.values())[2:]     # after self and the URL
     takes = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if "key" not in takes and (options.get("key") is not None or any(os.environ.get(v) for v in _KEY_ENV)):
+        # a key that would be ignored is refused: the data would be written in the clear
+        raise UsageError(f"{cls.__name__} does not encrypt yet: a key was given "
+                         f"({'key=' if options.get('key') is not None else ' or '.join('$' + v for v in _KEY_ENV)})",
+                         hint="encryption at rest is on the file store (a directory) so far; unset the key for "
+                              "this store, or keep the checkpoints in a directory")
+    options = {k: v for k, v in options.items() if not (k == "key" and v is None and "key" not in takes)}
     unknown = sorted(set(options) - set(takes))
     if unknown:
         raise UsageError(f"{cls.__name__} takes no option {', '.join(map(repr, unknown))}",

@@ -66,7 +66,9 @@ def data_key(slots: SlotFiles, key, *, empty: Callable[[], bool], where: str) ->
                          "clear", ref=where, hint="open it without a key, or copy its checkpoints into a new "
                                                   "encrypted store (agck export, then put)")
     new = cipher.DataKey.new()
-    slots.save(cipher.wrap(new, user))
+    slot = cipher.wrap(new, user)
+    slots.save(slot)
+    new.slot_id = slot["id"]
     return new
 
 
@@ -77,6 +79,26 @@ def add_key(slots: SlotFiles, current: cipher.DataKey | None, new, where: str) -
     slot = cipher.wrap(current, cipher.user_key(new, source="the new key"))
     slots.save(slot)
     return slot
+
+
+ENV_NEW_KEY = "AGCK_NEW_KEY"
+
+
+def new_key(path: str | None) -> "cipher.UserKey":
+    """The key ``agck key add`` adds: a key file (``--new-key-file``), else ``$AGCK_NEW_KEY``
+    (a passphrase), else a passphrase typed twice at the terminal."""
+    if path:
+        return cipher.key_from_file(path)
+    if os.environ.get(ENV_NEW_KEY):
+        return cipher.user_key(os.environ[ENV_NEW_KEY], source=f"${ENV_NEW_KEY}")
+    import getpass
+    import sys
+    if not sys.stdin.isatty():
+        raise UsageError("no new key: give --new-key-file, or set $AGCK_NEW_KEY, or run at a terminal to type one")
+    first = getpass.getpass("new passphrase: ")
+    if first != getpass.getpass("again: "):
+        raise UsageError("the two passphrases differ; nothing was changed")
+    return cipher.user_key(first, source="the terminal")
 
 
 def remove_key(slots: SlotFiles, current: cipher.DataKey | None, slot_id: str, where: str) -> None:
