@@ -141,12 +141,18 @@ class DataKey:
             raise UsageError("a salt is 24 bytes")
         head = HEADER.pack(MAGIC, VERSION, ALG_AES256GCM, kind, 0, salt)
         key = blake3.blake3(salt, key=self._aead).digest()
-        return head + _aesgcm()(key).encrypt(_NONCE, bytes(_bytes(plaintext, "plaintext")), head + bytes(context))
+        view = _bytes(plaintext, "plaintext")
+        out = bytearray(HEADER_SIZE + view.nbytes + TAG_SIZE)     # sealed in place: no copy of the bytes
+        out[:HEADER_SIZE] = head
+        _aesgcm()(key).encrypt_into(_NONCE, view, head + bytes(context), memoryview(out)[HEADER_SIZE:])
+        return bytes(out) if view.nbytes < 4096 else out
 
-    def open(self, kind: int, context: bytes, stored, *, what: str = "an object") -> bytes:
+    def open(self, kind: int, context: bytes, stored, *, what: str = "an object", out=None):
         """The plaintext of a sealed object, its tag checked first (FORMAT.md 18.5). Damage, tampering, an
         object moved to another context or sealed under another key: CorruptCheckpointError
-        (a verdict on the object: the tag says only that it is not what was sealed here)."""
+        (a verdict on the object: the tag says only that it is not what was sealed here).
+        ``out``: a writable buffer of exactly the plaintext's size to open into (no copy);
+        the plaintext is returned in it."""
         view = _bytes(stored, "stored")
         if view.nbytes < OVERHEAD:
             raise CorruptCheckpointError(f"{what} of {view.nbytes} bytes is shorter than a sealed object's "
@@ -165,8 +171,12 @@ class DataKey:
                                          section="sealed")
         key = blake3.blake3(salt, key=self._aead).digest()
         head = bytes(view[:HEADER_SIZE])
+        n = view.nbytes - OVERHEAD
+        if out is None or memoryview(out).nbytes != n:
+            out = bytearray(n)
         try:
-            return _aesgcm()(key).decrypt(_NONCE, bytes(view[HEADER_SIZE:]), head + bytes(context))
+            _aesgcm()(key).decrypt_into(_NONCE, view[HEADER_SIZE:], head + bytes(context), out)
+            return out
         except Exception as e:   # cryptography's InvalidTag: the one answer for every kind of mismatch
             if type(e).__name__ != "InvalidTag":
                 raise

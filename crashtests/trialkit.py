@@ -69,6 +69,7 @@ class Config:
     ranks: int = 2                      # processes per job in the ``dist`` trials
     profile: str = "small"              # the workload's state size (crashtests.workload.PROFILES)
     compress: str | None = None         # every store's compress option (AGCK_COMPRESS); None: their default
+    encrypt: bool = False               # every store encrypted, under a random key (AGCK_KEY_FILE; file store)
 
     def n(self, store: str, fault: str) -> int:
         return self.counts.get((store, fault), self.counts.get(fault, self.trials))
@@ -94,9 +95,17 @@ class TrialKit:
             os.environ[compression.ENV] = cfg.compress
         self.rng = random.Random(cfg.seed)
         self.trials: list[Trial] = []
+        self.work = tempfile.mkdtemp(prefix="agck-crash-")
+        os.environ.pop("AGCK_KEY", None)
+        if cfg.encrypt:      # a raw key in a file: every store the campaign and its processes open uses it
+            path = os.path.join(self.work, "key")
+            with open(path, "w") as f:
+                f.write(os.urandom(32).hex())
+            os.environ["AGCK_KEY_FILE"] = path
+        else:
+            os.environ.pop("AGCK_KEY_FILE", None)
         self.notes: list[str] = []
         self.cluster: pgcluster.PgCluster | None = None
-        self.work = tempfile.mkdtemp(prefix="agck-crash-")
         self.urls: dict[str, str] = {}        # store -> URL the subprocess trials use
         self.ref: dict = {}
         self.est: dict[str, float] = {}       # store -> estimated workload duration (s)
