@@ -118,7 +118,8 @@ class DataKey:
         self._key = bytes(data_key)
         self._aead = derive(self._key, AEAD_CONTEXT)
         self._names = derive(self._key, NAME_CONTEXT)
-        self.key_id = blake3.blake3(self._key, derive_key_context="agck 2026-12 key id v1").hexdigest()[:8]
+        # names the data key in its slots and in messages (64 bits of a one-way derivation: says nothing of it)
+        self.key_id = blake3.blake3(self._key, derive_key_context="agck 2026-12 key id v1").hexdigest()[:16]
         self.slot_id: str | None = None      # the key slot this data key was opened from, if any
 
     @classmethod
@@ -266,7 +267,7 @@ def _kek(user: UserKey, kdf: dict) -> bytes:
 
 
 def _slot_aad(slot: dict) -> bytes:
-    return json.dumps({k: slot[k] for k in ("agck_key_slot", "id", "kind", "kdf", "created")},
+    return json.dumps({k: slot[k] for k in ("agck_key_slot", "id", "kind", "kdf", "created", "data_key")},
                       sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -280,7 +281,7 @@ def wrap(data_key: DataKey, user: UserKey, *, slot_id: str | None = None, create
     else:
         kdf = {"name": "blake3"}
     slot = {"agck_key_slot": 1, "id": slot_id or os.urandom(4).hex(), "kind": user.kind, "kdf": kdf,
-            "created": round(time.time() if created is None else created, 3)}
+            "created": round(time.time() if created is None else created, 3), "data_key": data_key.key_id}
     nonce = nonce or os.urandom(12)
     wrapped = _aesgcm()(_kek(user, kdf)).encrypt(nonce, data_key.raw(), _slot_aad(slot))
     slot["nonce"] = nonce.hex()
@@ -302,6 +303,8 @@ def check_slot(slot) -> dict:
         raise bad("no id")
     if slot.get("kind") not in ("passphrase", "raw") or not isinstance(slot.get("created"), numbers.Real):
         raise bad("no kind or creation time")
+    if not isinstance(slot.get("data_key"), str) or len(slot["data_key"]) != 16:
+        raise bad("no data key id")
     kdf = slot.get("kdf")
     if not isinstance(kdf, dict) or kdf.get("name") not in ("scrypt", "blake3") or \
             (kdf["name"] == "scrypt") != (slot["kind"] == "passphrase"):
@@ -336,12 +339,24 @@ def unwrap(slot: dict, user: UserKey) -> DataKey | None:
         if type(e).__name__ != "InvalidTag":
             raise
         return None
-    return DataKey(raw)
+    key = DataKey(raw)
+    if key.key_id != slot["data_key"]:     # cannot be, the id being in the associated data: a forged slot
+        raise CorruptCheckpointError(f"key slot {slot['id']} wraps a data key other than the one it names",
+                                     section="key slot")
+    return key
 
 
 def open_slots(slots: list[dict], user: UserKey, where: str) -> tuple[DataKey, dict]:
     """The data key the first of ``slots`` that ``user`` opens wraps, and that slot;
-    EncryptionKeyError naming the key tried when none does."""
+    EncryptionKeyError naming the key tried when none does. Slots that name different
+    data keys (a store made twice at once, directories merged) are refused: data written
+    under one would not open under the other."""
+    ids = sorted({check_slot(s)["data_key"] for s in slots})
+    if len(ids) > 1:
+        raise EncryptionKeyError(f"the store's key slots wrap {len(ids)} different data keys ({', '.join(ids)}): "
+                                 "its data cannot all be read with one", ref=where,
+                                 hint="keep the slots of one data key (the one its checkpoints open with); "
+                                      "slots are in the store's .keys directory")
     for slot in slots:
         key = unwrap(slot, user)
         if key is not None:

@@ -106,13 +106,23 @@ def trials(c: TrialKit) -> None:
     sims = os.path.join(c.work, "pl-sim")
     images = os.path.join(c.work, "pl-images")
     os.makedirs(images, exist_ok=True)
+    # an encrypted campaign: one store, one data key. Its key slots are made once (a real store
+    # makes them once) and put, already durable, in every simulated disk and in the images,
+    # which merge every trial's post-crash tree into one store
+    FileStore(images).close()
+
+    def simfs(root: str, **kw) -> SimFS:
+        keys = os.path.join(images, ".keys")
+        if os.path.isdir(keys):
+            shutil.copytree(keys, os.path.join(root, ".keys"))
+        return SimFS(root, **kw)
     for fault, run, check in kinds:
         n = cfg.n("file", fault)
         if not c.time_left():
             c.skip_rest("file", fault, n)
             continue
         # a dry run counts the operations a whole plan makes; trial i crashes at about i/n of them
-        dry = SimFS(os.path.join(sims, f"dry-{fault}"))
+        dry = simfs(os.path.join(sims, f"dry-{fault}"))
         run(c, dry, FileStore(dry.root, fs=dry), "dry", steps, trees, [])
         total = dry.ops
         shutil.rmtree(dry.root)
@@ -124,7 +134,7 @@ def trials(c: TrialKit) -> None:
                 break
             t = c.new_trial("file", fault, "pl" if fault == "powerloss" else "dpl", images)
             crash_at = min(total, 1 + (i * total) // max(1, n) + c.rng.randrange(stride))
-            sim = SimFS(os.path.join(sims, str(t.id)), crash_at=crash_at)
+            sim = simfs(os.path.join(sims, str(t.id)), crash_at=crash_at)
             try:
                 run(c, sim, FileStore(sim.root, fs=sim), t.run, steps, trees, t.acked)
             except Crash:

@@ -269,3 +269,30 @@ def test_multi_rank_parts_are_sealed_with_the_store_s_data_key(tmp_path):
             assert MARK not in f.read(), p
     assert same(open_store(root, key=KEY).parts_store().get("run.e1.r0", 1).state, state(1))
     assert not os.path.isdir(os.path.join(root, ".parts", ".keys"))     # one data key, the store's
+
+
+def test_processes_making_one_encrypted_store_at_once_end_with_one_data_key(tmp_path):
+    """Rule 18.6: the first slot has a fixed id and is written only if absent, so the ranks
+    of a job opening a new store together agree on its data key."""
+    import subprocess
+    import sys
+    root = str(tmp_path / "s")
+    script = ("import sys, agck\n"
+              "s = agck.open_store(sys.argv[1], key=sys.argv[2])\n"
+              "s.put('r' + sys.argv[3], 1, {'rank': int(sys.argv[3]), 'note': 'x' * 5000})\n")
+    procs = [subprocess.Popen([sys.executable, "-c", script, root, KEY, str(r)]) for r in range(4)]
+    assert [p.wait(timeout=120) for p in procs] == [0] * 4
+    slots = open_store(root, key=KEY).key_slots()
+    assert [x["id"] for x in slots] == ["00000000"]
+    fresh = open_store(root, key=KEY)
+    assert [fresh.get(f"r{r}", 1).state["rank"] for r in range(4)] == [0, 1, 2, 3]
+
+
+def test_slots_of_two_data_keys_are_refused(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    open_store(a, key=KEY).put("run", 1, {"x": 1})
+    open_store(b, key=KEY)
+    other = os.path.join(b, ".keys", "00000000.json")
+    shutil.copyfile(other, os.path.join(a, ".keys", "0000abcd.json"))     # directories merged
+    with pytest.raises(EncryptionKeyError, match="2 different data keys"):
+        open_store(a, key=KEY)

@@ -19,9 +19,10 @@ import os
 from typing import Callable, Protocol
 
 from .. import cipher
-from ..errors import EncryptionKeyError, UsageError
+from ..errors import CheckpointExistsError, EncryptionKeyError, UsageError
 
 ENV_KEY = "AGCK_KEY"
+FIRST_SLOT = "00000000"     # the id of the slot that makes a store encrypted
 ENV_KEY_FILE = "AGCK_KEY_FILE"
 
 
@@ -65,9 +66,14 @@ def data_key(slots: SlotFiles, key, *, empty: Callable[[], bool], where: str) ->
         raise UsageError("a key was given for a store that holds unencrypted checkpoints: they would stay in the "
                          "clear", ref=where, hint="open it without a key, or copy its checkpoints into a new "
                                                   "encrypted store (agck export, then put)")
+    # the first slot has a fixed id and is written only if absent: two processes making the
+    # store at once (the ranks of a job) end with one data key, the first one's
     new = cipher.DataKey.new()
-    slot = cipher.wrap(new, user)
-    slots.save(slot)
+    slot = cipher.wrap(new, user, slot_id=FIRST_SLOT)
+    try:
+        slots.save(slot)
+    except CheckpointExistsError:
+        return cipher.open_slots(slots.load(), user, where)[0]
     new.slot_id = slot["id"]
     return new
 
