@@ -296,3 +296,34 @@ def test_slots_of_two_data_keys_are_refused(tmp_path):
     shutil.copyfile(other, os.path.join(a, ".keys", "0000abcd.json"))     # directories merged
     with pytest.raises(EncryptionKeyError, match="2 different data keys"):
         open_store(a, key=KEY)
+
+
+def test_the_langgraph_saver_on_an_encrypted_store_leaks_nothing(tmp_path):
+    pytest.importorskip("langgraph")
+    from typing import Annotated, TypedDict
+
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langgraph.graph import END, START, StateGraph
+    from langgraph.graph.message import add_messages
+
+    from agck.integrations.langgraph import AgckSaver
+
+    root = str(tmp_path / "s")
+    State = TypedDict("State", {"messages": Annotated[list, add_messages], "turn": int})
+
+    def chat(s):
+        return {"messages": [HumanMessage(content=MARK.decode() + " asks"), AIMessage(content="an answer " * 40)],
+                "turn": s["turn"] + 1}
+
+    b = StateGraph(State)
+    b.add_node("chat", chat)
+    b.add_edge(START, "chat")
+    b.add_conditional_edges("chat", lambda s: "chat" if s["turn"] < 5 else END)
+    out = b.compile(checkpointer=AgckSaver(open_store(root, key=KEY))).invoke(
+        {"messages": [], "turn": 0}, {"configurable": {"thread_id": "t"}})
+    assert out["turn"] == 5
+    for p in files(root):
+        with open(p, "rb") as f:
+            assert MARK not in f.read(), p
+    again = b.compile(checkpointer=AgckSaver(open_store(root, key=KEY)))
+    assert len(again.get_state({"configurable": {"thread_id": "t"}}).values["messages"]) == 10
