@@ -293,6 +293,8 @@ def _cli_cases(store: str, run: str, word: str) -> dict:
         "export": [["export", store, word, "--run", run], ["export", word, word]],
         "db": [["db", "status", store], ["db", word, store], ["db", "init", f"postgresql://u:{SECRET}@127.0.0.1:1/x"
                                                                "?connect_timeout=1"]],
+        "key": [["key", "list", store], ["key", word, store], ["key", "remove", store, word],
+                ["key", "add", store, "--new-key-file", word], ["key", "init", word]],
     }
 
 
