@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import blake3
+import numpy as np
 
 from .errors import AgckError, CorruptCheckpointError, EncryptionKeyError, UnsupportedVersionError, UsageError
 
@@ -64,6 +65,8 @@ TAG_SIZE = 16
 OVERHEAD = HEADER_SIZE + TAG_SIZE  # 48 bytes per sealed object
 KEY_SIZE = 32
 _NONCE = bytes(12)                 # every object has a key of its own (its salt): the nonce may be fixed
+_PAGE = 4096                       # not a threshold: the alignment O_DIRECT writes want
+_ALIGNED_MIN = 64 << 10            # not a threshold: smaller sealed objects are plain bytes (no direct write)
 
 
 class Kind:
@@ -143,10 +146,18 @@ class DataKey:
         head = HEADER.pack(MAGIC, VERSION, ALG_AES256GCM, kind, 0, salt)
         key = blake3.blake3(salt, key=self._aead).digest()
         view = _bytes(plaintext, "plaintext")
-        out = bytearray(HEADER_SIZE + view.nbytes + TAG_SIZE)     # sealed in place: no copy of the bytes
+        total = HEADER_SIZE + view.nbytes + TAG_SIZE
+        if total < _ALIGNED_MIN:
+            out = memoryview(bytearray(total))
+        else:
+            # sealed in place, into page-aligned memory: a store's O_DIRECT write then takes it
+            # straight from there, with no bounce copy (agck.durable)
+            raw = np.empty(total + _PAGE, np.uint8)
+            start = -raw.ctypes.data % _PAGE
+            out = memoryview(raw[start:start + total])
         out[:HEADER_SIZE] = head
-        _aesgcm()(key).encrypt_into(_NONCE, view, head + bytes(context), memoryview(out)[HEADER_SIZE:])
-        return bytes(out) if view.nbytes < 4096 else out
+        _aesgcm()(key).encrypt_into(_NONCE, view, head + bytes(context), out[HEADER_SIZE:])
+        return bytes(out) if total < _ALIGNED_MIN else out
 
     def open(self, kind: int, context: bytes, stored, *, what: str = "an object", out=None):
         """The plaintext of a sealed object, its tag checked first (FORMAT.md 18.5). Damage, tampering, an
