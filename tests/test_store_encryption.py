@@ -47,7 +47,8 @@ def files(root) -> list[str]:
 
 
 def chunk_files(root) -> list[str]:
-    return [p for p in files(os.path.join(root, ".objects")) if "quarantine" not in p
+    objects = os.path.join(root, ".objects")
+    return [p for p in files(objects) if not os.path.relpath(p, objects).startswith("quarantine")
             and os.path.basename(p) not in ("lock", "generation")]
 
 
@@ -327,3 +328,30 @@ def test_the_langgraph_saver_on_an_encrypted_store_leaks_nothing(tmp_path):
             assert MARK not in f.read(), p
     again = b.compile(checkpointer=AgckSaver(open_store(root, key=KEY)))
     assert len(again.get_state({"configurable": {"thread_id": "t"}}).values["messages"]) == 10
+
+
+def test_a_quarantined_chunk_keeps_its_keyed_name_and_is_kept_until_healed(tmp_path):
+    """No file name in an encrypted store is a chunk's address, the quarantine's included;
+    a collection keeps a quarantined chunk while a checkpoint lists it unhealed."""
+    from agck import chunking
+    root = str(tmp_path / "s")
+    s = open_store(root, key=KEY)
+    st = state(1)
+    s.put("run", 1, st)
+    victim = max(chunk_files(root), key=os.path.getsize)
+    with open(victim, "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff" * 8)
+    with pytest.raises(DamagedChunkError) as e:
+        open_store(root, key=KEY).get("run", 1)
+    [address] = e.value.damaged
+    [q] = open_store(root, key=KEY).quarantined()
+    assert address.hex() not in q.ref and q.address == os.path.basename(os.path.dirname(victim)) + \
+        os.path.basename(victim)
+    assert chunking.address(b"x").hex() not in "".join(files(root))
+    assert open_store(root, key=KEY).collect_garbage().deleted_chunks == 0       # listed, unhealed: kept
+    assert open_store(root, key=KEY).quarantined()
+    open_store(root, key=KEY).put("run", 2, st)                                  # heals it
+    assert same(open_store(root, key=KEY).get("run", 1).state, st)
+    open_store(root, key=KEY).collect_garbage()
+    assert open_store(root, key=KEY).quarantined() == []

@@ -83,10 +83,17 @@ class ObjectDir:
                 self._pool = ThreadPoolExecutor(WRITERS, thread_name_prefix="agck-chunks")
             return self._pool
 
+    def stored_name(self, address: bytes) -> bytes:
+        """What the chunk at ``address`` is stored under: its address, or in an encrypted
+        store its keyed name (FORMAT.md 18.3), so no file name tells what content is there."""
+        return address if self.sealer is None else self.sealer.name(address)
+
     def path(self, address: bytes) -> str:
-        """The file of the chunk at ``address``: named by the address, or in an encrypted
-        store by its keyed name (FORMAT.md 18.3)."""
-        h = (address if self.sealer is None else self.sealer.name(address)).hex()
+        """The file of the chunk at ``address``."""
+        return self._path_of(self.stored_name(address))
+
+    def _path_of(self, name: bytes) -> str:
+        h = name.hex()
         return os.path.join(self.dir, h[:2], h[2:])
 
     def _open(self, data, path: str, address: bytes | None = None, out=None):
@@ -291,7 +298,7 @@ class ObjectDir:
 
     def _quarantine_path(self, address: bytes, why: str) -> str:
         code = "missing" if why == "missing" else "size" if why.startswith("holds") else "hash"
-        return os.path.join(self.quarantine_dir(), f"{address.hex()}.{time.time_ns()}.{code}")
+        return os.path.join(self.quarantine_dir(), f"{self.stored_name(address).hex()}.{time.time_ns()}.{code}")
 
     def set_aside(self, address: bytes, why: str, *, keep_name: bool) -> str | None:
         """Keep the damaged bytes under ``address``'s name in ``quarantine/``: moved
@@ -428,8 +435,8 @@ class ObjectDir:
             nbytes += size
             touched.add(os.path.dirname(path))
         for q in self.quarantined():    # kept until healed or listed by no checkpoint
-            address = bytes.fromhex(q.address)
-            if address not in live or os.path.exists(self.path(address)):
+            stored_as = bytes.fromhex(q.address)      # its stored name (an address unless encrypted)
+            if stored_as not in names or os.path.exists(self._path_of(stored_as)):
                 try:
                     self.fs.unlink(q.ref)
                 except FileNotFoundError:
