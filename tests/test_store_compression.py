@@ -414,3 +414,51 @@ def test_the_agck_before_compression_refuses_a_compressed_checkpoint_and_reads_a
         assert lines[1].startswith("RAW OK") and str(old) in lines[1] and lines[1].endswith(" 0"), lines
     finally:
         subprocess.run(["git", "-C", root, "worktree", "remove", "--force", str(old)], capture_output=True)
+
+
+# --- the two sizes compression adds, crossed on every backend -------------------------------
+
+def _text_of(nbytes: int) -> dict:
+    """A state whose container is about ``nbytes`` (text: it compresses)."""
+    words = ("checkpoint chunk frame store journal value " * (nbytes // 40 + 1))[:max(0, nbytes - 200)]
+    return {"t": words}
+
+
+@pytest.mark.parametrize("side", ["below", "above"])
+def test_min_chunked_compressed_is_crossed_on_every_store(spec, side):
+    """thresholds.MIN_CHUNKED_COMPRESSED (4 KiB): a compressing store writes a container
+    just below it standalone and one just above it as chunks; both read back bit-exact
+    through a fresh store object."""
+    from agck import thresholds
+    target = thresholds.MIN_CHUNKED_COMPRESSED + (-256 if side == "below" else 256)
+    st = _text_of(target)
+    size = agck.checkpoint.encode(st).total_len
+    assert (size < thresholds.MIN_CHUNKED_COMPRESSED) == (side == "below"), size
+    s = open_spec(spec, compress="zstd")
+    assert s.min_chunked == thresholds.MIN_CHUNKED_COMPRESSED
+    s.put("run", 1, st)
+    assert (s.last_put is None) == (side == "below")       # standalone: no chunks written
+    assert open_spec(spec).get("run", 1).state == st
+    assert open_spec(spec, compress="none").min_chunked == thresholds.MIN_CHUNKED
+
+
+@pytest.mark.parametrize("kind", ["file", "sqlite", "postgres"])
+def test_journal_compress_min_is_crossed(request, tmp_path, kind):
+    """journalrec.COMPRESS_MIN (512 bytes of value tree): a journal on a compressing store
+    keeps a value just below it as "t", one just above as "z"; a fresh journal replays both."""
+    from agck import journalrec as jr
+    spec = make_spec(kind, request, tmp_path)
+    values = {}
+    for side, n in (("below", jr.COMPRESS_MIN - 8), ("above", jr.COMPRESS_MIN + 8)):
+        text = ("abc " * n)[:n - 3]          # a str packs with a 3-byte header: a tree of n bytes
+        assert len(agck.codec.plain_packed(text)) == n
+        values[side] = text
+    j = agck.Journal(open_spec(spec, compress="zstd"), "run")
+    for side, text in values.items():
+        assert j.step(side, lambda t=text: t) == text
+    j.close()
+    data, _ = open_spec(spec).log_read("run")
+    assert {e.name: e.enc for _, e in jr.scan(data).entries} == {"below": "t", "above": "z"}
+    again = agck.Journal(open_spec(spec), "run")
+    assert {side: again.step(side, lambda: 1 / 0) for side in values} == values
+    again.close()
