@@ -49,7 +49,6 @@ import os
 import struct
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import blake3
 import numpy as np
@@ -378,5 +377,3 @@ def open_slots(slots: list[dict], user: UserKey, where: str) -> tuple[DataKey, d
                              hint="pass a key that was added to this store (agck key list STORE shows its "
                                   "slots); without one its data cannot be read")
 
-
-KeySource = Callable[[], object]
