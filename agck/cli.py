@@ -599,7 +599,8 @@ def cmd_key(args) -> int:
     """Key slots of an encrypted store (FORMAT.md 18.6): list, init, add, remove, rotate."""
     from .stores import encryption, open_store
     if args.action == "init":
-        if os.path.exists(args.store) and (not os.path.isdir(args.store) or os.listdir(args.store)):
+        if "://" not in args.store and os.path.exists(args.store) and (not os.path.isdir(args.store)
+                                                                      or os.listdir(args.store)):
             raise _Exit(EXIT_USAGE, f"agck key init: {_redact(args.store)} is not an empty directory")
         with open_store(args.store, key=encryption.new_key(args.new_key_file)) as store:
             [slot] = store.key_slots()
@@ -609,7 +610,8 @@ def cmd_key(args) -> int:
         return EXIT_OK
     with _open(args.store) as store:
         if not hasattr(store, "key_slots"):
-            raise _Exit(EXIT_USAGE, f"agck key: {store.where} does not encrypt (the file store does)")
+            raise _Exit(EXIT_USAGE, f"agck key: {store.where} does not encrypt (the file, SQLite and Postgres "
+                                    "stores do)")
         if args.action == "add":
             slot = store.add_key(encryption.new_key(args.new_key_file))
             _emit(args, _slot_row(slot), lambda: f"added key slot {slot['id']} ({slot['kind']})")

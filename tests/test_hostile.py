@@ -175,6 +175,8 @@ def _store_calls(s: Store, run, step, value, extra) -> list:
         ("log_append", lambda: s.log_append(run, value, sync=True)), ("log_read", lambda: s.log_read(run, extra)),
         ("log_runs", lambda: s.log_runs()), ("log_ref", lambda: s.log_ref(run)),
         ("log_claims", lambda: s.log_claims(run)), ("parts_store", lambda: s.parts_store(create=False)),
+        ("key_slots", lambda: s.key_slots()), ("add_key", lambda: s.add_key(value)),
+        ("remove_key", lambda: s.remove_key(value)),
     ]
 
 

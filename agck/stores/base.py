@@ -22,12 +22,12 @@ from typing import Any, Collection, Iterable, Sequence
 
 from typing import ClassVar, Protocol
 
-from .. import checkpoint, format, thresholds
+from .. import checkpoint, cipher, format, thresholds
 from ..args import check_addresses, check_callable
 from ..checkpoint import Checkpoint
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StaleEpochError, UsageError
 from ..names import MAX_STEP, check_run, check_step
-from . import compression
+from . import compression, encryption
 from .content import WriteCache, WriteCaches, cannot_confirm
 from .damage import DEFAULT_VERIFY_REUSED, QuarantinedChunk, ScrubReport, check_verify_reused
 
@@ -109,6 +109,9 @@ class Store(ABC):
         self._parts: Store | None = None
         self._turns = itertools.count()   # the sample of reused chunks each put re-reads (damage.reread)
         self.compression = compression.ChunkEncoding("none", local=True)   # a store's __init__ sets its own
+        self.sealer: cipher.DataKey | None = None     # an encrypted store's data key (_set_encryption)
+        self._slots: encryption.SlotFiles | None = None
+        self._sealed: encryption.SealedObjects | None = None     # the object table's edge, where rows hold chunks
 
     @property
     def where(self) -> str:
@@ -157,6 +160,63 @@ class Store(ABC):
         self.full_every = None if full_every is None else int(full_every)
         self._min_chunked = None if min_chunked is None else int(min_chunked)
         self.verify_reused = check_verify_reused(verify_reused)
+
+    def _set_encryption(self, slots: "encryption.SlotFiles", given, *, empty, where: str) -> None:
+        """Open the store's data key from ``slots`` with the ``given`` user key
+        (:func:`encryption.data_key`); an encrypted store writes every checkpoint as a
+        sealed listing and sealed chunks: nothing, of any size, in the clear."""
+        self._slots = slots
+        self.sealer = encryption.data_key(slots, given, empty=empty, where=where)
+        if self.sealer is not None:
+            self._sealed = encryption.SealedObjects(self.sealer)
+            if not self.incremental or self.full_every is not None:
+                raise UsageError("an encrypted store writes every checkpoint as chunks: incremental=False and "
+                                 "full_every are not available", ref=where)
+            self._min_chunked = 0
+
+    def _refuse_sealed_log(self, ref: str) -> None:
+        if self.sealer is not None:
+            raise UsageError("journals and AppendLogs are not kept in an encrypted store yet: their records would "
+                             "be written in the clear", ref=ref,
+                             hint="keep the journal in a store without a key, or the items in a plain list")
+
+    def _seal_listing(self, run: str, step: int, listing: bytes) -> bytes:
+        """A listing as an encrypted store keeps it: sealed to its run and step (FORMAT.md 18.4)."""
+        if self.sealer is None:
+            return listing
+        return bytes(self.sealer.seal(cipher.Kind.CONTAINER, cipher.container_context(run, step), listing))
+
+    def _opened_listing(self, run: str, step: int, buf, ref: str):
+        """A stored container as it was before sealing (in an encrypted store); one that
+        does not open is a verdict on that checkpoint (CorruptCheckpointError)."""
+        if self.sealer is None:
+            return buf
+        try:
+            return self.sealer.open(cipher.Kind.CONTAINER, cipher.container_context(run, step), buf,
+                                    what="the checkpoint's sealed container")
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(e.reason, ref=ref, section="sealed") from None
+
+    def _opened_object(self, name: bytes, data):
+        """A stored object as scrub judges it: opened, in an encrypted store that keeps
+        chunks in rows (one that does not open stays sealed and matches nothing)."""
+        if self._sealed is None:
+            return data
+        name = bytes(name)
+        return self._sealed.opened({name: data}, {name: name}, quiet=True).get(name, data)
+
+    def key_slots(self) -> list[dict]:
+        """The store's key slots (FORMAT.md 18.6; nothing secret in them); [] when not encrypted."""
+        return self._slots.load() if self._slots is not None else []
+
+    def add_key(self, key) -> dict:
+        """Wrap the store's data key under one more user key (a passphrase, 32 raw bytes,
+        a callable): a new key slot, returned. No data is rewritten."""
+        return encryption.add_key(self._slots, self.sealer, key, self.where)
+
+    def remove_key(self, slot_id: str) -> None:
+        """Remove a key slot: its key opens the store no more. The last slot stays."""
+        encryption.remove_key(self._slots, self.sealer, slot_id, self.where)
 
     def _policy(self) -> dict:
         """The options that make another store of this backend write as this one does."""

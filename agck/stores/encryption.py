@@ -15,11 +15,15 @@ already holds checkpoints is refused: its data would stay in the clear.
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 from .. import cipher
-from ..errors import CheckpointExistsError, EncryptionKeyError, UsageError
+from ..errors import (CheckpointExistsError, CorruptCheckpointError, EncryptionKeyError, UnsupportedVersionError,
+                      UsageError)
+
+log = logging.getLogger("agck")
 
 ENV_KEY = "AGCK_KEY"
 FIRST_SLOT = "00000000"     # the id of the slot that makes a store encrypted
@@ -109,9 +113,11 @@ def new_key(path: str | None) -> "cipher.UserKey":
 
 def remove_key(slots: SlotFiles, current: cipher.DataKey | None, slot_id: str, where: str) -> None:
     """Remove one key slot; the last one is never removed (the data would be lost)."""
-    found = slots.load()
-    if current is None or not found:
+    found = slots.load() if slots is not None and current is not None else []
+    if not found:
         raise UsageError("the store is not encrypted: it has no key slots", ref=where)
+    if not isinstance(slot_id, str):
+        raise UsageError(f"a key slot id is a string of hex digits, not {type(slot_id).__name__}", ref=where)
     if slot_id not in {s["id"] for s in found}:
         raise UsageError(f"no key slot {slot_id!r}", ref=where,
                          hint=f"the store's slots: {', '.join(s['id'] for s in found)}")
@@ -119,3 +125,74 @@ def remove_key(slots: SlotFiles, current: cipher.DataKey | None, slot_id: str, w
         raise UsageError(f"key slot {slot_id!r} is the store's last: without it nothing could be read", ref=where,
                          hint="add another key first (store.add_key), then remove this one")
     slots.remove(slot_id)
+
+
+class SealedObjects:
+    """An encrypted store's object table as its rows hold it: each chunk under its keyed
+    name (FORMAT.md 18.3), sealed (18.2, 18.4), opened on the way out (18.5). The stores
+    that keep chunks in rows or objects (SQLite, Postgres) translate at their table's
+    edge, so everything above it sees addresses and the bytes the store encoded."""
+
+    def __init__(self, key: "cipher.DataKey"):
+        self.key = key
+
+    def names(self, addresses) -> dict[bytes, bytes]:
+        """name -> address, for ``addresses``."""
+        return {self.key.name(a): a for a in addresses}
+
+    def sealed(self, rows) -> Iterator[tuple[bytes, int, object]]:
+        """``rows`` (address, raw size, bytes to store), as the table keeps them: (name,
+        raw size, sealed bytes), one at a time (a put's new chunks are not held sealed at once)."""
+        for address, size, data in rows:
+            name = self.key.name(address)
+            yield name, size, self.key.seal(cipher.Kind.CHUNK, cipher.chunk_context(name), data)
+
+    def opened(self, found: dict, names: dict[bytes, bytes], *, quiet: bool = False) -> dict:
+        """``found`` (name -> stored bytes) keyed by address, each opened. One that does
+        not open stays sealed: 48 bytes longer than what was stored, it is judged damaged
+        by its address like any chunk of the wrong size, and quarantined by that address."""
+        out = {}
+        for name, data in found.items():
+            address = names.get(bytes(name))
+            if address is None:
+                continue
+            try:
+                out[address] = self.key.open(cipher.Kind.CHUNK, cipher.chunk_context(bytes(name)), data,
+                                             what="a chunk")
+            except (UnsupportedVersionError, CorruptCheckpointError) as e:
+                if not quiet:     # scrub reports it; a read says it here, then judges it damaged
+                    log.warning("chunk %s (stored as %s) %s", address.hex()[:16], bytes(name).hex()[:16], e.reason)
+                out[address] = data
+        return out
+
+    def sizes(self, stored: dict[bytes, int | None], names: dict[bytes, bytes]) -> dict[bytes, int | None]:
+        """Stored sizes by name -> the sizes sealed, by address (a sealed chunk is 48 bytes longer)."""
+        return {names[bytes(n)]: (None if k is None else k - cipher.OVERHEAD) for n, k in stored.items()
+                if bytes(n) in names}
+
+
+def check_seal_meta(seal_meta, given) -> bool:
+    """``seal_meta``: whether an encrypted store leaves its ``meta`` column empty, so that
+    ``meta`` is kept only inside the sealed listing (then not queryable: ``list()`` and
+    SQL see None; ``read().meta`` is exact). Without it the column holds meta's JSON in
+    the clear, as the store's run names, steps, sizes and times are."""
+    if not isinstance(seal_meta, bool):
+        raise UsageError(f"seal_meta must be True or False, not {seal_meta!r}")
+    return seal_meta
+
+
+def slot_json(slot: dict) -> str:
+    import json
+    return json.dumps(slot, sort_keys=True)
+
+
+def slot_from_json(text, where: str) -> dict:
+    """A key slot kept as JSON text (a row, an object), checked (FORMAT.md 18.6)."""
+    import json
+    try:
+        slot = json.loads(text)
+    except (TypeError, ValueError) as e:
+        from ..errors import StoreError
+        raise StoreError(f"cannot read a key slot: {e}", ref=where,
+                         hint="restore it from a backup; the other slots may still open the store") from None
+    return cipher.check_slot(slot)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
 
 import xxhash
 
-from .. import checkpoint, format, thresholds
+from .. import checkpoint, cipher, format, thresholds
 from ..errors import AgckError, CorruptCheckpointError, DamagedChunkError, StoreError
 from ..names import check_run, check_step
 from . import content
@@ -105,7 +105,7 @@ class PreparedPut:
     run: str
     step: int
     parent: int | None
-    meta_text: str
+    meta_text: str | None              # None: meta sealed in the listing only (seal_meta)
     w: format.ContainerWriter
     plan: content.Plan | None           # None: a standalone container
     listing: bytes | None               # the chunk listing, when chunked
@@ -161,13 +161,14 @@ def prepare_put(store: "Store", run: str, step: int, state: Any, *, meta: Any, p
     plan = listing = data = None
     if cache is not None:
         plan = content.plan_chunks(w, cache, expect_unchanged=expect_unchanged, ref=ref)
-        listing = content.listing(w, plan.chunks, run=run, step=step, parent=parent, meta=meta,
-                                  framed=store.compression.on)
+        listing = store._seal_listing(run, step, content.listing(w, plan.chunks, run=run, step=step, parent=parent,
+                                                                 meta=meta, framed=store.compression.on))
     elif w.total_len <= ASSEMBLED_MAX:
         data = b"".join(w.parts())     # sets w.footer
         if len(data) != w.total_len:
             raise AgckError(f"the container produced {len(data)} bytes, not its announced {w.total_len}", ref=ref)
-    return PreparedPut(run, step, parent, meta_json_text(meta), w, plan, listing, ref, overwrite, cache, data)
+    meta_text = None if getattr(store, "seal_meta", False) and store.sealer is not None else meta_json_text(meta)
+    return PreparedPut(run, step, parent, meta_text, w, plan, listing, ref, overwrite, cache, data)
 
 
 class TransactionalPuts:
@@ -267,7 +268,10 @@ def manifest_checksum(footer: bytes) -> str:
 
 
 def container_checksum(data) -> str:
-    """The manifest checksum of a whole container held in memory (a chunk listing)."""
+    """The manifest checksum of a whole container held in memory (a chunk listing); of
+    a sealed one (an encrypted store's, FORMAT.md 18.4), XXH3-64 of all its bytes."""
+    if bytes(memoryview(data)[:4]) == cipher.MAGIC:
+        return xxhash.xxh3_64_hexdigest(data)
     h = format.parse_header(data)
     return manifest_checksum(memoryview(data)[len(data) - h.footer_len:])
 
@@ -278,11 +282,15 @@ def batches(items: list, n: int) -> Iterator[list]:
         yield items[i:i + n]
 
 
-def check_checksum(buf, stored: Any, ref: str) -> None:
-    """Does the container assembled from the chunks belong to this manifest row?"""
-    h = format.parse_header(buf, ref=ref)
-    footer = memoryview(buf)[max(0, len(buf) - h.footer_len):]
-    got = manifest_checksum(footer)
+def check_checksum(buf, stored: Any, ref: str, *, sealed: bool = False) -> None:
+    """Does the container assembled from the chunks belong to this manifest row?
+    ``sealed``: the store is encrypted, so the row holds a sealed listing (whatever its
+    first bytes now say)."""
+    if sealed:
+        got = xxhash.xxh3_64_hexdigest(buf)
+    else:
+        h = format.parse_header(buf, ref=ref)
+        got = manifest_checksum(memoryview(buf)[max(0, len(buf) - h.footer_len):])
     if got != stored:
         raise CorruptCheckpointError(f"checksum mismatch (manifest says {stored}, the container's footer "
                                      f"hashes to {got})", ref=ref, section="chunks")

@@ -35,9 +35,7 @@ from ... import checkpoint, cipher, durable, format
 from ...args import check_addresses
 from ...checkpoint import Checkpoint
 from ...errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
-                      DamagedChunkError,
-                      DurabilityError, FormatError, StoreConnectionError, StoreError, UnsupportedVersionError,
-                      UsageError)
+                      DamagedChunkError, DurabilityError, FormatError, StoreConnectionError, StoreError)
 from ...names import MAX_STEP, is_run_name
 from .. import compression, content, damage, encryption
 from ..base import (CheckpointInfo, Store, check_identity,
@@ -111,17 +109,9 @@ class FileStore(Store):
             if not os.path.isdir(self.root):
                 raise StoreConnectionError("not a checkpoint directory: a file is in the way", ref=self.root,
                                            hint="pass a directory path")
-        self._slots = KeySlots(self.root, self.fs)
-        self.sealer = encryption.data_key(self._slots, given, where=self.root,
-                                          empty=lambda: not self.runs() and not os.path.isdir(self.objects.dir))
+        self._set_encryption(KeySlots(self.root, self.fs), given, where=self.root,
+                             empty=lambda: not self.runs() and not os.path.isdir(self.objects.dir))
         self.objects.sealer = self.sealer
-        if self.sealer is not None:
-            # every checkpoint a listing (a small container, sealed whole) and chunks (sealed
-            # each): no standalone container of any size is ever written in the clear
-            if not self.incremental or self.full_every is not None:
-                raise UsageError("an encrypted store writes every checkpoint as chunks: incremental=False and "
-                                 "full_every are not available", ref=self.root)
-            self._min_chunked = 0
 
     # -- journal logs (agck.journal; stores/file/log.py) ---------------------------
     def log_ref(self, run: str) -> str:
@@ -133,10 +123,7 @@ class FileStore(Store):
     def log_append(self, run: str, records: Sequence[bytes], *, sync: bool = True) -> tuple[int, int]:
         """Append journal records to the run's log (see :meth:`Store.log_append`)."""
         records = check_records(records)
-        if self.sealer is not None:
-            raise UsageError("journals and AppendLogs are not kept in an encrypted store yet: their records would "
-                             "be written in the clear", ref=self.log_ref(run),
-                             hint="keep the journal in a store without a key, or the items in a plain list")
+        self._refuse_sealed_log(self.log_ref(run))
         path = self.log_ref(run)
         if path in self._logs_durable:     # its directory made, its entry durable: append
             return self._logs.append(path, records, sync)
@@ -354,7 +341,7 @@ class FileStore(Store):
                     if self.sealer is None:
                         h, m = checkpoint.read_head(path)
                     else:
-                        h, m = checkpoint.parse_head(self._opened(path, r, s, checkpoint.read_file(path)), ref=path)
+                        h, m = checkpoint.parse_head(self._opened_listing(r, s, checkpoint.read_file(path), path), ref=path)
                     if format.is_chunked(h) and type(m.get("length")) is int:
                         info.size = m["length"]   # the checkpoint's size, not its listing's
                     info.created_at = h.created_at_ns / 1e9
@@ -380,7 +367,7 @@ class FileStore(Store):
             # error the walk back can judge, where a mapped page would kill the process (SIGBUS)
             buf = checkpoint.read_file(path, mmap=verify is False and self.sealer is None)
             try:
-                buf = self._opened(path, run, step, buf)
+                buf = self._opened_listing(run, step, buf, path)
                 ck = content.decode(buf, self.objects.get, verify=verify, map_location=map_location, ref=path,
                                     fetch_into=self.objects.read_into)
             except CorruptCheckpointError as e:
@@ -444,17 +431,6 @@ class FileStore(Store):
                                 name=None if self.sealer is None else self.sealer.name)
 
     # -- encryption (agck.cipher) ----------------------------------------------
-    def _opened(self, path: str, run: str, step: int, buf):
-        """A checkpoint file's bytes as they were before sealing (in an encrypted store):
-        one that does not open is a verdict on that checkpoint (CorruptCheckpointError)."""
-        if self.sealer is None:
-            return buf
-        try:
-            return self.sealer.open(cipher.Kind.CONTAINER, cipher.container_context(run, step), buf,
-                                    what="the checkpoint file")
-        except CorruptCheckpointError as e:
-            raise CorruptCheckpointError(e.reason, ref=path, section="sealed") from None
-
     def _stored_listing(self, run: str, step: int):
         """What a collector or scrub reads of a checkpoint file (:func:`_read_listing`), opened."""
         path = self.path(run, step)
@@ -466,20 +442,7 @@ class FileStore(Store):
             return None
         except OSError as e:
             raise StoreError(f"cannot read a checkpoint, so no chunk is collected: {e.strerror}", ref=path) from None
-        return self._opened(path, run, step, buf)
-
-    def key_slots(self) -> list[dict]:
-        """The store's key slots (FORMAT.md 18.6; nothing secret in them); [] when not encrypted."""
-        return self._slots.load()
-
-    def add_key(self, key) -> dict:
-        """Wrap the store's data key under one more user key (a passphrase, 32 raw bytes,
-        a callable): a new key slot, returned. No data is rewritten."""
-        return encryption.add_key(self._slots, self.sealer, key, self.root)
-
-    def remove_key(self, slot_id: str) -> None:
-        """Remove a key slot: its key opens the store no more. The last slot stays."""
-        encryption.remove_key(self._slots, self.sealer, slot_id, self.root)
+        return self._opened_listing(run, step, buf, path)
 
     # -- housekeeping ----------------------------------------------------------
     def orphans(self, run: str | None = None) -> list[str]:

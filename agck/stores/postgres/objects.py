@@ -58,7 +58,6 @@ from .. import content, damage
 from . import schema as pgschema
 from .copy import COPY_IO_SIZE, ObjectsIn, ObjectsOut
 from .schema import XACT_LOCK
-from ..sqlrows import check_checksum
 
 # How often collect_garbage (or a quarantine) starts over when writers got in its way.
 GC_RETRIES = 5
@@ -132,18 +131,25 @@ class SharedObjects:
                 self._known_objects.update(plan.distinct)
 
     def _present(self, cur, addresses: list[bytes]) -> set[bytes]:
-        cur.execute(f"SELECT address FROM {self.names.objects} WHERE address = ANY(%s::bytea[])", (addresses,))
-        return {bytes(a) for (a,) in cur.fetchall()}
+        names = self._sealed.names(addresses) if self._sealed is not None else None
+        cur.execute(f"SELECT address FROM {self.names.objects} WHERE address = ANY(%s::bytea[])",
+                    (addresses if names is None else list(names),))
+        found = {bytes(a) for (a,) in cur.fetchall()}
+        return found if names is None else {names[a] for a in found}
 
     def _read_objects(self, cur, addresses: list[bytes], *, external: bool = True) -> dict:
         """The listed objects the store holds (address -> bytes): those in the database
         in one COPY, then (``external``) the rest from the object store, if it has one."""
         sink = ObjectsOut()
         wanted = list(dict.fromkeys(addresses))
+        names = self._sealed.names(wanted) if self._sealed is not None else None
         query = cur.mogrify(f"COPY (SELECT address, data FROM {self.names.objects} WHERE address = ANY(%s::bytea[]) "
-                            f"AND data IS NOT NULL) TO STDOUT (FORMAT binary)", (wanted,)).decode("utf-8")
+                            f"AND data IS NOT NULL) TO STDOUT (FORMAT binary)",
+                            (wanted if names is None else list(names),)).decode("utf-8")
         cur.copy_expert(query, sink, size=COPY_IO_SIZE)
         found = sink.finish()
+        if names is not None:    # rows keyed by name, sealed: opened (an encrypted store has no object store)
+            return self._sealed.opened(found, names)
         if external and self._objects is not None:
             found.update(self._objects.fetch([a for a in wanted if a not in found]))
         return found
@@ -183,7 +189,8 @@ class SharedObjects:
             missing.sort()      # writers sending the same new objects meet them in one order: no deadlock
             todo = [(a, v) for a, v in missing if a not in encoded]
             encoded.update((a, e) for a, *e in content.encode_chunks(todo, self.compression, _itemsizes(plans)))
-            stream = ObjectsIn([(a, *encoded[a]) for a, _ in missing])
+            rows = [(a, *encoded[a]) for a, _ in missing]
+            stream = ObjectsIn(rows if self._sealed is None else list(self._sealed.sealed(rows)))
             try:     # the savepoint stays open to COMMIT, which commits what it holds
                 cur.copy_expert(f"SAVEPOINT agck_objects; COPY {n.objects} (address, size, data) FROM STDIN "
                                 "(FORMAT binary)", stream, size=COPY_IO_SIZE)
@@ -285,6 +292,8 @@ class SharedObjects:
             held = [bytes(a) for (a,) in cur.fetchall()]
             outside = {a: None for a in held}
             outside.update(self._objects.fetch(held))
+        if self._sealed is not None:     # rows keyed by name (FORMAT.md 18.3); no object store
+            bad = {self.sealer.name(a): why for a, why in bad.items()}
         addresses, reasons = list(bad), list(bad.values())
         kept = [None if outside.get(a) is None else psycopg2.Binary(outside[a]) for a in addresses]
         cur.execute(f"INSERT INTO {n.quarantine} (address, size, data, reason) SELECT o.address, "
@@ -349,13 +358,14 @@ class SharedObjects:
                         return
                     for a, size, data in rows:
                         a = bytes(a)
-                        load = (lambda d=data: d) if data is not None else \
+                        load = (lambda a=a, d=data: self._opened_object(a, d)) if data is not None else \
                             (lambda a=a: self._objects.fetch([a]).get(a) if self._objects is not None else None)
                         yield a, size, f"{n.objects_ref}(address='\\x{a.hex()}')", load
                     after = bytes(rows[-1][0])
 
             listings = [(self.ref(r, s), partial(listed, r, s, c, self.ref(r, s))) for r, s, c in keys]
-            return damage.scrub(self.url, listings, stored(), progress)
+            return damage.scrub(self.url, listings, stored(), progress,
+                                name=None if self.sealer is None else self.sealer.name)
 
         return self._transaction("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; "
                                  f"SELECT run, step, checksum FROM {n.manifest} WHERE listing ORDER BY run, step", None,
@@ -384,7 +394,8 @@ class SharedObjects:
             if not live.complete:
                 return live.collected()
             cur.execute("CREATE TEMP TABLE agck_live (address bytea PRIMARY KEY) ON COMMIT DROP")
-            cur.execute("INSERT INTO agck_live SELECT unnest(%s::bytea[])", (list(live.addresses),))
+            kept = live.addresses if self._sealed is None else self._sealed.names(live.addresses)
+            cur.execute("INSERT INTO agck_live SELECT unnest(%s::bytea[])", (list(kept),))
             cur.execute(     # an object whose bytes are in the object store is doomed there (the module)
                 f"WITH gone AS (DELETE FROM {n.objects} o WHERE NOT EXISTS "
                 f"(SELECT 1 FROM agck_live l WHERE l.address = o.address) RETURNING o.address, o.size, "
@@ -438,7 +449,8 @@ class SharedObjects:
         return content.live_chunks([(ref, partial(self._listing, cur, r, s, c, ref)) for ref, r, s, c in refs])
 
     def _listing(self, cur, run: str, step: int, checksum: str, ref: str) -> bytes:
-        """A listing's container as stored, read in this transaction. Not checked against
-        its manifest row: the collector keeps what it names whatever its verdict."""
+        """A listing's container as stored (opened, in an encrypted store), read in this
+        transaction. Not checked against its manifest row: the collector keeps what it
+        names whatever its verdict."""
         cur.execute(f"SELECT data FROM {self.names.chunks} WHERE run = %s AND step = %s ORDER BY idx", (run, step))
-        return b"".join(bytes(d) for (d,) in cur.fetchall())
+        return self._opened_listing(run, step, b"".join(bytes(d) for (d,) in cur.fetchall()), ref)

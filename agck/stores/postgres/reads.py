@@ -166,14 +166,14 @@ class Reads:
         ref = self.ref(run, step)
         chunk_plan(size, nchunks, idxs or [], lens or [], manifest_ref=ref,
                    chunk_ref=lambda i: self._chunk_ref(run, step, i))
-        if data is None:
+        if data is None or self.sealer is not None:    # a sealed listing: read with its objects
             return LARGE
         if len(data) != size:   # chunk_plan has checked each row's length in this snapshot
             raise CorruptCheckpointError(f"the chunks hold {len(data)} bytes, not the manifest's {size}",
                                          ref=ref, section="chunks")
         buf = new_buffer(size)
         memoryview(buf).cast("B")[:] = memoryview(data).cast("B")
-        check_checksum(buf, checksum, ref)
+        check_checksum(buf, checksum, ref, sealed=self.sealer is not None)
         if content.listed_addresses(buf, verify=verify, ref=ref) is not None:
             return LARGE
         ck = content.decode(buf, content.fetcher({}, []), verify=verify, map_location=map_location, ref=ref)
@@ -202,7 +202,8 @@ class Reads:
             cur.copy_expert(query, sink, size=COPY_IO_SIZE)
             sink.finish()
             buf = pending.result()
-            check_checksum(buf, checksum, ref)
+            check_checksum(buf, checksum, ref, sealed=self.sealer is not None)
+            buf = self._opened_listing(run, step, buf, ref)
             addresses = content.listed_addresses(buf, verify=verify, ref=ref)
             return buf, addresses, self._read_objects(cur, addresses, external=False) if addresses is not None else {}
 

@@ -71,6 +71,8 @@ class Names:
         self.log = ident(f"{prefix}_log")              # made by the first log_append (agck.journal)
         self.log_heads = ident(f"{prefix}_log_heads")
         self.log_ref = f"{dot}{prefix}_log"
+        self.keys = ident(f"{prefix}_keys")            # made by the first key slot (an encrypted store)
+        self.keys_ref = f"{dot}{prefix}_keys"
         self.meta_index = sql.Identifier(f"{prefix}_manifest_meta").as_string(conn)
         self.schema_sql = sql.Identifier(schema).as_string(conn) if schema else None
         self.version_ref = f"{dot}{prefix}_schema_version"

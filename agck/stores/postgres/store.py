@@ -61,7 +61,7 @@ from ... import failpoints, thresholds
 from ...args import check_seconds
 from ...errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, DurabilityError,
                       SchemaUninitializedError, StoreConnectionError, StoreError, UsageError)
-from .. import compression, content, damage
+from .. import compression, content, damage, encryption
 from . import schema as pgschema
 from ..base import Store, check_run, check_step
 from ..dsn import dsn_secrets, dsn_without_password, redact_dsn
@@ -185,9 +185,12 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
                  full_every: int | None = None, min_chunked: int | None = None,
                  verify_reused: str = damage.DEFAULT_VERIFY_REUSED, objects: "str | ObjectChunks | None" = None,
                  pool: "int | str" = DEFAULT_POOL_SIZE, pool_timeout: float = DEFAULT_POOL_TIMEOUT,
-                 compress: str = compression.DEFAULT, level: int | None = None):
+                 compress: str = compression.DEFAULT, level: int | None = None, key=None,
+                 seal_meta: bool = False):
         super().__init__()
         compression.ChunkEncoding(compress, level, local=True)     # the options checked before any connection
+        given = encryption.given_key(key)
+        self.seal_meta = encryption.check_seal_meta(seal_meta, given)
         if not isinstance(url, str) or not url:
             raise StoreConnectionError(f"not a Postgres URL: {type(url).__name__}",
                                        hint="use postgresql://user@host:port/dbname")
@@ -237,9 +240,21 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
                 self._set_compression(*self._compress_args, local=self._objects.c.local, what="object store")
             else:
                 self._set_compression(*self._compress_args, local=local, what="Postgres server")
+            if init or check_schema:
+                if given is not None and self._objects is not None:
+                    raise UsageError("a Postgres catalog over an object store does not encrypt yet: its chunks "
+                                     "would be written in the clear", ref=self.names.where,
+                                     hint="encryption at rest is on the file, SQLite and Postgres stores; "
+                                          "unset the key, or keep the chunks in the database")
+                self._set_encryption(PgKeySlots(self), given, where=self.names.where, empty=self._empty)
         except BaseException:
             self._pool.close()     # refused (no schema, another bucket): its connection closed now, not at a GC
             raise
+
+    def _empty(self) -> bool:
+        n = self.names
+        return not self._query(f"SELECT EXISTS (SELECT 1 FROM {n.manifest}) OR EXISTS (SELECT 1 FROM {n.objects}) "
+                               f"OR EXISTS (SELECT 1 FROM {n.chunks})")[0][0]
 
     # what the asyncio methods (aio.AsyncMethods) and the journal logs (log.py) share with the sync ones
     _put_retries = PUT_RETRIES
@@ -358,7 +373,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
                                  chunk_size=self.chunk_size, init=create, connect_timeout=self._connect_timeout,
                                  pool=self.pool_size,
                                  objects=self._objects.child("parts") if self._objects is not None else None,
-                                 **self._policy())
+                                 key=self.sealer, seal_meta=self.seal_meta, **self._policy())
         except SchemaUninitializedError:
             if create:
                 raise
@@ -462,14 +477,19 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
                 # verify_reused "size" and "full": every address the put relies on is looked at (its
                 # stored size), not only those this store object did not commit itself
                 unknown = addresses if sized else [a for a in addresses if a not in self._known_objects]
+                names = self._sealed.names(unknown) if self._sealed is not None else None
+                asked = unknown if names is None else list(names)
                 cur.execute(begin + "; " + XACT_LOCK_SHARED + "; SELECT (SELECT generation FROM "
                             f"{n.gc}), ARRAY(SELECT address FROM {n.objects} WHERE address = ANY(%s::bytea[]) "
                             "ORDER BY address), ARRAY(SELECT octet_length(data) FROM "
                             f"{n.objects} WHERE address = ANY(%s::bytea[]) ORDER BY address)",
-                            (*args, n.store_lock, unknown, unknown if sized else []))
+                            (*args, n.store_lock, asked, asked if sized else []))
                 generation, found, lengths = cur.fetchone()
                 found = [bytes(a) for a in found]
                 sizes = dict(zip(found, lengths)) if sized else {}
+                if names is not None:     # rows keyed by name, sealed (48 bytes more)
+                    sizes = self._sealed.sizes(sizes, names)
+                    found = [names[a] for a in found]
                 if self._objects is not None and sized:    # a row without data: the stored size is the object's
                     heads = self._objects.sizes([a for a, k in sizes.items() if k is None])
                     lost = {a for a, k in heads.items() if k is None}    # the bucket lost it: sent again
@@ -724,3 +744,41 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
                                  lambda cur: sorted(set(cur.fetchall())), "cleaning orphans failed", n.where,
                                  DurabilityError)
         return [sql_row(n.chunks_ref, r, s) for r, s in rows]
+
+
+class PgKeySlots:
+    """A Postgres store's key slots (FORMAT.md 18.6): rows of ``<prefix>_keys`` (id, the
+    slot's JSON), made by the first slot; nothing secret in them."""
+
+    def __init__(self, store: PostgresStore):
+        self.store = store
+
+    def load(self) -> list[dict]:
+        st, n = self.store, self.store.names
+        if not st._query("SELECT to_regclass(%s) IS NOT NULL", (n.keys_ref,))[0][0]:
+            return []
+        return [encryption.slot_from_json(text, f"{n.keys_ref}(id='{i}')")
+                for i, text in st._query(f"SELECT id, slot FROM {n.keys} ORDER BY id")]
+
+    def save(self, slot: dict) -> None:
+        st, n = self.store, self.store.names
+
+        def body(cur):
+            cur.execute(f"CREATE TABLE IF NOT EXISTS {n.keys} (id text PRIMARY KEY, slot text NOT NULL); "
+                        f"INSERT INTO {n.keys} (id, slot) VALUES (%s, %s) ON CONFLICT (id) DO NOTHING RETURNING id",
+                        (slot["id"], encryption.slot_json(slot)))
+            return cur.fetchone() is not None
+
+        # two first slots may race to create the table: the loser's CREATE fails, and it tries again
+        made = st._transaction("BEGIN; SET LOCAL synchronous_commit = on", None, body, "cannot write a key slot",
+                               n.where, DurabilityError,
+                               retry=(psycopg2.errors.UniqueViolation, psycopg2.errors.DuplicateTable,
+                                      psycopg2.errors.DuplicateObject), retries=3, pause=0.01)
+        if not made:
+            raise CheckpointExistsError(f"key slot {slot['id']} exists", ref=n.keys_ref)
+
+    def remove(self, slot_id: str) -> None:
+        st, n = self.store, self.store.names
+        st._transaction("BEGIN; SET LOCAL synchronous_commit = on", None,
+                        lambda cur: cur.execute(f"DELETE FROM {n.keys} WHERE id = %s", (slot_id,)),
+                        "cannot remove a key slot", n.where, DurabilityError)

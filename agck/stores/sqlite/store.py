@@ -66,7 +66,7 @@ from ...errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError
                       DurabilityError, SchemaMismatchError, StoreConnectionError, StoreError,
                       UsageError)
 from ...memory import new_buffer
-from .. import compression, content, damage
+from .. import compression, content, damage, encryption
 from ..base import (CheckpointInfo, Store, check_last,
                    check_position, check_records, check_run, check_step)
 from ..logclaims import FileClaims
@@ -131,9 +131,11 @@ class SqliteStore(TransactionalPuts, Store):
                  busy_timeout: float = 30.0, create: bool = True, incremental: bool = True,
                  full_every: int | None = None, min_chunked: int | None = None,
                  verify_reused: str = damage.DEFAULT_VERIFY_REUSED, compress: str = compression.DEFAULT,
-                 level: int | None = None):
+                 level: int | None = None, key=None, seal_meta: bool = False):
         super().__init__()
         self._set_compression(compress, level, local=True, what="SQLite database")
+        given = encryption.given_key(key)     # a bad key argument is refused before anything is made
+        self.seal_meta = encryption.check_seal_meta(seal_meta, given)
         url = os.fspath(url)
         self.path = sqlite_path(url)
         if not self.path:
@@ -191,6 +193,17 @@ class SqliteStore(TransactionalPuts, Store):
         except AgckError:
             self._conn.close()
             raise
+        try:
+            self._set_encryption(_KeySlots(self), given, where=self.path, empty=self._empty)
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def _empty(self) -> bool:
+        with self._lock:
+            c = self._db()
+            return not any(c.execute(f"SELECT 1 FROM {t} LIMIT 1").fetchone()
+                           for t in (self._t_manifest, self._t_objects, self._t_chunks))
 
     # -- schema ----------------------------------------------------------------
     def _version(self) -> int | None:
@@ -381,6 +394,7 @@ class SqliteStore(TransactionalPuts, Store):
         :meth:`Store.log_append`): the batch is one row, numbered on from the run's last."""
         records = check_records(records)
         check_run(run)
+        self._refuse_sealed_log(self.log_ref(run))
         records = list(records)
         with self._lock:
             c = self._db()
@@ -433,17 +447,21 @@ class SqliteStore(TransactionalPuts, Store):
         can delete an object between this check and the COMMIT. Objects found damaged
         (``verify_reused``) are quarantined and inserted afresh."""
         stored: dict[bytes, int] = {}
-        for batch in batches(list(plan.distinct), _IN_BATCH):
+        names = self._sealed.names(plan.distinct) if self._sealed is not None else None
+        for batch in batches(list(plan.distinct) if names is None else list(names), _IN_BATCH):
             rows = c.execute(f"SELECT address, length(data) FROM {self._t_objects} WHERE address IN "
                              f"({','.join('?' * len(batch))})", batch)
             stored.update((bytes(a), n) for a, n in rows)
+        if names is not None:
+            stored = self._sealed.sizes(stored, names)
         bad = damage.reused_damage(stored, plan.size, self.verify_reused, turn,
                                     lambda addresses: self._read_objects(c, addresses))
         if bad:
             self._quarantine_rows(c, bad)
         present = set(stored) - set(bad)
+        rows = content.encode_chunks(plan.missing(present), self.compression, plan.itemsize)
         c.executemany(f"INSERT INTO {self._t_objects} (address, size, data) VALUES (?, ?, ?)",
-                      content.encode_chunks(plan.missing(present), self.compression, plan.itemsize))
+                      rows if self._sealed is None else self._sealed.sealed(rows))
 
     def _write_chunks(self, c: sqlite3.Connection, run: str, step: int, parts, total: int) -> int:
         insert = f"INSERT INTO {self._t_chunks} (run, step, idx, data) VALUES (?, ?, ?, zeroblob(?))"
@@ -538,7 +556,8 @@ class SqliteStore(TransactionalPuts, Store):
                 c.execute("BEGIN")  # one snapshot for the manifest, its chunks and its objects
                 try:
                     buf, checksum = self._read_locked(c, run, step, ref)
-                    check_checksum(buf, checksum, ref)
+                    check_checksum(buf, checksum, ref, sealed=self.sealer is not None)
+                    buf = self._opened_listing(run, step, buf, ref)
                     addresses = content.listed_addresses(buf, verify=verify, ref=ref)
                     found = self._read_objects(c, addresses) if addresses is not None else {}
                 finally:
@@ -549,12 +568,14 @@ class SqliteStore(TransactionalPuts, Store):
                            map_location=map_location, ref=ref)
 
     def _read_objects(self, c: sqlite3.Connection, addresses: list[bytes]) -> dict:
+        """address -> the bytes stored for it (opened, in an encrypted store)."""
         found = {}
-        for batch in batches(list(dict.fromkeys(addresses)), _IN_BATCH):
+        names = self._sealed.names(addresses) if self._sealed is not None else None
+        for batch in batches(list(dict.fromkeys(addresses)) if names is None else list(names), _IN_BATCH):
             rows = c.execute(f"SELECT address, data FROM {self._t_objects} WHERE address IN "
                              f"({','.join('?' * len(batch))})", batch)
             found.update((bytes(a), d) for a, d in rows)
-        return found
+        return found if names is None else self._sealed.opened(found, names)
 
     def _read_locked(self, c, run, step, ref):
         row = c.execute(f"SELECT size, checksum, nchunks FROM {self._t_manifest} WHERE run = ? AND step = ?",
@@ -597,7 +618,7 @@ class SqliteStore(TransactionalPuts, Store):
             try:
                 with _immediate(c):
                     def load(run, step, ref):   # as stored: what it names is kept whatever its verdict
-                        return self._read_locked(c, run, step, ref)[0]
+                        return self._opened_listing(run, step, self._read_locked(c, run, step, ref)[0], ref)
 
                     refs = [(self.ref(r, s), r, s) for r, s in
                             c.execute(f"SELECT run, step FROM {m} WHERE listing ORDER BY run, step").fetchall()]
@@ -606,7 +627,8 @@ class SqliteStore(TransactionalPuts, Store):
                         return live.collected()
                     c.execute("CREATE TEMP TABLE IF NOT EXISTS agck_live (address BLOB PRIMARY KEY)")
                     c.execute("DELETE FROM agck_live")
-                    c.executemany("INSERT INTO agck_live (address) VALUES (?)", ((a,) for a in live.addresses))
+                    kept = live.addresses if self._sealed is None else self._sealed.names(live.addresses)
+                    c.executemany("INSERT INTO agck_live (address) VALUES (?)", ((a,) for a in kept))
                     dead = f"NOT EXISTS (SELECT 1 FROM agck_live l WHERE l.address = {o}.address)"
                     n, nbytes = c.execute(f"SELECT count(*), coalesce(sum(size), 0) FROM {o} WHERE {dead}").fetchone()
                     c.execute(f"DELETE FROM {o} WHERE {dead}")
@@ -627,6 +649,8 @@ class SqliteStore(TransactionalPuts, Store):
         c.execute(f"CREATE TABLE IF NOT EXISTS {q} (address BLOB NOT NULL, size INTEGER NOT NULL, "
                   "data BLOB NOT NULL, detected_at REAL NOT NULL, reason TEXT NOT NULL)")
         now = time.time()
+        if self._sealed is not None:     # rows keyed by name (FORMAT.md 18.3)
+            bad = {self.sealer.name(a): why for a, why in bad.items()}
         for a, why in bad.items():
             c.execute(f"INSERT INTO {q} (address, size, data, detected_at, reason) "
                       f"SELECT address, length(data), data, ?, ? FROM {o} WHERE address = ?", (now, why, a))
@@ -670,15 +694,17 @@ class SqliteStore(TransactionalPuts, Store):
                 try:
                     def listed(run, step, ref):
                         buf, checksum = self._read_locked(c, run, step, ref)
-                        check_checksum(buf, checksum, ref)
-                        return content.listed_addresses(buf, verify=True, ref=ref)
+                        check_checksum(buf, checksum, ref, sealed=self.sealer is not None)
+                        return content.listed_addresses(self._opened_listing(run, step, buf, ref), verify=True,
+                                                        ref=ref)
 
                     keys = c.execute(f"SELECT run, step FROM {m} WHERE listing ORDER BY run, step").fetchall()
                     listings = [(self.ref(r, s), partial(listed, r, s, self.ref(r, s))) for r, s in keys]
                     rows = c.cursor().execute(f"SELECT address, size, data FROM {o} ORDER BY address")
-                    stored = ((bytes(a), n, f"{self.path}::{o}(address=x'{bytes(a).hex()}')", lambda d=d: d)
-                              for a, n, d in rows)
-                    return damage.scrub(self.url, listings, stored, progress)
+                    stored = ((bytes(a), n, f"{self.path}::{o}(address=x'{bytes(a).hex()}')",
+                               lambda a=a, d=d: self._opened_object(a, d)) for a, n, d in rows)
+                    return damage.scrub(self.url, listings, stored, progress,
+                                        name=None if self.sealer is None else self.sealer.name)
                 finally:
                     c.execute("COMMIT")
             except sqlite3.Error as e:
@@ -718,7 +744,8 @@ class SqliteStore(TransactionalPuts, Store):
                              "its own", ref=self.url, hint="use a database file")
         try:
             return SqliteStore(self.url, prefix=parts_prefix(self.prefix), chunk_size=self.chunk_size,
-                               busy_timeout=self._busy_timeout, create=create, **self._policy())
+                               busy_timeout=self._busy_timeout, create=create, key=self.sealer,
+                               seal_meta=self.seal_meta, **self._policy())
         except StoreConnectionError:
             if create:
                 raise
@@ -732,3 +759,47 @@ class SqliteStore(TransactionalPuts, Store):
                     self._conn.close()
                 finally:
                     self._conn = None
+
+
+class _KeySlots:
+    """A SQLite store's key slots (FORMAT.md 18.6): rows of ``<prefix>_keys`` (id, the
+    slot's JSON), made by the first slot; nothing secret in them."""
+
+    def __init__(self, store: SqliteStore):
+        self.store, self.table = store, f"{store.prefix}_keys"
+
+    def load(self) -> list[dict]:
+        st = self.store
+        with st._lock:
+            c = st._db()
+            try:
+                if not st._has_table(c, self.table):
+                    return []
+                rows = c.execute(f"SELECT id, slot FROM {self.table} ORDER BY id").fetchall()
+            except sqlite3.Error as e:
+                raise StoreError(f"cannot read the key slots: {e}", ref=st.path) from None
+        return [encryption.slot_from_json(text, f"{st.path}::{self.table}(id='{i}')") for i, text in rows]
+
+    def save(self, slot: dict) -> None:
+        st = self.store
+        with st._lock:
+            c = st._db()
+            try:
+                with _immediate(c):
+                    c.execute(f"CREATE TABLE IF NOT EXISTS {self.table} (id TEXT PRIMARY KEY, slot TEXT NOT NULL)")
+                    c.execute(f"INSERT INTO {self.table} (id, slot) VALUES (?, ?)",
+                              (slot["id"], encryption.slot_json(slot)))
+            except sqlite3.IntegrityError:
+                raise CheckpointExistsError(f"key slot {slot['id']} exists", ref=st.path) from None
+            except sqlite3.Error as e:
+                raise DurabilityError(f"cannot write a key slot: {e}", ref=st.path) from None
+
+    def remove(self, slot_id: str) -> None:
+        st = self.store
+        with st._lock:
+            c = st._db()
+            try:
+                with _immediate(c):
+                    c.execute(f"DELETE FROM {self.table} WHERE id = ?", (slot_id,))
+            except sqlite3.Error as e:
+                raise DurabilityError(f"cannot remove a key slot: {e}", ref=st.path) from None
