@@ -136,9 +136,11 @@ class DataKey:
         """The name a chunk is stored under: BLAKE3-256 of its address, keyed (FORMAT.md 18.3)."""
         return blake3.blake3(address, key=self._names).digest()
 
-    def seal(self, kind: int, context: bytes, plaintext, *, salt: bytes | None = None) -> bytes:
+    def seal(self, kind: int, context: bytes, plaintext, *, salt: bytes | None = None, into=None) -> bytes:
         """The sealed object holding ``plaintext`` (FORMAT.md 18.2). ``salt``: for a test
-        vector only; each object gets fresh random bytes otherwise."""
+        vector only; each object gets fresh random bytes otherwise. ``into``: a writable
+        buffer of at least ``len(plaintext) + OVERHEAD`` bytes to seal into (a writer's
+        reused page-aligned memory); the sealed object is returned as a view of it."""
         salt = os.urandom(24) if salt is None else salt
         if len(salt) != 24:
             raise UsageError("a salt is 24 bytes")
@@ -146,7 +148,11 @@ class DataKey:
         key = blake3.blake3(salt, key=self._aead).digest()
         view = _bytes(plaintext, "plaintext")
         total = HEADER_SIZE + view.nbytes + TAG_SIZE
-        if total < _ALIGNED_MIN:
+        if into is not None:
+            out = memoryview(into).cast("B")[:total]
+            if out.nbytes != total or out.readonly:
+                raise UsageError(f"into= must be a writable buffer of at least {total} bytes")
+        elif total < _ALIGNED_MIN:
             out = memoryview(bytearray(total))
         else:
             # sealed in place, into page-aligned memory: a store's O_DIRECT write then takes it
@@ -156,7 +162,7 @@ class DataKey:
             out = memoryview(raw[start:start + total])
         out[:HEADER_SIZE] = head
         _aesgcm()(key).encrypt_into(_NONCE, view, head + bytes(context), out[HEADER_SIZE:])
-        return bytes(out) if total < _ALIGNED_MIN else out
+        return bytes(out) if total < _ALIGNED_MIN and into is None else out
 
     def open(self, kind: int, context: bytes, stored, *, what: str = "an object", out=None):
         """The plaintext of a sealed object, its tag checked first (FORMAT.md 18.5). Damage, tampering, an

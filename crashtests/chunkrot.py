@@ -73,10 +73,22 @@ def damage(store, address: bytes, kind: str = "flip", rng: random.Random | None 
     return label
 
 
+def _row_key(store, address: bytes) -> bytes:
+    """What the chunk's row is keyed by: its address, or in an encrypted store its keyed
+    name (FORMAT.md 18.3); the damage goes to the bytes as stored (sealed, there)."""
+    sealer = getattr(store, "sealer", None)
+    return address if sealer is None else sealer.name(address)
+
+
 def _stored(store, address: bytes):
     kind = type(store).__name__
     if kind == "FileStore":
-        return store.objects.read_whole(address)
+        try:
+            with open(store.objects.path(address), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+    address = _row_key(store, address)
     if kind == "SqliteStore":
         c = sqlite3.connect(store.path, timeout=30)
         try:
@@ -106,6 +118,7 @@ def _store_raw(store, address: bytes, data: bytes | None) -> None:
             f.write(data)
             f.truncate(len(data))
         return
+    address = _row_key(store, address)
     if kind == "S3Store":
         if data is None:
             store.c.delete(chunk_key(address))

@@ -39,6 +39,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Iterable
 
+import numpy as np
+
 from ... import cipher, durable, failpoints, thresholds
 from ...errors import (CorruptCheckpointError, DamagedChunkError, DurabilityError, StoreError,
                        UnsupportedVersionError)
@@ -47,6 +49,25 @@ from .. import compression, damage
 DIRNAME = ".objects"
 QUARANTINE = "quarantine"
 _MAX_KNOWN = 1 << 22
+_PAGE = 4096             # not a threshold: the alignment O_DIRECT writes want
+# each thread's buffer for sealed chunks, kept: a chunk sealed or opened touches no fresh pages
+_sealed_reads = threading.local()    # read_into: the sealed file's bytes, opened from here into place
+_sealed_writes = threading.local()   # _add: sealed here (page-aligned: an O_DIRECT write takes it as it is)
+
+
+def _thread_buffer(local: threading.local, n: int, aligned: bool = False) -> memoryview:
+    """``n`` bytes of this thread's buffer in ``local`` (grown to the largest asked for)."""
+    buf = getattr(local, "buf", None)
+    if buf is None or buf.nbytes < n:
+        size = max(n, 1 << 20)
+        if aligned:
+            raw = np.empty(size + _PAGE, np.uint8)
+            start = -raw.ctypes.data % _PAGE
+            buf = memoryview(raw[start:start + size])
+        else:
+            buf = memoryview(bytearray(size))
+        local.buf = buf
+    return buf[:n]
 WRITERS = 4            # threads writing one batch's chunks
 # Chunk files this big may bypass the page cache as large files do (durable.DIRECT_IO;
 # timed apart from them, as "chunk"): on this VM a buffered 1 MiB chunk file cost
@@ -183,7 +204,9 @@ class ObjectDir:
         path = self.path(address)
         if self.sealer is not None:  # then sealed, under its name (FORMAT.md 18.2-18.4)
             name = self.sealer.name(address)
-            chunk = self.sealer.seal(cipher.Kind.CHUNK, cipher.chunk_context(name), chunk)
+            chunk = self.sealer.seal(cipher.Kind.CHUNK, cipher.chunk_context(name), chunk,
+                                     into=_thread_buffer(_sealed_writes, memoryview(chunk).nbytes + cipher.OVERHEAD,
+                                                         aligned=True))
         d = os.path.dirname(path)
         self._ensure_dir(d, self.dir)
         tmp = durable.temp_name_for(path)
@@ -241,14 +264,19 @@ class ObjectDir:
         is no such chunk. Releases the GIL while reading."""
         path = self.path(address)
         if self.sealer is not None:     # opened straight into its place (a compressed one: then decoded there)
+            want = view.nbytes + cipher.OVERHEAD + 1
+            mv = _thread_buffer(_sealed_reads, want)
             try:
-                with open(path, "rb") as f:
-                    data = f.read(view.nbytes + cipher.OVERHEAD + 1)
+                with open(path, "rb", buffering=0) as f:
+                    k = 0
+                    while k < want and (got := f.readinto(mv[k:])):
+                        k += got
             except FileNotFoundError:
                 return None
             except OSError as e:
                 raise StoreError(f"cannot read a chunk: {e.strerror}", ref=path) from None
-            n = len(data) - cipher.OVERHEAD
+            data = mv[:k]
+            n = k - cipher.OVERHEAD
             if n <= 0 or n > view.nbytes:    # damage (refused by the tag) or a longer chunk: its length judged
                 return len(self._open(data, path, address))
             self._open(data, path, address, out=view[:n])
