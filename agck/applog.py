@@ -123,7 +123,8 @@ class AppendLog(Sequence):
                     raise EncodeError(f"AppendLog {self.name!r}, items {d.taken}..{n - 1}: {e.reason}",
                                       hint="append plain data, arrays or tensors (nothing is pickled)") from None
                 segments.append(Segment(self, d, d.taken, n,
-                                        journalrec.record("s", self.name, d.gen, d.taken, enc, payload)))
+                                        journalrec.record("s", self.name, d.gen, d.taken, enc, payload,
+                                                          sealer=getattr(segments, "sealer", None))))
                 d.taken = n
             return {TAG: KIND, "name": self.name, "count": n, "chain": [list(c) for c in d.chain]}
 
@@ -144,12 +145,14 @@ class _Destination:
 class Segments(list):
     """The segments one snapshot captures, and where they go: ``dest`` names the journal
     log they are written to (:meth:`agck.stores.Store.log_ref`); ``level``: compress
-    them at this zstd level where that pays (the store's, where it compresses)."""
+    them at this zstd level where that pays (the store's, where it compresses);
+    ``sealer``: an encrypted store's data key, which seals their values (FORMAT.md 18.8)."""
 
-    def __init__(self, dest: str = "", level: int | None = None):
+    def __init__(self, dest: str = "", level: int | None = None, sealer=None):
         super().__init__()
         self.dest = dest
         self.level = level     # the zstd level segments are compressed at, where the store compresses
+        self.sealer = sealer
 
 
 class Segment:
@@ -241,10 +244,10 @@ def resolve(store, run: str, tree: Any, ref: str, logs: dict | None = None) -> N
         if logs is not None:
             logs[run] = segs
     for holder, k in refs:
-        holder[k] = _rebuild(holder[k], segs, store.log_ref(run), ref)
+        holder[k] = _rebuild(holder[k], segs, store.log_ref(run), ref, store.sealer)
 
 
-def _rebuild(r: dict, segs, where: str, ref: str) -> AppendLog:
+def _rebuild(r: dict, segs, where: str, ref: str, sealer=None) -> AppendLog:
     """The AppendLog a reference stands for (FORMAT.md 17.10 and 17.11: the reference, its items)."""
     name, count, chain = r.get("name"), r.get("count"), r.get("chain")
     if not isinstance(name, str) or type(count) is not int or count < 0 or not isinstance(chain, list) or any(
@@ -262,7 +265,7 @@ def _rebuild(r: dict, segs, where: str, ref: str) -> AppendLog:
         for e in segs.get((name, gen), ()):      # later segments of one generation win: a rewrite after a failure
             if e.index < upto:
                 try:
-                    values = journalrec.decode_value(e, ref=where)
+                    values = journalrec.decode_value(e, ref=where, sealer=sealer)
                 except Exception as err:
                     if hasattr(err, "verdict") and not err.verdict:
                         raise

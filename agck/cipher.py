@@ -80,6 +80,7 @@ KINDS = {Kind.CHUNK: "chunk", Kind.CONTAINER: "container", Kind.RECORDS: "journa
 # BLAKE3 key-derivation contexts (FORMAT.md 18.1): one per use of the data key
 AEAD_CONTEXT = "agck 2026-12 sealed objects v1"
 NAME_CONTEXT = "agck 2026-12 chunk names v1"
+JOURNAL_KEY_CONTEXT = "agck 2026-12 journal keys v1"
 RAW_KEY_CONTEXT = "agck 2026-12 raw user key v1"
 
 # scrypt for passphrases (FORMAT.md 18.6): 2^15 x 8 costs 32 MiB and about 0.1 s here
@@ -120,6 +121,7 @@ class DataKey:
         self._key = bytes(data_key)
         self._aead = derive(self._key, AEAD_CONTEXT)
         self._names = derive(self._key, NAME_CONTEXT)
+        self._journal = derive(self._key, JOURNAL_KEY_CONTEXT)
         # names the data key in its slots and in messages (64 bits of a one-way derivation: says nothing of it)
         self.key_id = blake3.blake3(self._key, derive_key_context="agck 2026-12 key id v1").hexdigest()[:16]
         self.slot_id: str | None = None      # the key slot this data key was opened from, if any
@@ -135,6 +137,11 @@ class DataKey:
     def name(self, address: bytes) -> bytes:
         """The name a chunk is stored under: BLAKE3-256 of its address, keyed (FORMAT.md 18.3)."""
         return blake3.blake3(address, key=self._names).digest()
+
+    def journal_key(self, fingerprint: bytes) -> bytes:
+        """The key a journal record is stored under: the 16-byte fingerprint of a step's
+        inputs, keyed (FORMAT.md 18.8): nobody without the key can test which inputs ran."""
+        return blake3.blake3(fingerprint, key=self._journal).digest(16)
 
     def seal(self, kind: int, context: bytes, plaintext, *, salt: bytes | None = None, into=None) -> bytes:
         """The sealed object holding ``plaintext`` (FORMAT.md 18.2). ``salt``: for a test
@@ -210,6 +217,13 @@ def chunk_context(name: bytes) -> bytes:
 def container_context(run: str, step: int) -> bytes:
     """A container's associated data: its run and step (FORMAT.md 18.4)."""
     return b"container\x00" + run.encode("utf-8", "surrogatepass") + b"\x00" + struct.pack("<Q", step)
+
+
+def record_context(kind: str, name: str, key: bytes, index: int) -> bytes:
+    """A journal record's associated data: its kind, name, key and index (FORMAT.md 18.8):
+    a value moved to another record does not open."""
+    return (b"record\x00" + kind.encode() + b"\x00" + name.encode("utf-8", "surrogatepass") + b"\x00" + key
+            + struct.pack("<Q", index))
 
 
 # -- user keys and key slots ----------------------------------------------------------------

@@ -101,6 +101,8 @@ class Journal:
         self.ref = self.store.log_ref(self.run)
         # values are compressed where the store compresses its chunks (agck.stores.compression)
         self._compress_level = self.store.compression.active_level
+        # an encrypted store's data key: values sealed, input fingerprints keyed (FORMAT.md 18.8)
+        self._sealer = self.store.sealer
         self.damaged: list[str] = []      # what was found damaged and run again, for humans
         # the index: (name, key) -> the value's (enc, payload), plain tuples that the cyclic
         # collector stops tracking (an index of objects made every full collection walk them
@@ -158,9 +160,11 @@ class Journal:
         self.damaged.append(what)
         log.warning("journal %s: damaged, %s: %s", self.run, fate, what)
 
-    def _value(self, name: str, stored: tuple[str, bytes]) -> tuple[bool, Any]:
+    def _value(self, name: str, stored: tuple[str, bytes], kind: str, key: tuple[str, bytes],
+               index: int) -> tuple[bool, Any]:
         try:
-            return True, journalrec.decode_value(journalrec.Entry("r", name, b"", 0, *stored), ref=self.ref)
+            return True, journalrec.decode_value(journalrec.Entry(kind, key[0], key[1], index, *stored), ref=self.ref,
+                                                 sealer=self._sealer)
         except Exception as err:      # a value the codec refuses to rebuild: damaged
             if isinstance(err, AgckError) and not err.verdict:
                 raise
@@ -180,7 +184,7 @@ class Journal:
         if inspect.isgeneratorfunction(fn):
             raise UsageError(f"step {name!r}: {fn.__qualname__} is a generator function",
                              hint="journal.stream(name, fn, ...) records its items")
-        key = (name, journalrec.fingerprint(args, kwargs))
+        key = (name, self._fingerprint(args, kwargs))
         with self._lock:
             got = self._begin(key)
         if got is not _MISSING:
@@ -196,7 +200,7 @@ class Journal:
             result = fn(*args, **kwargs)
             enc, payload = self._encode(result, name)
             with self._lock:
-                self._append(journalrec.record("r", name, key[1], 0, enc, payload), claim)
+                self._append(journalrec.record("r", name, key[1], 0, enc, payload, sealer=self._sealer), claim)
                 self._results.setdefault(key, (enc, payload))
                 self._end(key)
                 key = None
@@ -211,7 +215,7 @@ class Journal:
         e = self._results.get(key)
         if e is None:
             return _MISSING
-        ok, value = self._value(key[0], e)
+        ok, value = self._value(key[0], e, "r", key, 0)
         if ok:
             return value
         del self._results[key]
@@ -278,7 +282,7 @@ class Journal:
         start and its first items, as many as were replayed, are dropped (so the caller
         sees each index once: ``fn`` should yield the same items again)."""
         self._check(name)
-        key = (name, journalrec.fingerprint(args, kwargs))
+        key = (name, self._fingerprint(args, kwargs))
         with self._lock:
             self._running(key)        # refused at once in the thread that runs it (it would replay itself)
             if self.shared:
@@ -302,7 +306,7 @@ class Journal:
                     continue
                 stored = self._encode(value, f"{name}[{i}]")
                 with self._lock:
-                    self._append(journalrec.record("i", name, key[1], i, *stored))
+                    self._append(journalrec.record("i", name, key[1], i, *stored, sealer=self._sealer))
                     self._items.setdefault(key, {}).setdefault(i, stored)
                 yield value
                 n = i + 1
@@ -321,7 +325,7 @@ class Journal:
                 end = self._ends.get(key)
             if e is None or (end is not None and n >= end):
                 return n
-            ok, value = self._value(f"{key[0]}[{n}]", e)
+            ok, value = self._value(f"{key[0]}[{n}]", e, "i", key, n)
             if not ok:
                 with self._lock:
                     self._items[key].pop(n, None)
@@ -481,6 +485,11 @@ class Journal:
         if self._closed:
             raise UsageError("the journal is closed", ref=self.ref)
 
+    def _fingerprint(self, args: tuple, kwargs: dict) -> bytes:
+        """The key of a step's inputs (FORMAT.md 17); keyed in an encrypted store (18.8)."""
+        fp = journalrec.fingerprint(args, kwargs)
+        return fp if self._sealer is None else self._sealer.journal_key(fp)
+
     def _encode(self, value: Any, what: str) -> tuple[str, bytes]:
         try:
             return journalrec.encode_value(value, "result", level=self._compress_level)
@@ -527,7 +536,7 @@ def inspect_journal(store: Store, run: str, *, decode: bool = True) -> dict:
             segments[e.name] = segments.get(e.name, 0) + 1
         if e.kind != "e" and decode:
             try:
-                value = journalrec.decode_value(e, ref=store.log_ref(run))
+                value = journalrec.decode_value(e, ref=store.log_ref(run), sealer=store.sealer)
             except Exception as err:     # its check held but its value does not rebuild: damaged
                 if isinstance(err, AgckError) and not err.verdict:
                     raise

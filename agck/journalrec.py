@@ -37,8 +37,8 @@ import msgpack
 import numpy as np
 import xxhash
 
-from . import checkpoint, chunkcodec, codec, format
-from .errors import AgckError, CorruptCheckpointError, EncodeError, MalformedCheckpointError
+from . import checkpoint, chunkcodec, cipher, codec, format
+from .errors import AgckError, CorruptCheckpointError, EncodeError, MalformedCheckpointError, UnsupportedVersionError
 
 log = logging.getLogger("agck")
 
@@ -52,6 +52,7 @@ MAX_BODY = (1 << 32) - 1
 #: reader may be made to allocate for one record.
 MAX_TREE = 1 << 30   # not a threshold: a limit (FORMAT.md 17.3)
 KINDS = ("r", "i", "e", "s")
+ENCS = ("t", "c", "z", "x")        # "x": sealed (FORMAT.md 18.8)
 
 
 @dataclass(frozen=True)
@@ -109,9 +110,12 @@ def compress_tree(tree: bytes, level: int | None) -> tuple[str, bytes]:
     return "z", frame
 
 
-def decode_value(entry: Entry, ref: str | None = None) -> Any:
+def decode_value(entry: Entry, ref: str | None = None, sealer=None) -> Any:
     """The value a record holds, every checksum of a container verified; raises an
-    AgckError (``verdict``: the data is bad) for anything malformed (FORMAT.md 17.3)."""
+    AgckError (``verdict``: the data is bad) for anything malformed (FORMAT.md 17.3).
+    ``sealer``: the store's data key, which opens a sealed value (enc ``"x"``, 18.8)."""
+    if entry.enc == "x":
+        return decode_value(_opened(entry, ref, sealer), ref)
     if entry.enc == "t":
         return codec.decode_state(entry.payload, [], _no_blob, 0, ref=ref)
     if entry.enc == "z":    # a value tree as one frame (FORMAT.md 17.3): its claimed size bounded first
@@ -137,14 +141,64 @@ def decode_value(entry: Entry, ref: str | None = None) -> Any:
     return checkpoint.loads(entry.payload).state
 
 
+def _opened(entry: Entry, ref: str | None, sealer) -> Entry:
+    """A sealed record's value as it was before sealing: an entry of enc "t", "z" or "c"."""
+    if sealer is None:
+        raise MalformedCheckpointError("a journal record's value is sealed (enc \"x\") in a store with no key",
+                                       ref=ref, section="record")
+    try:
+        inner = sealer.open(cipher.Kind.RECORDS, cipher.record_context(entry.kind, entry.name, entry.key,
+                                                                        entry.index),
+                            entry.payload, what=f"step {entry.name!r}'s sealed value")
+    except (CorruptCheckpointError, UnsupportedVersionError) as e:   # a record's unknown version: damage too
+        raise MalformedCheckpointError(e.reason, ref=ref, section="record") from None
+    try:
+        fields = msgpack.unpackb(bytes(inner), raw=False, use_list=True, ext_hook=_refuse_ext)
+    except Exception as e:
+        raise MalformedCheckpointError(f"a journal record's sealed value is not msgpack ({e})", ref=ref,
+                                       section="record") from None
+    if type(fields) is not list or len(fields) != 2 or fields[0] not in ("t", "c", "z") \
+            or type(fields[1]) is not bytes:
+        raise MalformedCheckpointError("a journal record's sealed value is not [enc, payload]", ref=ref,
+                                       section="record")
+    return Entry(entry.kind, entry.name, entry.key, entry.index, fields[0], fields[1])
+
+
+def unsealed(records) -> int | None:
+    """The index of the first of ``records`` (each one record's bytes, as a journal
+    writes them) whose value is not sealed, or None: what an encrypted store checks
+    before it appends a batch, so nothing reaches its log in the clear."""
+    for i, r in enumerate(records):
+        v, pos = memoryview(r).cast("B"), 0
+        while pos < v.nbytes:       # an element may hold several records back to back
+            try:
+                if v.nbytes - pos < OVERHEAD or bytes(v[pos:pos + 4]) != MAGIC:
+                    return i
+                (n,) = struct.unpack_from("<I", v, pos + 4)
+                if pos + OVERHEAD + n > v.nbytes:
+                    return i
+                e = parse_body(bytes(v[pos + HEAD_SIZE:pos + HEAD_SIZE + n]))
+            except (ValueError, struct.error):
+                return i
+            if e.enc != "x" and e.kind != "e":
+                return i
+            pos += OVERHEAD + n
+    return None
+
+
 def _no_blob(i: int):
     raise IndexError(i)
 
 
 # --- records ------------------------------------------------------------------------------
 
-def record(kind: str, name: str, key: bytes, index: int, enc: str, payload: bytes) -> bytes:
-    """The bytes of one record (FORMAT.md 17.1 and 17.2)."""
+def record(kind: str, name: str, key: bytes, index: int, enc: str, payload: bytes, *, sealer=None) -> bytes:
+    """The bytes of one record (FORMAT.md 17.1 and 17.2). ``sealer``: an encrypted store's
+    data key (:class:`agck.cipher.DataKey`): the value is sealed (enc ``"x"``, FORMAT.md 18.8)."""
+    if sealer is not None and kind != "e":
+        inner = msgpack.packb([enc, payload], use_bin_type=True)
+        enc, payload = "x", bytes(sealer.seal(cipher.Kind.RECORDS, cipher.record_context(kind, name, key, index),
+                                              inner))
     body = msgpack.packb([kind, name, key, index, enc, payload], use_bin_type=True, unicode_errors="surrogatepass")
     if len(body) > MAX_BODY:
         raise EncodeError(f"step {name!r}: a journal record holds at most {MAX_BODY} bytes, not {len(body)}")
@@ -167,7 +221,7 @@ def parse_body(body: bytes) -> Entry:
         raise ValueError("not a 6-field record")
     kind, name, key, index, enc, payload = fields
     if kind not in KINDS or type(name) is not str or type(key) is not bytes or len(key) != 16 \
-            or type(index) is not int or index < 0 or enc not in ("t", "c", "z") or type(payload) is not bytes:
+            or type(index) is not int or index < 0 or enc not in ENCS or type(payload) is not bytes:
         raise ValueError("fields of the wrong types")                          # FORMAT.md 17.2
     if not name:
         raise ValueError("an empty name")

@@ -436,7 +436,8 @@ class Snapshotter:
         # of AppendLogs: written before the checkpoint, compressed where the store compresses
         store = getattr(self._target, "store", None)
         segments = applog.Segments(self._target.log_dest(),
-                                   level=store.compression.active_level if store is not None else None)
+                                   level=store.compression.active_level if store is not None else None,
+                                   sealer=getattr(store, "sealer", None))
         # the step first: what changes at every checkpoint sits together, before the
         # state, not between the end of a growing list and the RNG states (chunking)
         try:

@@ -203,9 +203,8 @@ def test_what_an_encrypted_store_refuses(tmp_path):
     for opts in ({"incremental": False}, {"full_every": 5}):
         with pytest.raises(UsageError, match="every checkpoint as chunks"):
             open_store(root, key=KEY, **opts)
-    j_store = open_store(root, key=KEY)
-    with pytest.raises(UsageError, match="in the clear"):
-        agck.Journal(j_store, "run").step("s", lambda: 1)
+    with pytest.raises(UsageError, match="in the clear"):     # the journal seals its records; raw ones are refused
+        open_store(root, key=KEY).log_append("run", [b"raw bytes"])
     for bad in ("", b"short", 12):
         with pytest.raises(UsageError):
             open_store(str(tmp_path / "x"), key=bad)

@@ -1,4 +1,4 @@
-"""Encryption at rest on the SQLite and Postgres stores (FORMAT.md section 18).
+"""Encryption at rest on the SQLite and Postgres stores (FORMAT.md section 18, rule 18.7: where they keep it).
 
 The same promises as the file store's (tests/test_store_encryption.py), where the
 chunks are rows: a marker planted in a state is in no byte of the database (every
@@ -261,7 +261,7 @@ def test_seal_meta_keeps_meta_out_of_the_manifest(spec):
 
 def test_what_an_encrypted_sql_store_refuses(spec):
     s = opened(spec, key=KEY)
-    with pytest.raises(UsageError, match="journals"):
+    with pytest.raises(UsageError, match="in the clear"):     # the journal seals its records; raw ones are refused
         s.log_append("run", [b"x"])
     with pytest.raises(UsageError, match="incremental=False"):
         fresh(spec, key=KEY, incremental=False)

@@ -174,11 +174,16 @@ class Store(ABC):
                                  "full_every are not available", ref=where)
             self._min_chunked = 0
 
-    def _refuse_sealed_log(self, ref: str) -> None:
+    def _refuse_sealed_log(self, ref: str, records) -> None:
+        """An encrypted store appends only records whose values are sealed (FORMAT.md 18.8):
+        what agck's journal and AppendLogs write there; anything else would be in the clear."""
         if self.sealer is not None:
-            raise UsageError("journals and AppendLogs are not kept in an encrypted store yet: their records would "
-                             "be written in the clear", ref=ref,
-                             hint="keep the journal in a store without a key, or the items in a plain list")
+            from .. import journalrec
+            i = journalrec.unsealed(records)
+            if i is not None:
+                raise UsageError(f"record {i} of the batch is not a journal record with a sealed value: an "
+                                 "encrypted store keeps nothing in the clear", ref=ref,
+                                 hint="append through agck.Journal or an AppendLog, which seal what they write")
 
     def _seal_listing(self, run: str, step: int, listing: bytes) -> bytes:
         """A listing as an encrypted store keeps it: sealed to its run and step (FORMAT.md 18.4)."""

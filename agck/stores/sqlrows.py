@@ -269,7 +269,7 @@ def manifest_checksum(footer: bytes) -> str:
 
 def container_checksum(data) -> str:
     """The manifest checksum of a whole container held in memory (a chunk listing); of
-    a sealed one (an encrypted store's, FORMAT.md 18.4), XXH3-64 of all its bytes."""
+    a sealed one (an encrypted store's, FORMAT.md 18.7), XXH3-64 of all its bytes."""
     if bytes(memoryview(data)[:4]) == cipher.MAGIC:
         return xxhash.xxh3_64_hexdigest(data)
     h = format.parse_header(data)

@@ -123,7 +123,7 @@ class FileStore(Store):
     def log_append(self, run: str, records: Sequence[bytes], *, sync: bool = True) -> tuple[int, int]:
         """Append journal records to the run's log (see :meth:`Store.log_append`)."""
         records = check_records(records)
-        self._refuse_sealed_log(self.log_ref(run))
+        self._refuse_sealed_log(self.log_ref(run), records)
         path = self.log_ref(run)
         if path in self._logs_durable:     # its directory made, its entry durable: append
             return self._logs.append(path, records, sync)

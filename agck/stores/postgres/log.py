@@ -60,7 +60,7 @@ class JournalLogs:
         result is kept rather than thrown away."""
         records = check_records(records)
         check_run(run)
-        self._refuse_sealed_log(self.log_ref(run))
+        self._refuse_sealed_log(self.log_ref(run), records)
         n = self.names
         data = b"".join(records)     # one row per batch: its records delimit themselves
         copied = len(data) >= thresholds.JOURNAL_COPY

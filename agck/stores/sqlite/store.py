@@ -394,7 +394,7 @@ class SqliteStore(TransactionalPuts, Store):
         :meth:`Store.log_append`): the batch is one row, numbered on from the run's last."""
         records = check_records(records)
         check_run(run)
-        self._refuse_sealed_log(self.log_ref(run))
+        self._refuse_sealed_log(self.log_ref(run), records)
         records = list(records)
         with self._lock:
             c = self._db()
