@@ -161,3 +161,17 @@ def store(store_spec):
     s = open_store(url, **opts)
     yield s
     s.close()
+
+
+def open_spec(spec, **extra):
+    """The store of ``make_spec``'s (kind, url, options), with ``extra`` options."""
+    from agck.stores import open_store
+    _, url, opts = spec
+    return open_store(url, **{**opts, **extra})
+
+
+def reopen_spec(spec, **extra):
+    """Another store object on the store ``open_spec`` made (its tables not made again)."""
+    from agck.stores import open_store
+    _, url, opts = spec
+    return open_store(url, **{**{k: v for k, v in opts.items() if k != "init"}, **extra})

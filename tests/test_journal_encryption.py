@@ -23,7 +23,7 @@ from agck.errors import UsageError
 from agck.journal import inspect_journal
 from agck.stores import open_store
 
-from conftest import make_spec
+from conftest import make_spec, open_spec, reopen_spec
 
 MARK = "AGCK-PLANTED-MARKER-5e1d"
 KEY = "correct horse battery staple"
@@ -34,14 +34,7 @@ def spec(request, tmp_path):
     return make_spec(request.param, request, tmp_path)
 
 
-def opened(spec, **extra):
-    _, url, opts = spec
-    return open_store(url, **{**opts, **extra})
-
-
-def fresh(spec, **extra):
-    _, url, opts = spec
-    return open_store(url, **{**{k: v for k, v in opts.items() if k != "init"}, **extra})
+opened, fresh = open_spec, reopen_spec
 
 
 def stored_bytes(spec, store) -> list[bytes]:

@@ -23,7 +23,7 @@ from agck.errors import CorruptCheckpointError, DamagedChunkError, EncryptionKey
 from agck.recovery import verify_store
 from agck.stores import open_store
 
-from conftest import make_spec, pg_prefix
+from conftest import make_spec, open_spec, pg_prefix, reopen_spec
 
 MARK = b"AGCK-PLANTED-MARKER-5e1d"
 KEY = "correct horse battery staple"
@@ -47,16 +47,7 @@ def spec(request, tmp_path):
     return make_spec(request.param, request, tmp_path)
 
 
-def opened(spec, **extra):
-    _, url, opts = spec
-    return open_store(url, **{**opts, **extra})
-
-
-def fresh(spec, **extra):
-    """Another store object on the same tables (not creating them again)."""
-    _, url, opts = spec
-    opts = {k: v for k, v in opts.items() if k != "init"}
-    return open_store(url, **{**opts, **extra})
+opened, fresh = open_spec, reopen_spec
 
 
 # -- the raw rows ---------------------------------------------------------------------------
