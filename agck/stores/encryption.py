@@ -165,6 +165,32 @@ class SealedObjects:
                 out[address] = data
         return out
 
+    @staticmethod
+    def by_address(found: dict, names: dict[bytes, bytes]) -> dict:
+        """``found`` (name -> stored bytes) keyed by address, still sealed (:meth:`found_into` opens them)."""
+        return {names[bytes(n)]: d for n, d in found.items() if bytes(n) in names}
+
+    def found_into(self, found: dict):
+        """A ``fetch_into`` for :func:`agck.stores.content.decode` over sealed chunks
+        already read (``found``: address -> sealed bytes): each opened straight into its
+        place, on the reading threads, with no copy. One that does not open is reported
+        one byte longer than its place, so it is judged damaged by its address."""
+        def into(address: bytes, view: memoryview) -> int | None:
+            data = found.get(address)
+            if data is None:
+                return None
+            n = memoryview(data).nbytes - cipher.OVERHEAD
+            if 0 < n <= view.nbytes:
+                try:
+                    self.key.open(cipher.Kind.CHUNK, cipher.chunk_context(self.key.name(address)), data,
+                                  what="a chunk", out=view[:n])
+                    return n
+                except (UnsupportedVersionError, CorruptCheckpointError) as e:
+                    log.warning("chunk %s %s", address.hex()[:16], e.reason)
+            return view.nbytes + 1
+
+        return into
+
     def sizes(self, stored: dict[bytes, int | None], names: dict[bytes, bytes]) -> dict[bytes, int | None]:
         """Stored sizes by name -> the sizes sealed, by address (a sealed chunk is 48 bytes longer)."""
         return {names[bytes(n)]: (None if k is None else k - cipher.OVERHEAD) for n, k in stored.items()

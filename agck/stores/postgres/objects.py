@@ -137,7 +137,7 @@ class SharedObjects:
         found = {bytes(a) for (a,) in cur.fetchall()}
         return found if names is None else {names[a] for a in found}
 
-    def _read_objects(self, cur, addresses: list[bytes], *, external: bool = True) -> dict:
+    def _read_objects(self, cur, addresses: list[bytes], *, external: bool = True, sealed: bool = False) -> dict:
         """The listed objects the store holds (address -> bytes): those in the database
         in one COPY, then (``external``) the rest from the object store, if it has one."""
         sink = ObjectsOut()
@@ -149,7 +149,7 @@ class SharedObjects:
         cur.copy_expert(query, sink, size=COPY_IO_SIZE)
         found = sink.finish()
         if names is not None:    # rows keyed by name, sealed: opened (an encrypted store has no object store)
-            return self._sealed.opened(found, names)
+            return self._sealed.by_address(found, names) if sealed else self._sealed.opened(found, names)
         if external and self._objects is not None:
             found.update(self._objects.fetch([a for a in wanted if a not in found]))
         return found

@@ -205,7 +205,8 @@ class Reads:
             check_checksum(buf, checksum, ref, sealed=self.sealer is not None)
             buf = self._opened_listing(run, step, buf, ref)
             addresses = content.listed_addresses(buf, verify=verify, ref=ref)
-            return buf, addresses, self._read_objects(cur, addresses, external=False) if addresses is not None else {}
+            return buf, addresses, (self._read_objects(cur, addresses, external=False, sealed=True)
+                                    if addresses is not None else {})
 
         # One snapshot for the manifest, the chunk layout, the data and the objects held in the
         # database; objects in an object store are read after, each straight into its place.
@@ -215,5 +216,7 @@ class Reads:
             streamed, "read failed", ref)
         outside = {} if self._objects is None or addresses is None else \
             {"fetch_into": self._fetch_into(found), "fetch_threads": REQUESTS}
+        if self._sealed is not None:      # sealed chunks opened straight into place
+            outside = {"fetch_into": self._sealed.found_into(found)}
         return decode_read(self, buf, found, addresses, run=run, step=step, verify=verify,
                            map_location=map_location, ref=ref, **outside)

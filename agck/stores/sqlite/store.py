@@ -559,23 +559,27 @@ class SqliteStore(TransactionalPuts, Store):
                     check_checksum(buf, checksum, ref, sealed=self.sealer is not None)
                     buf = self._opened_listing(run, step, buf, ref)
                     addresses = content.listed_addresses(buf, verify=verify, ref=ref)
-                    found = self._read_objects(c, addresses) if addresses is not None else {}
+                    found = self._read_objects(c, addresses, sealed=True) if addresses is not None else {}
                 finally:
                     c.execute("COMMIT")
             except sqlite3.Error as e:
                 raise StoreError(f"read failed: {e}", ref=ref) from None
         return decode_read(self, buf, found, addresses, run=run, step=step, verify=verify,
-                           map_location=map_location, ref=ref)
+                           map_location=map_location, ref=ref,
+                           fetch_into=self._sealed.found_into(found) if self._sealed is not None else None)
 
-    def _read_objects(self, c: sqlite3.Connection, addresses: list[bytes]) -> dict:
-        """address -> the bytes stored for it (opened, in an encrypted store)."""
+    def _read_objects(self, c: sqlite3.Connection, addresses: list[bytes], *, sealed: bool = False) -> dict:
+        """address -> the bytes stored for it (opened, in an encrypted store, unless
+        ``sealed``: then as stored, for :meth:`SealedObjects.found_into` to open in place)."""
         found = {}
         names = self._sealed.names(addresses) if self._sealed is not None else None
         for batch in batches(list(dict.fromkeys(addresses)) if names is None else list(names), _IN_BATCH):
             rows = c.execute(f"SELECT address, data FROM {self._t_objects} WHERE address IN "
                              f"({','.join('?' * len(batch))})", batch)
             found.update((bytes(a), d) for a, d in rows)
-        return found if names is None else self._sealed.opened(found, names)
+        if names is None:
+            return found
+        return self._sealed.by_address(found, names) if sealed else self._sealed.opened(found, names)
 
     def _read_locked(self, c, run, step, ref):
         row = c.execute(f"SELECT size, checksum, nchunks FROM {self._t_manifest} WHERE run = ? AND step = ?",
