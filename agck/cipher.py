@@ -125,6 +125,7 @@ class DataKey:
         # names the data key in its slots and in messages (64 bits of a one-way derivation: says nothing of it)
         self.key_id = blake3.blake3(self._key, derive_key_context="agck 2026-12 key id v1").hexdigest()[:16]
         self.slot_id: str | None = None      # the key slot this data key was opened from, if any
+        self.made_now = False                # made by this store object: the store became encrypted now
 
     @classmethod
     def new(cls) -> "DataKey":

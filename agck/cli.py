@@ -603,6 +603,9 @@ def cmd_key(args) -> int:
                                                                       or os.listdir(args.store)):
             raise _Exit(EXIT_USAGE, f"agck key init: {_redact(args.store)} is not an empty directory")
         with open_store(args.store, key=encryption.new_key(args.new_key_file)) as store:
+            if store.sealer is None or not store.sealer.made_now:
+                raise _Exit(EXIT_USAGE, f"agck key init: {store.where} is encrypted already "
+                                        "(agck key add adds a key to it)")
             [slot] = store.key_slots()
         _emit(args, {"store": store.url, "slot": _slot_row(slot)},
               lambda: f"{store.url}: encrypted; key slot {slot['id']} ({slot['kind']}). Keep that key: without "

@@ -12,6 +12,7 @@ not open; keys are added and removed without rewriting rows; ``seal_meta`` keeps
 from __future__ import annotations
 
 import glob
+import json
 import os
 
 import numpy as np
@@ -278,3 +279,24 @@ def test_a_catalog_over_a_bucket_refuses_a_key(request, tmp_path):
     kind, url, opts = make_spec("postgres-s3", request, tmp_path)
     with pytest.raises(UsageError, match="does not encrypt yet"):
         open_store(url, **opts, key=KEY)
+
+
+def test_the_key_command_and_verify_take_the_key_the_same_way_on_sqlite(tmp_path, monkeypatch, capsys):
+    from agck.cli import main as cli_main
+    url = f"sqlite:///{tmp_path}/k.db"
+    k1, k2 = tmp_path / "k1", tmp_path / "k2"
+    k1.write_text(os.urandom(32).hex())
+    k2.write_text(os.urandom(32).hex())
+    assert cli_main(["key", "init", url, "--new-key-file", str(k1)]) == 0
+    monkeypatch.setenv("AGCK_KEY_FILE", str(k1))
+    open_store(url).put("run", 1, state(1))
+    assert cli_main(["verify", url]) == 0
+    assert cli_main(["key", "rotate", url, "--new-key-file", str(k2)]) == 0     # k1's slot goes
+    assert cli_main(["verify", url]) != 0                                       # k1 opens nothing now
+    monkeypatch.setenv("AGCK_KEY_FILE", str(k2))
+    assert cli_main(["verify", url]) == 0 and cli_main(["scrub", url]) == 0
+    capsys.readouterr()
+    assert cli_main(["key", "list", url, "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 1
+    assert cli_main(["key", "init", url, "--new-key-file", str(k2)]) != 0      # encrypted already: refused
+    assert "encrypted already" in capsys.readouterr().err

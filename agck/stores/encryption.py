@@ -78,7 +78,7 @@ def data_key(slots: SlotFiles, key, *, empty: Callable[[], bool], where: str) ->
         slots.save(slot)
     except CheckpointExistsError:
         return cipher.open_slots(slots.load(), user, where)[0]
-    new.slot_id = slot["id"]
+    new.slot_id, new.made_now = slot["id"], True
     return new
 
 
