@@ -52,6 +52,7 @@ class JournalLogs:
         before and after it."""
         records = check_records(records)
         check_run(run)
+        self._refuse_sealed_log(self.log_ref(run), records)
         body = b"".join(records)
         with self._journal_lock:
             seq = self._journal_heads.get(run)

@@ -43,12 +43,12 @@ from typing import Any, Callable, Collection, Iterable
 
 import xxhash
 
-from ... import checkpoint, chunking, failpoints, thresholds
+from ... import checkpoint, chunking, cipher, failpoints, thresholds
 from ...args import check_addresses, check_seconds
 from ...checkpoint import Checkpoint
 from ...errors import (AgckError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
                       DamagedChunkError, DurabilityError, StoreConnectionError, StoreError, UsageError)
-from .. import compression, content, damage
+from .. import compression, content, damage, encryption
 from . import log as s3log
 from ...names import is_run_name
 from ..base import CheckpointInfo, Store, check_identity, check_last, check_run, check_step
@@ -82,8 +82,10 @@ class S3Store(JournalLogs, Store):
     def __init__(self, url: str, *, create: bool = True, incremental: bool = True, full_every: int | None = None,
                  min_chunked: int | None = None, verify_reused: str = damage.DEFAULT_VERIFY_REUSED,
                  client: ObjectClient | None = None, stale_after: float | None = None, grace: float = 3600.0,
-                 chunk_grid: int = CHUNK_GRID, compress: str = compression.DEFAULT, level: int | None = None):
+                 chunk_grid: int = CHUNK_GRID, compress: str = compression.DEFAULT, level: int | None = None,
+                 key=None):
         super().__init__()
+        given = encryption.given_key(key)     # a bad key argument is refused before any request
         if client is not None and not isinstance(client, ObjectClient):
             raise UsageError(f"client must be an agck.stores.s3.client.ObjectClient, not {type(client).__name__}")
         self._set_policy(incremental, full_every, min_chunked, verify_reused)
@@ -110,6 +112,22 @@ class S3Store(JournalLogs, Store):
         self._in_pool = threading.local()
         self._writer = _token()                   # names this store object's records
         self._open(create)
+        self._set_encryption(_KeySlots(self.c), given, where=self.url, empty=self._empty)
+
+    def _empty(self) -> bool:
+        return next(iter(self.c.list("runs/")), None) is None and next(iter(self.c.list("chunks/")), None) is None
+
+    def _ckey(self, address: bytes) -> str:
+        """A chunk's object key: by its address, or in an encrypted store by its keyed name (FORMAT.md 18.3)."""
+        return chunk_key(address if self.sealer is None else self.sealer.name(address))
+
+    def _opened_chunk(self, address: bytes, data):
+        """A stored chunk as the store encoded it (opened, in an encrypted store; one
+        that does not open stays sealed: 48 bytes too long, judged damaged by its address)."""
+        if self._sealed is None or data is None:
+            return data
+        return self._sealed.opened({self.sealer.name(address): data}, {self.sealer.name(address): address}
+                                   ).get(address, data)
 
     def _open(self, create: bool) -> None:
         marker = self.c.get(MARKER)
@@ -160,7 +178,7 @@ class S3Store(JournalLogs, Store):
         if not create and sub.get(MARKER) is None:
             return None
         return S3Store(sub.url, client=sub, stale_after=self.stale_after, grace=self.grace,
-                       chunk_grid=self.chunk_grid, **self._policy())
+                       chunk_grid=self.chunk_grid, key=self.sealer, **self._policy())
 
     # -- keys ------------------------------------------------------------------
     @staticmethod
@@ -369,8 +387,9 @@ class S3Store(JournalLogs, Store):
             plan = content.plan_chunks(w, cache, expect_unchanged=expect_unchanged, ref=ref, large=self.large)
             self._send_missing(plan)
             self._known.update(plan.distinct)
-            listing = content.listing(w, plan.chunks, run=run, step=step, parent=parent, meta=meta,
-                                      framed=self.compression.on)
+            listing = self._seal_listing(run, step, content.listing(w, plan.chunks, run=run, step=step,
+                                                                    parent=parent, meta=meta,
+                                                                    framed=self.compression.on))
             held.check()
             self._commit(run, step, [listing], w.total_len, parent, overwrite, epoch, ref)
         self._caches.give(run, cache)
@@ -393,11 +412,13 @@ class S3Store(JournalLogs, Store):
         half = max(1, len(ask) // 2)
         count = threading.Lock()
 
+        extra = 0 if self.sealer is None else cipher.OVERHEAD
+
         def settle(a: bytes) -> int | None:
-            h = self.c.head(chunk_key(a))
+            h = self.c.head(self._ckey(a))
             if h is not None:
-                return h.size
-            self.c.put(chunk_key(a), self._stored_form(plan, a))
+                return h.size - extra
+            self.c.put(self._ckey(a), self._stored_form(plan, a))
             with count:
                 sent.append(a)
                 midway = len(sent) == half
@@ -411,15 +432,20 @@ class S3Store(JournalLogs, Store):
         bad = damage.reused_damage(stored, plan.size, mode, turn, read=self._read_chunks)
         for a, why in bad.items():
             self._set_aside(a, why)
-        self._map(lambda a: self.c.put(chunk_key(a), self._stored_form(plan, a)), list(bad))
+        self._map(lambda a: self.c.put(self._ckey(a), self._stored_form(plan, a)), list(bad))
         plan.count_new(sent + list(bad))
 
     def _stored_form(self, plan: content.Plan, address: bytes):
-        """The bytes to upload for one chunk: as the store compresses them (on the uploading thread)."""
-        return self.compression.encode(address, plan.upload(address), plan.itemsize(address)).stored
+        """The bytes to upload for one chunk: as the store compresses them, then seals
+        them in an encrypted store (on the uploading thread)."""
+        stored = self.compression.encode(address, plan.upload(address), plan.itemsize(address)).stored
+        if self.sealer is None:
+            return stored
+        name = self.sealer.name(address)
+        return self.sealer.seal(cipher.Kind.CHUNK, cipher.chunk_context(name), stored)
 
     def _read_chunks(self, addresses: list[bytes]) -> dict[bytes, Any]:
-        got = self._map(lambda a: self.c.get(chunk_key(a)), addresses)
+        got = self._map(lambda a: self._opened_chunk(a, self.c.get(self._ckey(a))), addresses)
         return {a: d for a, d in zip(addresses, got) if d is not None}
 
     def _commit(self, run: str, step: int, parts: list, length: int, parent: int | None, overwrite: bool,
@@ -501,7 +527,8 @@ class S3Store(JournalLogs, Store):
                 info = CheckpointInfo(run=r, step=s, ref=self.ref(r, s), size=e.length or e.size,
                                       created_at=e.created_at, parent=e.parent)
                 try:
-                    _, m = checkpoint.parse_head(self._head_bytes(r, e), ref=info.ref)
+                    head = self._opened_listing(r, s, self._head_bytes(r, e), info.ref)
+                    _, m = checkpoint.parse_head(head, ref=info.ref)
                     info.meta = m.get("meta")
                 except (AgckError, OSError):
                     pass     # listed without its meta; verify/recover say what is wrong
@@ -556,7 +583,7 @@ class S3Store(JournalLogs, Store):
         if e is None:
             raise CheckpointNotFoundError(f"no checkpoint at step {step}", ref=ref,
                                           hint=f"`agck ls {self.url} --run {run}` lists the steps")
-        buf = self._container(run, e, ref)
+        buf = self._opened_listing(run, step, self._container(run, e, ref), ref)
         try:
             ck = content.decode(buf, self._get_chunk, verify=verify, map_location=map_location, ref=ref,
                                 fetch_into=self._get_chunk_into, fetch_threads=REQUESTS)
@@ -567,15 +594,19 @@ class S3Store(JournalLogs, Store):
         return ck
 
     def _get_chunk(self, address: bytes, size: int):
-        return self.c.get(chunk_key(address))
+        return self._opened_chunk(address, self.c.get(self._ckey(address)))
 
     def _get_chunk_into(self, address: bytes, view: memoryview) -> int | None:
-        return self.c.get_into(chunk_key(address), view)
+        if self._sealed is None:
+            return self.c.get_into(chunk_key(address), view)
+        data = self.c.get(self._ckey(address))        # sealed: opened from here into its place
+        return None if data is None else self._sealed.found_into({address: data})(address, view)
 
     # -- shared content ---------------------------------------------------------
     def _listings(self, folds: dict[str, s3log.RunState]) -> list[tuple[str, Callable[[], object]]]:
         """(ref, read its stored container) of every committed checkpoint of ``folds``."""
-        return [(self.ref(r, s), lambda r=r, e=e, ref=self.ref(r, s): self._container(r, e, ref, checked=False))
+        return [(self.ref(r, s), lambda r=r, s=s, e=e, ref=self.ref(r, s):
+                 self._opened_listing(r, s, self._container(r, e, ref, checked=False), ref))
                 for r, st in sorted(folds.items()) for s, e in sorted(st.steps.items())]
 
     def _orphan_data(self, folds: dict[str, s3log.RunState]) -> list[ObjectInfo]:
@@ -608,7 +639,8 @@ class S3Store(JournalLogs, Store):
             if not live.complete:
                 return live.collected()
             stored = [(a, o) for o in self.c.list("chunks/") if (a := address_of(o.key)) is not None]
-            dead = [(a, o) for a, o in stored if a not in live.addresses]
+            named = live.addresses if self.sealer is None else set(self._sealed.names(live.addresses))
+            dead = [(a, o) for a, o in stored if a not in named]
             if dead:
                 held.check()
                 self._new_generation()
@@ -619,7 +651,7 @@ class S3Store(JournalLogs, Store):
             kept = {a for a, _ in stored} - {a for a, _ in dead}
             for o in self.c.list("quarantine/"):
                 a = _quarantined_address(o.key)
-                if a is not None and (a not in live.addresses or a in kept):
+                if a is not None and (a not in named or a in kept):
                     orphans.append(o)
             self._map(lambda o: self.c.delete(o.key), orphans)
         return live.collected(len(dead), sum(o.size for _, o in dead))
@@ -628,14 +660,15 @@ class S3Store(JournalLogs, Store):
     def _set_aside(self, address: bytes, why: str) -> str | None:
         """Copy a damaged chunk's bytes to quarantine/ (the next put of its content
         writes good ones under its name); the generation moves on first."""
-        data = self.c.get(chunk_key(address))
+        data = self.c.get(self._ckey(address))
         if data is None:
             return None
         self._new_generation()
-        key = f"quarantine/{address.hex()}.{time.time_ns()}"
+        stored_as = address if self.sealer is None else self.sealer.name(address)   # no key names an address
+        key = f"quarantine/{stored_as.hex()}.{time.time_ns()}"
         self.c.put(key, data)
         self.c.put(key + ".why", why.encode())
-        self.c.delete(chunk_key(address))
+        self.c.delete(self._ckey(address))
         return key
 
     def quarantine(self, addresses) -> dict[bytes, str]:
@@ -672,7 +705,8 @@ class S3Store(JournalLogs, Store):
             listings = [(ref, lambda load=load, ref=ref: content.listed_addresses(load(), verify=True, ref=ref))
                         for ref, load in self._listings(self._folds())]
             chunks = [(a, o) for o in self.c.list("chunks/") if (a := address_of(o.key)) is not None]
-            return damage.scrub(self.url, listings, self._prefetched(chunks), progress)
+            return damage.scrub(self.url, listings, self._prefetched(chunks), progress,
+                                name=None if self.sealer is None else self.sealer.name)
 
     def _prefetched(self, chunks: list[tuple[bytes, ObjectInfo]]):
         """(address, size, ref, read) of each chunk, their bytes fetched REQUESTS at a time
@@ -682,7 +716,7 @@ class S3Store(JournalLogs, Store):
             datas = self._map(lambda item: self.c.get(item[1].key), batch)
             for (a, o), d in zip(batch, datas):
                 # no size to judge by: a bucket lists the stored size, which a compressed chunk's is not
-                yield a, None, self.c.ref(o.key), (lambda d=d: d)
+                yield a, None, self.c.ref(o.key), (lambda a=a, d=d: self._opened_object(a, d))
 
     # -- housekeeping -------------------------------------------------------------
     def orphans(self, run: str | None = None) -> list[str]:
@@ -770,3 +804,29 @@ def _quarantined_address(key: str) -> bytes | None:
         return None
 
 
+
+
+class _KeySlots:
+    """An s3 store's key slots (FORMAT.md 18.6): ``keys/<id>.json``, each created only if
+    absent (``If-None-Match: *``); nothing secret in them."""
+
+    def __init__(self, client: ObjectClient):
+        self.c = client
+
+    def load(self) -> list[dict]:
+        out = []
+        for o in self.c.list("keys/"):
+            if o.key.endswith(".json"):
+                data = self.c.get(o.key)
+                if data is not None:
+                    out.append(encryption.slot_from_json(bytes(data), self.c.ref(o.key)))
+        return sorted(out, key=lambda x: x["id"])
+
+    def save(self, slot: dict) -> None:
+        try:
+            self.c.put(f"keys/{slot['id']}.json", encryption.slot_json(slot).encode(), create=True)
+        except ObjectExists:
+            raise CheckpointExistsError(f"key slot {slot['id']} exists", ref=self.c.ref("keys/")) from None
+
+    def remove(self, slot_id: str) -> None:
+        self.c.delete(f"keys/{slot_id}.json")
