@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
-import torch
 
 import agck
 from agck.errors import CorruptCheckpointError, DamagedChunkError, EncryptionKeyError, UsageError
@@ -23,19 +21,7 @@ from agck.stores import open_store
 
 from conftest import make_spec
 
-MARK = b"AGCK-PLANTED-MARKER-5e1d"
-KEY = "correct horse battery staple"
-MiB = 1 << 20
-
-
-def state(i: int, nbytes: int = 3 * MiB) -> dict:
-    g = torch.Generator().manual_seed(i)
-    return {"w": torch.randn(nbytes // 4, generator=g) * 0.02, "note": MARK.decode() * 50 + str(i),
-            "raw": np.frombuffer(MARK * 2000, np.uint8).copy(), "i": i}
-
-
-def same(a: dict, b: dict) -> bool:
-    return torch.equal(a["w"], b["w"]) and a["note"] == b["note"] and np.array_equal(a["raw"], b["raw"])
+from test_store_encryption_sql import KEY, MARK, same, state  # the same state and marker as there
 
 
 @pytest.fixture
