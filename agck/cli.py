@@ -612,9 +612,6 @@ def cmd_key(args) -> int:
                       "it (or another added later) nothing in the store can be read")
         return EXIT_OK
     with _open(args.store) as store:
-        if not hasattr(store, "key_slots"):
-            raise _Exit(EXIT_USAGE, f"agck key: {store.where} does not encrypt (the file, SQLite and Postgres "
-                                    "stores do)")
         if args.action == "add":
             slot = store.add_key(encryption.new_key(args.new_key_file))
             _emit(args, _slot_row(slot), lambda: f"added key slot {slot['id']} ({slot['kind']})")

@@ -118,3 +118,39 @@ def test_keys_rotate_without_rewriting_objects_and_a_wrong_key_is_refused(url):
     parts.put("run", 1, {"note": MARK.decode()})
     assert open_store(url, key=new).parts_store(create=False).get("run", 1).state["note"] == MARK.decode()
     assert all(MARK not in v for v in objects(s).values())
+
+
+def test_the_postgres_catalog_over_a_bucket_seals_its_chunks_there(request, tmp_path):
+    _, dsn, opts = make_spec("postgres-s3", request, tmp_path)
+    s = open_store(dsn, **opts, key=KEY)
+    s.put("run", 1, state(1), meta={"step": 1})
+    s.put("run", 2, state(2))
+    with agck.Journal(s, "run") as j:
+        j.step("f", lambda: {"text": MARK.decode()})
+    bucket = s._objects.c
+    for o in bucket.list(""):
+        assert MARK not in bytes(bucket.get(o.key)), o.key
+    stored = s._objects.stored()
+    assert stored and not set(stored) & set(s.last_put.addresses)     # under keyed names
+    reopened = {k: v for k, v in opts.items() if k != "init"}
+    f = open_store(dsn, **reopened, key=KEY)
+    assert same(f.get("run", 1).state, state(1)) and same(f.get("run", 2).state, state(2))
+    assert f.scrub().ok
+    name = max(stored, key=stored.get)
+    good = bytes(bucket.get(f"chunks/{name.hex()[:2]}/{name.hex()[2:]}"))
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 1
+    bucket.put(f"chunks/{name.hex()[:2]}/{name.hex()[2:]}", bytes(bad))
+    with pytest.raises(DamagedChunkError):
+        for step in (1, 2):
+            open_store(dsn, **reopened, key=KEY).get("run", step)
+    assert open_store(dsn, **reopened, key=KEY).quarantined()
+    g = open_store(dsn, **reopened, key=KEY)
+    g.put("run", 3, state(1) | {"i": 3})
+    g.put("run", 4, state(2) | {"i": 4})                     # both contents uploaded afresh: healed
+    assert same(g.get("run", 1).state, state(1)) and same(g.get("run", 2).state, state(2))
+    g.delete("run", 1)
+    assert not g.collect_garbage().unreadable
+    assert same(open_store(dsn, **reopened, key=KEY).get("run", 2).state, state(2))
+    with pytest.raises(EncryptionKeyError):
+        open_store(dsn, **reopened, key="wrong")

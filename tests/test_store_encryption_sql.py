@@ -275,11 +275,6 @@ def test_multi_rank_parts_are_sealed_with_the_store_s_data_key(spec):
         assert MARK not in data
 
 
-def test_a_catalog_over_a_bucket_refuses_a_key(request, tmp_path):
-    kind, url, opts = make_spec("postgres-s3", request, tmp_path)
-    with pytest.raises(UsageError, match="does not encrypt yet"):
-        open_store(url, **opts, key=KEY)
-
 
 def test_the_key_command_and_verify_take_the_key_the_same_way_on_sqlite(tmp_path, monkeypatch, capsys):
     from agck.cli import main as cli_main

@@ -69,8 +69,8 @@ def _construct(cls, url: str, options: dict) -> Store:
         # a key that would be ignored is refused: the data would be written in the clear
         raise UsageError(f"{cls.__name__} does not encrypt yet: a key was given "
                          f"({'key=' if options.get('key') is not None else ' or '.join('$' + v for v in _KEY_ENV)})",
-                         hint="encryption at rest is on the file, SQLite and Postgres stores so far; unset the "
-                              "key for this store, or keep the checkpoints in one of those")
+                         hint="unset the key for this store, or keep the checkpoints in an agck store that "
+                              "encrypts (file, SQLite, Postgres, s3)")
     options = {k: v for k, v in options.items() if not (k == "key" and v is None and "key" not in takes)}
     unknown = sorted(set(options) - set(takes))
     if unknown:

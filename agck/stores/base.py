@@ -205,7 +205,7 @@ class Store(ABC):
     def _opened_object(self, name: bytes, data):
         """A stored object as scrub judges it: opened, in an encrypted store that keeps
         chunks in rows (one that does not open stays sealed and matches nothing)."""
-        if self._sealed is None:
+        if self._sealed is None or data is None:
             return data
         name = bytes(name)
         return self._sealed.opened({name: data}, {name: name}, quiet=True).get(name, data)

@@ -51,7 +51,7 @@ from typing import Callable
 import psycopg2
 import psycopg2.errors
 
-from ... import failpoints
+from ... import cipher, failpoints
 from ...args import check_addresses
 from ...errors import DurabilityError
 from .. import content, damage
@@ -148,15 +148,18 @@ class SharedObjects:
                             (wanted if names is None else list(names),)).decode("utf-8")
         cur.copy_expert(query, sink, size=COPY_IO_SIZE)
         found = sink.finish()
-        if names is not None:    # rows keyed by name, sealed: opened (an encrypted store has no object store)
+        if external and self._objects is not None:    # (in an encrypted catalog, by name)
+            found.update(self._objects.fetch([a for a in (wanted if names is None else names) if a not in found]))
+        if names is not None:    # rows and objects keyed by name, sealed: opened, or left sealed for found_into
             return self._sealed.by_address(found, names) if sealed else self._sealed.opened(found, names)
-        if external and self._objects is not None:
-            found.update(self._objects.fetch([a for a in wanted if a not in found]))
         return found
 
     def _fetch_into(self, found: dict):
         """A ``fetch_into`` for :func:`content.decode`: an object read from the database
-        (``found``) copied into place, any other read from the object store straight into it."""
+        (``found``) copied into place, any other read from the object store straight into it.
+        Encrypted: each sealed chunk, from ``found`` or the object store, opened into place."""
+        if self._sealed is not None:
+            return self._sealed_into(found)
         ext, held = self._objects, content.found_into(found)
 
         def into(address: bytes, view: memoryview) -> int | None:
@@ -164,6 +167,26 @@ class SharedObjects:
             return ext.fetch_into(address, view) if got is None else got
 
         return into
+
+    def _sealed_into(self, found: dict):
+        ext, opened = self._objects, self._sealed.found_into(found)
+
+        def into(address: bytes, view: memoryview) -> int | None:
+            if address not in found and ext is not None:
+                name = self.sealer.name(address)
+                data = ext.fetch([name]).get(name)
+                return None if data is None else self._sealed.found_into({address: data})(address, view)
+            return opened(address, view)
+
+        return into
+
+    def _object_sizes(self, addresses: list[bytes]) -> dict[bytes, int | None]:
+        """The object store's sizes of ``addresses`` (None where absent); in an encrypted
+        catalog looked up by name, the 48 bytes of sealing taken off."""
+        if self._sealed is None:
+            return self._objects.sizes(addresses)
+        names = self._sealed.names(addresses)
+        return self._sealed.sizes(self._objects.sizes(list(names)), names)
 
     # -- a put's objects ----------------------------------------------------------------
     def _put_objects(self, cur, plans: list["content.Plan"], present: set[bytes]) -> None:
@@ -252,7 +275,19 @@ class SharedObjects:
         if not missing:
             return
         itemsize = _itemsizes(plans)
-        self._objects.upload(missing, lambda a, v: self.compression.encode(a, v, itemsize(a)).stored)
+        if self._sealed is None:
+            self._objects.upload(missing, lambda a, v: self.compression.encode(a, v, itemsize(a)).stored)
+        else:     # under its name, compressed then sealed (FORMAT.md 18.3, 18.7)
+            names = {a: self.sealer.name(a) for a, _ in missing}
+            address_of = {n: a for a, n in names.items()}
+
+            def sealed(name: bytes, view: memoryview):
+                a = address_of[name]
+                return self.sealer.seal(cipher.Kind.CHUNK, cipher.chunk_context(name),
+                                        self.compression.encode(a, view, itemsize(a)).stored)
+
+            self._objects.upload([(names[a], v) for a, v in missing], sealed)
+            missing = [(names[a], v) for a, v in missing]
         failpoints.hit("pgobj.after_upload")
         missing.sort()      # writers inserting the same new rows meet them in one order: no deadlock
         cur.execute(f"INSERT INTO {self.names.objects} (address, size, data) SELECT * FROM "
@@ -280,6 +315,8 @@ class SharedObjects:
         quarantine table, and move the gc generation on: every store object forgets
         what it knew to be stored, so none relies on them without looking."""
         n = self.names
+        if self._sealed is not None:     # rows and objects keyed by name (FORMAT.md 18.3)
+            bad = {self.sealer.name(a): why for a, why in bad.items()}
         cur.execute("SAVEPOINT agck_quarantine")
         try:     # two first quarantines may race to create the table
             cur.execute(pgschema.quarantine_ddl(n) + "; RELEASE SAVEPOINT agck_quarantine")
@@ -292,8 +329,6 @@ class SharedObjects:
             held = [bytes(a) for (a,) in cur.fetchall()]
             outside = {a: None for a in held}
             outside.update(self._objects.fetch(held))
-        if self._sealed is not None:     # rows keyed by name (FORMAT.md 18.3); no object store
-            bad = {self.sealer.name(a): why for a, why in bad.items()}
         addresses, reasons = list(bad), list(bad.values())
         kept = [None if outside.get(a) is None else psycopg2.Binary(outside[a]) for a in addresses]
         cur.execute(f"INSERT INTO {n.quarantine} (address, size, data, reason) SELECT o.address, "
@@ -316,7 +351,7 @@ class SharedObjects:
                 # a row whose object the bucket lost: the catalog no longer holds it, so the
                 # next put holding its content uploads it again (and heals what lists it)
                 cur.execute(f"DELETE FROM {self.names.objects} WHERE address = ANY(%s::bytea[]) AND data IS NULL",
-                            (gone,))
+                            (gone if self._sealed is None else list(self._sealed.names(gone)),))
             if bad:
                 self._quarantine_rows(cur, bad)
             elif gone:   # writers that knew it stored look again
@@ -359,7 +394,8 @@ class SharedObjects:
                     for a, size, data in rows:
                         a = bytes(a)
                         load = (lambda a=a, d=data: self._opened_object(a, d)) if data is not None else \
-                            (lambda a=a: self._objects.fetch([a]).get(a) if self._objects is not None else None)
+                            (lambda a=a: self._opened_object(a, self._objects.fetch([a]).get(a))
+                             if self._objects is not None else None)
                         yield a, size, f"{n.objects_ref}(address='\\x{a.hex()}')", load
                     after = bytes(rows[-1][0])
 

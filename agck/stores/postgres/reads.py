@@ -216,7 +216,7 @@ class Reads:
             streamed, "read failed", ref)
         outside = {} if self._objects is None or addresses is None else \
             {"fetch_into": self._fetch_into(found), "fetch_threads": REQUESTS}
-        if self._sealed is not None:      # sealed chunks opened straight into place
-            outside = {"fetch_into": self._sealed.found_into(found)}
+        if self._sealed is not None:      # sealed chunks opened straight into place (_fetch_into)
+            outside = {"fetch_into": self._fetch_into(found), "fetch_threads": REQUESTS if self._objects else None}
         return decode_read(self, buf, found, addresses, run=run, step=step, verify=verify,
                            map_location=map_location, ref=ref, **outside)

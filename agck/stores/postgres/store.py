@@ -241,11 +241,6 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
             else:
                 self._set_compression(*self._compress_args, local=local, what="Postgres server")
             if init or check_schema:
-                if given is not None and self._objects is not None:
-                    raise UsageError("a Postgres catalog over an object store does not encrypt yet: its chunks "
-                                     "would be written in the clear", ref=self.names.where,
-                                     hint="encryption at rest is on the file, SQLite and Postgres stores; "
-                                          "unset the key, or keep the chunks in the database")
                 self._set_encryption(PgKeySlots(self), given, where=self.names.where, empty=self._empty)
         except BaseException:
             self._pool.close()     # refused (no schema, another bucket): its connection closed now, not at a GC
@@ -491,7 +486,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
                     sizes = self._sealed.sizes(sizes, names)
                     found = [names[a] for a in found]
                 if self._objects is not None and sized:    # a row without data: the stored size is the object's
-                    heads = self._objects.sizes([a for a, k in sizes.items() if k is None])
+                    heads = self._object_sizes([a for a, k in sizes.items() if k is None])
                     lost = {a for a, k in heads.items() if k is None}    # the bucket lost it: sent again
                     sizes.update({a: k for a, k in heads.items() if k is not None})
                     for a in lost:
