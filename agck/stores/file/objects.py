@@ -50,6 +50,7 @@ DIRNAME = ".objects"
 QUARANTINE = "quarantine"
 _MAX_KNOWN = 1 << 22
 _PAGE = 4096             # not a threshold: the alignment O_DIRECT writes want
+_BUFFER_MIN = 1 << 20    # not a threshold: the least a thread's sealing buffer holds (one chunk)
 # each thread's buffer for sealed chunks, kept: a chunk sealed or opened touches no fresh pages
 _sealed_reads = threading.local()    # read_into: the sealed file's bytes, opened from here into place
 _sealed_writes = threading.local()   # _add: sealed here (page-aligned: an O_DIRECT write takes it as it is)
@@ -59,7 +60,7 @@ def _thread_buffer(local: threading.local, n: int, aligned: bool = False) -> mem
     """``n`` bytes of this thread's buffer in ``local`` (grown to the largest asked for)."""
     buf = getattr(local, "buf", None)
     if buf is None or buf.nbytes < n:
-        size = max(n, 1 << 20)
+        size = max(n, _BUFFER_MIN)
         if aligned:
             raw = np.empty(size + _PAGE, np.uint8)
             start = -raw.ctypes.data % _PAGE

@@ -746,7 +746,7 @@ class PgKeySlots:
     slot's JSON), made by the first slot; nothing secret in them."""
 
     def __init__(self, store: PostgresStore):
-        self.store = store
+        self.store = weakref.proxy(store)     # no cycle: a store dropped without close() frees its connections
 
     def load(self) -> list[dict]:
         st, n = self.store, self.store.names

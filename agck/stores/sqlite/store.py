@@ -55,6 +55,7 @@ import os
 import sqlite3
 import time
 import urllib.parse
+import weakref
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -770,7 +771,8 @@ class _KeySlots:
     slot's JSON), made by the first slot; nothing secret in them."""
 
     def __init__(self, store: SqliteStore):
-        self.store, self.table = store, f"{store.prefix}_keys"
+        # a proxy, not the store: no cycle, so a store dropped without close() is freed at once
+        self.store, self.table = weakref.proxy(store), f"{store.prefix}_keys"
 
     def load(self) -> list[dict]:
         st = self.store
