@@ -166,7 +166,8 @@ def run_campaigns(cfgs: list) -> dict:
     for c in done[1:]:
         counts = ", ".join(f"{k}: {v}" for k, v in c.cfg.counts.items()) or f"{c.cfg.trials} per store and fault"
         notes.append(f"a campaign of the {c.cfg.profile} profile followed ({', '.join(c.cfg.faults)}; {counts}"
-                     + (f"; every store with compress={c.cfg.compress!r}" if c.cfg.compress else "") + ")")
+                     + (f"; every store with compress={c.cfg.compress!r}" if c.cfg.compress else "")
+                     + ("; every store encrypted" if c.cfg.encrypt else "") + ")")
     both = SimpleNamespace(cfg=cfgs[0], trials=[t for c in done for t in c.trials], notes=notes,
                            pg_kills=sum(getattr(c, "pg_kills", 0) or 0 for c in done) if any(
                                getattr(c, "pg_kills", None) is not None for c in done) else None,

@@ -102,7 +102,7 @@ def test_a_listing_claiming_more_than_memory_is_judged_not_allocated():
 
 def test_a_short_coverage_guided_run_finds_nothing(tmp_path):
     pytest.importorskip("atheris")
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "fuzz"), "--seconds", os.environ.get("AGCK_FUZZ_SECONDS", "4"), "--jobs", "2",
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "fuzz"), "--seconds", os.environ.get("AGCK_FUZZ_SECONDS", "2"), "--jobs", "2",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     rows = {line.split("|")[1].strip(): line.split("|")[3].strip() for line in done.stdout.splitlines()
