@@ -410,18 +410,21 @@ def listing(w: format.ContainerWriter, chunks: Chunks, *, run, step, parent, met
 
 def assemble(listed: format.ChunkedContainer, fetch: Callable[[bytes, int], object], *,
              ref: str | None, fetch_into: Callable[[bytes, memoryview], int | None] | None = None,
-             threads: int | None = None, checked: chunking.CheckedChunks | None = None) -> memoryview:
+             threads: int | None = None, checked: chunking.CheckedChunks | None = None,
+             authenticated: bool = False) -> memoryview:
     """The listed container's bytes, rebuilt from its chunks. ``fetch(address,
     size)`` returns a chunk's bytes (or None if the store lacks it); a store that
     can read a chunk straight into its place passes ``fetch_into(address, view)``
     instead (returns the chunk's size, or None). Sizes are checked here (FORMAT.md
     12.3: DamagedChunkError); addresses and the container by :func:`decode`. With
     ``fetch_into`` and ``checked``, each chunk is also hashed by the thread that read
-    it, while others are still in flight, and ``checked`` notes those that match."""
+    it, while others are still in flight, and ``checked`` notes those that match.
+    ``authenticated``: every chunk ``fetch_into`` places was opened under the store's
+    key, its tag checked (FORMAT.md 18.5): ``checked`` notes it without a hash."""
     buf, first = _buffer_for(listed, fetch, ref, fetch_into)
     view = memoryview(buf)
     if fetch_into is not None:
-        _read_into(listed, fetch_into, view, ref, threads, checked, first)
+        _read_into(listed, fetch_into, view, ref, threads, checked, first, authenticated)
         return buf
     pos = 0
     for i, (a, n) in enumerate(zip(listed.addresses, listed.sizes)):
@@ -528,7 +531,7 @@ def _in_shares(listed: format.ChunkedContainer, work: Callable[[int, int, list[i
 
 def _read_into(listed: format.ChunkedContainer, fetch_into, view: memoryview, ref: str | None,
                threads: int | None = None, checked: chunking.CheckedChunks | None = None,
-               first=None) -> None:
+               first=None, authenticated: bool = False) -> None:
     """Each chunk read into its place (:func:`_in_shares`); hashed there too when
     ``checked`` is given (a mismatch is left for :func:`_raise_mismatch` to report).
     ``first``: chunk 0, already read (:func:`_buffer_for`), copied into place."""
@@ -543,10 +546,10 @@ def _read_into(listed: format.ChunkedContainer, fetch_into, view: memoryview, re
             else:
                 got = fetch_into(a, view[starts[i]:starts[i] + n])
             _placed(i, a, n, got, view[starts[i]:starts[i] + n], ref)
-            if checked is not None and a not in checked.addresses \
-                    and chunking.address(view[starts[i]:starts[i] + n]) == a:
+            if checked is not None and a not in checked.addresses and (
+                    authenticated or chunking.address(view[starts[i]:starts[i] + n]) == a):
                 checked.addresses.add(a)     # a set's add is atomic: the reading threads share it
-                hashed += n
+                hashed += 0 if authenticated else n
         return hashed
 
     hashed = _in_shares(listed, read, ref=ref, name="agck-read", threads=threads)
@@ -661,7 +664,7 @@ def listed_addresses(buf, *, verify: bool, ref: str | None) -> list[bytes] | Non
 
 def decode(buf, fetch: Callable[[bytes, int], object], *, verify: bool, map_location, ref: str | None,
            fetch_into: Callable[[bytes, memoryview], int | None] | None = None,
-           fetch_threads: int | None = None) -> Checkpoint:
+           fetch_threads: int | None = None, authenticated: bool = False) -> Checkpoint:
     """Decode a stored container: a 1.0 container as it is, a chunked one by
     rebuilding its content from the store (``fetch``) first (FORMAT.md rules
     12.1-12.5). Verifying, every chunk is checked against its address (12.3:
@@ -675,8 +678,11 @@ def decode(buf, fetch: Callable[[bytes, int], object], *, verify: bool, map_loca
     shared = isinstance(verify, chunking.CheckedChunks)
     checked = (verify if shared else chunking.CheckedChunks()) if verify else None
     # 12.3: every chunk there, of its size; read over a network, hashed as it arrives
+    # (an encrypted store's chunks were opened, their tags checked: ``authenticated``, 18.5)
+    authenticated = authenticated and fetch_into is not None
     inner = assemble(listed, fetch, ref=ref, fetch_into=fetch_into, threads=fetch_threads,
-                     checked=checked if fetch_threads is not None else None)
+                     checked=checked if fetch_threads is not None or authenticated else None,
+                     authenticated=authenticated)
     if verify:   # 12.3: and of the bytes its address names (those not hashed on arrival)
         _raise_mismatch(checked, listed, inner, ref)
     try:

@@ -204,7 +204,8 @@ def decode_read(store: "Store", buf, found: dict, addresses: list[bytes] | None,
         fetch_into = content.found_into(found)
     try:
         ck = content.decode(buf, content.fetcher(found, addresses or []), verify=verify, map_location=map_location,
-                            ref=ref, fetch_into=fetch_into, fetch_threads=fetch_threads)
+                            ref=ref, fetch_into=fetch_into, fetch_threads=fetch_threads,
+                            authenticated=store.sealer is not None)     # sealed chunks: opened, tags checked
     except DamagedChunkError as e:
         store._damage_found(e)
         raise

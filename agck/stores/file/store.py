@@ -369,7 +369,7 @@ class FileStore(Store):
             try:
                 buf = self._opened_listing(run, step, buf, path)
                 ck = content.decode(buf, self.objects.get, verify=verify, map_location=map_location, ref=path,
-                                    fetch_into=self.objects.read_into)
+                                    fetch_into=self.objects.read_into, authenticated=self.sealer is not None)
             except CorruptCheckpointError as e:
                 # A listing deleted (a prune) or replaced while read, and its chunks collected
                 # meanwhile, is gone or changed, not damaged: read again what is there now

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import struct
 from abc import ABC, abstractmethod
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from ... import failpoints, thresholds
 from ...errors import CorruptCheckpointError, StoreError
@@ -124,8 +124,8 @@ class ObjectsIn(CopyStream):
     """``COPY {objects} (address, size, data) FROM STDIN (FORMAT binary)`` from chunks:
     (address, raw size, stored bytes) each (:func:`agck.stores.content.encode_chunks`)."""
 
-    def __init__(self, chunks: list[tuple[bytes, int, object]]):
-        self.chunks = chunks
+    def __init__(self, chunks: Iterable[tuple[bytes, int, object]]):
+        self.chunks = chunks     # streamed once: an iterator may make each as it is sent
         super().__init__()
 
     def _stream(self):

@@ -213,7 +213,8 @@ class SharedObjects:
             todo = [(a, v) for a, v in missing if a not in encoded]
             encoded.update((a, e) for a, *e in content.encode_chunks(todo, self.compression, _itemsizes(plans)))
             rows = [(a, *encoded[a]) for a, _ in missing]
-            stream = ObjectsIn(rows if self._sealed is None else list(self._sealed.sealed(rows)))
+            # sealed one at a time as the COPY streams them: no second copy of the new chunks held at once
+            stream = ObjectsIn(rows if self._sealed is None else self._sealed.sealed(rows))
             try:     # the savepoint stays open to COMMIT, which commits what it holds
                 cur.copy_expert(f"SAVEPOINT agck_objects; COPY {n.objects} (address, size, data) FROM STDIN "
                                 "(FORMAT binary)", stream, size=COPY_IO_SIZE)

@@ -586,7 +586,8 @@ class S3Store(JournalLogs, Store):
         buf = self._opened_listing(run, step, self._container(run, e, ref), ref)
         try:
             ck = content.decode(buf, self._get_chunk, verify=verify, map_location=map_location, ref=ref,
-                                fetch_into=self._get_chunk_into, fetch_threads=REQUESTS)
+                                fetch_into=self._get_chunk_into, fetch_threads=REQUESTS,
+                                authenticated=self.sealer is not None)
         except DamagedChunkError as err:
             self._damage_found(err)
             raise
