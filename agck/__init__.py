@@ -25,6 +25,7 @@ from .recovery import POLICIES as _POLICIES, Recovery, Rejection  # noqa: E402
 from .stores import Store, open_store  # noqa: E402
 from .applog import AppendLog  # noqa: E402
 from .journal import Journal  # noqa: E402
+from .stores.tiered import TieredStore  # noqa: E402
 
 Store.policies = _POLICIES   # store.get(run) and store.prune: the walk-back above the store floor
 
@@ -47,7 +48,8 @@ def recover(store, run: str | None = None, *, map_location=None, strict: bool = 
         if own:
             s.close()
 
-__all__ += ["open_store", "recover", "AppendLog", "Journal", "Recovery", "Rejection", "Snapshotter", "checkpoint_every"]
+__all__ += ["open_store", "recover", "AppendLog", "Journal", "Recovery", "Rejection", "Snapshotter", "checkpoint_every",
+            "TieredStore"]
 
 
 def __getattr__(name: str):

@@ -245,6 +245,12 @@ def test_s3_with_hostile_environment_values(seaweed, logs, env):
 
 # -- the functions of agck's face --------------------------------------------------------------
 
+def _closed(store):
+    """A store a case made, closed (a tiered one runs a copier thread)."""
+    store.close()
+    return store
+
+
 def _api_cases(tmp, store_url, value, name, step):
     path = os.path.join(tmp, (name if isinstance(name, str) else "x").replace("/", "_").replace("\x00", "")[:60]
                         or "x")
@@ -258,6 +264,7 @@ def _api_cases(tmp, store_url, value, name, step):
         "recover": lambda: agck.recover(store_url, run=name, map_location=value),
         "Journal": lambda: agck.Journal(store_url, name, commit=value, every=step, ms=value),
         "AppendLog": lambda: agck.AppendLog(value, name=name),
+        "TieredStore": lambda: _closed(agck.TieredStore(store_url, value, durable_every=step, keep_local=value)),
         "Snapshotter": lambda: agck.Snapshotter(store_url, name, every=value, mode=name, max_in_flight=step,
                                                 handle_signals=False),
         "checkpoint_every": lambda: agck.checkpoint_every(value, store=store_url, run=name, total=step),
