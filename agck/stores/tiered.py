@@ -218,6 +218,10 @@ class TieredStore(Store):
                     gone = step not in self.local.steps(run)     # deleted or pruned meanwhile: nothing to copy
                 except Exception:
                     gone = False
+                if getattr(e, "verdict", False) and not gone and self._local_damaged(run, step):
+                    # the local copy is damaged: no retry can copy it (the durable tier keeps what it has)
+                    log.warning("agck: %s is damaged in the local tier: not copied", self.ref(run, step))
+                    gone = True
             with self._cond:
                 self._busy = None
                 if ok:
@@ -233,6 +237,14 @@ class TieredStore(Store):
                     delay = min(delay * 2, RETRY_MOST)
             if ok and self.keep_local is not None:
                 self._pruned({run})
+
+    def _local_damaged(self, run: str, step: int) -> bool:
+        """Whether the local tier's copy of (run, step) fails verification (not the durable tier's put)."""
+        try:
+            self.local.read(run, step, verify=True)
+            return False
+        except AgckError as e:
+            return bool(getattr(e, "verdict", False))
 
     def _pruned(self, runs: set[str]) -> None:
         """:meth:`_retain` each of ``runs``, then collect the local tier's garbage if
