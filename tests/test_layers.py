@@ -64,6 +64,7 @@ FLOORS = [
     (4.1, ["agck.stores.file", "agck.stores.sqlite", "agck.stores.s3"]),
     (4.2, ["agck.stores.postgres"]),
     (4.3, ["agck.stores="]),
+    (4.4, ["agck.stores.tiered"]),       # two stores of any backend, opened by URL (open_store)
     (5, ["agck.recovery", "agck.sharded", "agck.journal", "agck.applog"]),
     (6, ["agck.distributed", "agck.snapshot", "agck.snapshot_run", "agck.capture", "agck.staging", "agck.dcp",
          "agck.integrations"]),
