@@ -121,8 +121,8 @@ def write(spec, sql: str, args) -> None:
 
 # -- the promises ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("compress", ["none", "zstd"])
-@pytest.mark.parametrize("nbytes", [3 * MiB, 70 * MiB], ids=["3MiB", "70MiB"])
+@pytest.mark.parametrize("compress, nbytes", [("none", 3 * MiB), ("zstd", 3 * MiB), ("zstd", 70 * MiB)],
+                         ids=["none-3MiB", "zstd-3MiB", "zstd-70MiB"])
 def test_a_planted_marker_is_in_no_row_and_everything_reads_back_on_a_fresh_store(spec, compress, nbytes):
     s = opened(spec, key=KEY, compress=compress)
     for i in (1, 2):
