@@ -222,7 +222,12 @@ def main(argv=None) -> int:
             time.sleep(a.step_sleep)
         if a.pause_at is not None and i + 1 == a.pause_at:
             print(f"paused {i + 1}", flush=True)
-            sys.stdin.read()     # a signal's handler runs meanwhile and the read goes on (PEP 475)
+            # wait for stdin's end a tenth of a second at a time: a signal the kernel hands to
+            # another thread (gloo's, the writer's) interrupts no blocking read here, and its
+            # Python handler runs only once this thread is back in the interpreter
+            import select
+            while not select.select([0], [], [], 0.1)[0] or os.read(0, 1 << 16):
+                pass
         return state
 
     state = build_state(a.steps, a.device, seed=1234 + a.rank, profile=a.profile)
