@@ -227,20 +227,7 @@ class ShardedRun:
         except Exception as e:   # reported to every rank: none may wait in the gather for this one
             mine = {"ok": False, "error": _describe(e)}
         failpoints.hit("dist.after_part")
-        outcomes = self.group.all_gather(mine)
-        failed = {r: o for r, o in enumerate(outcomes) if not o["ok"]}
-        if not failed:      # one commit binds one step of one epoch: every rank must be writing it
-            asked = {(o["step"], o["epoch"]) for o in outcomes}
-            if len(asked) > 1:     # then some rank's differs from this one's
-                failed = {r: {"error": f"it wrote step {o['step']} of epoch {o['epoch']}"}
-                          for r, o in enumerate(outcomes) if (o["step"], o["epoch"]) != (step, epoch)}
-        if failed:
-            why = "; ".join(f"rank {r}: {o['error']}" for r, o in sorted(failed.items()))
-            if all(o.get("changed") for o in failed.values()):
-                raise ContentChangedError(f"step {step} of run {self.run!r} was not committed: {why}",
-                                          ref=self.store.ref(self.run, step))
-            raise SnapshotError(f"step {step} of run {self.run!r} was not committed: {why}",
-                                ref=self.store.ref(self.run, step), hint="the previous checkpoint is untouched")
+        outcomes = self._parts_written(mine, step, epoch)
         result = None
         if self.rank == 0:
             failpoints.hit("dist.before_commit")
@@ -274,6 +261,26 @@ class ShardedRun:
                                 f"failed on rank 0: {result['error']}", ref=self.store.ref(self.run, step),
                                 hint="the previous checkpoint is untouched")
         return result["ref"]
+
+    def _parts_written(self, mine: dict, step: int, epoch: int) -> list[dict]:
+        """Every rank's outcome of writing its part of ``step`` (``mine``: this rank's),
+        gathered; raised on every rank alike unless every part is written, for this
+        step of this epoch."""
+        outcomes = self.group.all_gather(mine)
+        failed = {r: o for r, o in enumerate(outcomes) if not o["ok"]}
+        if not failed:      # one commit binds one step of one epoch: every rank must be writing it
+            asked = {(o["step"], o["epoch"]) for o in outcomes}
+            if len(asked) > 1:     # then some rank's differs from this one's
+                failed = {r: {"error": f"it wrote step {o['step']} of epoch {o['epoch']}"}
+                          for r, o in enumerate(outcomes) if (o["step"], o["epoch"]) != (step, epoch)}
+        if failed:
+            why = "; ".join(f"rank {r}: {o['error']}" for r, o in sorted(failed.items()))
+            if all(o.get("changed") for o in failed.values()):
+                raise ContentChangedError(f"step {step} of run {self.run!r} was not committed: {why}",
+                                          ref=self.store.ref(self.run, step))
+            raise SnapshotError(f"step {step} of run {self.run!r} was not committed: {why}",
+                                ref=self.store.ref(self.run, step), hint="the previous checkpoint is untouched")
+        return outcomes
 
     # -- restore -------------------------------------------------------------------
     def find(self, *, map_location=None) -> tuple[sharded.Commit | None, Checkpoint | None, list[Rejection], int]:
@@ -313,6 +320,12 @@ class ShardedRun:
                 mine = {"fatal": _describe(e), "local": e}
         except Exception as e:
             mine = {"fatal": _describe(e), "local": e}
+        return self._decide(step, commit, part, mine)
+
+    def _decide(self, step: int, commit, part, mine: dict) -> tuple[sharded.Commit, Checkpoint]:
+        """Every rank's outcome for ``step`` (``mine``: this rank's: ``ok`` with its
+        commit's epoch and nonces, ``reject`` with a verdict, or ``fatal``), gathered,
+        and the step taken, rejected or raised on every rank alike."""
         local = mine.pop("local", None)
         outcomes = self.group.all_gather(mine)
         fatal = [(r, o) for r, o in enumerate(outcomes) if "fatal" in o]

@@ -27,6 +27,8 @@ POINTS = (
     "s3.before_chunks", "s3.mid_chunks", "s3.before_data", "s3.before_record", "s3.after_record",
     "snapshot.after_stage", "snapshot.before_ack",
     "dist.after_part", "dist.before_commit", "dist.after_commit",
+    # a multi-rank job over a tiered store (agck.replicas): between replicas, local and durable commits
+    "tier.after_replicas", "tier.after_local_commit", "tier.before_durable_commit",
     "gc.pg_doomed",            # a Postgres collector between its two transactions (agck_objects)
     # step-journal appends (agck.journal): the campaign's journal trials
     "journal.file.before_write", "journal.file.before_sync", "journal.file.after_sync",

@@ -191,14 +191,15 @@ def as_commit(ck: Checkpoint) -> Commit | None:
                   extra=extra, ref=ck.ref, meta=ck.meta)
 
 
-def read_part(store, commit: Commit, rank: int, *, verify=True, map_location=None) -> Checkpoint:
+def read_part(store, commit: Commit, rank: int, *, verify=True, map_location=None, parts=None) -> Checkpoint:
     """Rank ``rank``'s part of a committed step, verified and checked to be the part
     the commit record binds (FORMAT.md 13.4). CorruptCheckpointError, section
     ``part``, naming the rank and why, if it is missing, does not verify (whatever
     part of it failed) or is another write's; a part of a newer format version is
-    UnsupportedVersionError, as for any checkpoint."""
+    UnsupportedVersionError, as for any checkpoint. ``parts``: the parts namespace
+    to read (default the store's)."""
     p = commit.parts[rank]
-    parts = store.parts_store()
+    parts = store.parts_store() if parts is None else parts
     try:
         ck = parts.read(p.run, commit.step, verify=verify, map_location=map_location)
     except CheckpointNotFoundError as e:
@@ -210,6 +211,13 @@ def read_part(store, commit: Commit, rank: int, *, verify=True, map_location=Non
         where = f" (its {e.section})" if getattr(e, "section", None) else ""
         raise CorruptCheckpointError(f"rank {rank}'s part does not verify{where}: {e.reason}", ref=e.ref,
                                      section="part") from None
+    return check_bound(ck, commit, rank)
+
+
+def check_bound(ck: Checkpoint, commit: Commit, rank: int) -> Checkpoint:
+    """``ck`` if it is rank ``rank``'s part that ``commit`` binds (its meta names the
+    step, rank, world size, epoch and nonce: FORMAT.md 13.4), else CorruptCheckpointError."""
+    p = commit.parts[rank]
     bound = ck.meta.get(PART_KEY) if isinstance(ck.meta, dict) else None
     want = {"run": commit.run, "step": commit.step, "epoch": commit.epoch, "rank": rank,
             "world_size": commit.world_size, "nonce": p.nonce}

@@ -25,8 +25,10 @@ from . import applog
 from .distributed import Group, ShardedRun, active as dist_active
 from .errors import UsageError
 from .recovery import Recovery, recover_run
+from .replicas import TieredShardedRun
 from .sharded import is_commit
 from .stores import Store
+from .stores.tiered import TieredStore
 
 log = logging.getLogger("agck")
 
@@ -157,5 +159,7 @@ def open_run(store: Store, run: str, distributed: bool | None) -> SnapshotRun:
     group of more than one rank is up). Multi-rank is collective: every rank makes it
     at the same point of its program."""
     if distributed or (distributed is None and dist_active()):
+        if isinstance(store, TieredStore):      # parts on this host, on peers, then durable
+            return MultiRankRun(TieredShardedRun(store, run, Group()))
         return MultiRankRun(ShardedRun(store, run, Group()))
     return SingleRankRun(store, run)

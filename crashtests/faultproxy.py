@@ -9,6 +9,8 @@ A cut closes each connection with ``SO_LINGER`` 0, so the peer sees a reset, not
 clean end: a request being sent or an answer being read fails half-way, as when a
 link or a NAT drops the flow. New connections are accepted at once; ``cut_for``
 also refuses them (resets each on arrival) for a while, as a link down for seconds.
+``FaultProxy(host, port, rate=bytes_per_second)`` also throttles it: a token bucket
+per direction shared by every connection, as one host's link to an object store.
 """
 
 from __future__ import annotations
@@ -39,11 +41,35 @@ def _reset(s: socket.socket, close: bool = True) -> None:
             pass
 
 
+class TokenBucket:
+    """At most ``rate`` bytes per second on average, bursts of up to ``burst`` bytes."""
+
+    def __init__(self, rate: float, burst: float | None = None):
+        self.rate = float(rate)
+        self.burst = float(burst if burst is not None else max(rate / 20, 1 << 16))
+        self._tokens, self._at = self.burst, time.monotonic()
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        """Wait until ``n`` bytes may pass (taken from the bucket, which may go negative:
+        the next taker waits for it to refill)."""
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+            self._at = now
+            self._tokens -= n
+            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
+        if wait > 0:
+            time.sleep(wait)
+
+
 class FaultProxy:
     """Forwards 127.0.0.1:``port`` to ``host``:``target_port``; see the module."""
 
-    def __init__(self, host: str, target_port: int):
+    def __init__(self, host: str, target_port: int, rate: float | None = None):
         self.target = (host, target_port)
+        # (client -> server, server -> client): each direction of the link its own rate
+        self._buckets = (TokenBucket(rate), TokenBucket(rate)) if rate else (None, None)
         self._listener = socket.socket()
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind(("127.0.0.1", 0))
@@ -77,15 +103,17 @@ class FaultProxy:
             pair = (client, server)
             with self._lock:
                 self._pairs.add(pair)
-            threading.Thread(target=self._pipe, args=(client, server, pair), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, pair), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(client, server, pair, self._buckets[0]), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, pair, self._buckets[1]), daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, pair) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, pair, bucket: TokenBucket | None = None) -> None:
         try:
             while True:
                 data = src.recv(1 << 16)
                 if not data:
                     break
+                if bucket is not None:
+                    bucket.take(len(data))
                 dst.sendall(data)
         except OSError:
             pass

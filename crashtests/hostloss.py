@@ -98,6 +98,26 @@ def work(a) -> int:
 
 # -- the trials -----------------------------------------------------------------------------
 
+def durable_servers(kinds: list[str], who: str):
+    """(the kinds that can run here, an s3 URL maker or None, the servers to close): a
+    private SeaweedFS where s3 is asked for and can be started."""
+    servers, s3_url = [], None
+    if "s3" in kinds:
+        from crashtests import s3server
+        why = s3server.seaweed_available()
+        if why is not None:
+            kinds = [k for k in kinds if k != "s3"]
+            print(f"{who}: no s3 trials ({why})", file=sys.stderr)
+        else:
+            server = s3server.Seaweed()
+            os.environ.update({k: v for k, v in s3server.CREDENTIALS.items() if k not in os.environ})
+            server.start()
+            server.bucket("agck-hostloss")
+            servers.append(server)
+            s3_url = lambda name: server.url("agck-hostloss", name)  # noqa: E731
+    return kinds, s3_url, servers
+
+
 def _durable_urls(kinds: list[str], base: str, dsn: str, s3_url) -> dict:
     out = {}
     for k in kinds:
@@ -213,22 +233,8 @@ def trial(i: int, kind: str, where, base: str, rng: random.Random, seed: int) ->
 def campaign(trials: int, kinds: list[str], seed: int, out: str | None = None, quiet: bool = False) -> dict:
     rng = random.Random(seed)
     base = tempfile.mkdtemp(prefix="agck-hostloss-")
-    servers = []
     dsn = os.environ.get("AGCK_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/test")
-    s3_url = None
-    if "s3" in kinds:
-        from crashtests import s3server
-        why = s3server.seaweed_available()
-        if why is not None:
-            kinds = [k for k in kinds if k != "s3"]
-            print(f"hostloss: no s3 trials ({why})", file=sys.stderr)
-        else:
-            server = s3server.Seaweed()
-            os.environ.update({k: v for k, v in s3server.CREDENTIALS.items() if k not in os.environ})
-            server.start()
-            server.bucket("agck-hostloss")
-            servers.append(server)
-            s3_url = lambda name: server.url("agck-hostloss", name)  # noqa: E731
+    kinds, s3_url, servers = durable_servers(kinds, "hostloss")
     where = _durable_urls(kinds, base, dsn, s3_url)
     rows = []
     t0 = time.monotonic()

@@ -66,7 +66,7 @@ FLOORS = [
     (4.3, ["agck.stores="]),
     (4.4, ["agck.stores.tiered"]),       # two stores of any backend, opened by URL (open_store)
     (5, ["agck.recovery", "agck.sharded", "agck.journal", "agck.applog"]),
-    (6, ["agck.distributed", "agck.snapshot", "agck.snapshot_run", "agck.capture", "agck.staging", "agck.dcp",
+    (6, ["agck.distributed", "agck.replicas", "agck.snapshot", "agck.snapshot_run", "agck.capture", "agck.staging", "agck.dcp",
          "agck.integrations"]),
     (7, ["agck.cli", "agck.__main__"]),
     (8, ["agck="]),

@@ -179,7 +179,11 @@ def test_bad_settings_and_what_a_tiered_store_refuses(tiers):
             TieredStore(local, durable, durable_every=bad)
         with pytest.raises(UsageError):
             TieredStore(local, durable, keep_local=bad)
+        with pytest.raises(UsageError):
+            TieredStore(local, durable, keep_local_bytes=bad)
+    for bad in (-1, 1.5, True, "2", None):
+        with pytest.raises(UsageError):
+            TieredStore(local, durable, replicas=bad)
     s = TieredStore(local, durable)
-    with pytest.raises(UsageError, match="multi-rank"):
-        s.parts_store()
+    assert s.parts_store(create=False) is None      # no multi-rank part written in either tier
     s.close()

@@ -17,12 +17,17 @@ came from. ``steps`` is the union of both tiers', so the walk back (``get``,
 ``agck.recover``, ``checkpoint_every``'s resume) walks across them: a host that lost
 its local tier resumes from the newest durable step.
 
-Retention per tier: ``keep_local`` newest local checkpoints per run (older ones are
-pruned from the local tier once the durable tier holds them or a newer one);
+Retention per tier: ``keep_local`` newest local checkpoints per run and at most
+``keep_local_bytes`` in the local tier (older ones are pruned from the local tier
+once the durable tier holds them or a newer one; a run's newest is always kept);
 the durable tier keeps what its own ``prune`` keeps.
 
-Not yet: replicas of a rank's part on peers (the multi-rank commit over tiers);
-``parts_store`` refuses.
+Epochs (fencing) are begun in the durable tier, the one every host shares, and the
+local tier is brought to the same epoch, so a replacement host with an empty local
+tier never reuses an epoch. Multi-rank jobs (:mod:`agck.replicas`) also keep
+``replicas`` copies of each rank's part on peers in other hosts; their parts are
+copied to the durable tier by each rank's copier, and the commit record only once
+every part it binds is there.
 """
 
 from __future__ import annotations
@@ -31,10 +36,11 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Collection
+from dataclasses import dataclass
+from typing import Any, Callable, Collection
 
 from ..checkpoint import Checkpoint
-from ..errors import AgckError, CheckpointNotFoundError, CorruptCheckpointError, UsageError
+from ..errors import AgckError, CheckpointNotFoundError, StaleEpochError, UsageError
 from ..names import check_run, check_step
 from .base import CheckpointInfo, Store
 
@@ -42,40 +48,70 @@ log = logging.getLogger("agck")
 
 RETRY_FIRST = 0.5       # seconds before a failed durable copy is tried again, doubled each time
 RETRY_MOST = 30.0
+WAIT_PARTS = 0.2        # seconds between looks for the parts a multi-rank commit record waits on
+COMMIT_KEY = "agck.commit"   # agck.sharded.COMMIT_KEY (a floor above): a commit record is copied only with its parts
+
+
+class NotYet(Exception):
+    """A copy that must wait (a commit record for its parts): tried again shortly, no warning."""
+
+
+@dataclass
+class Copy:
+    """One copy to the durable tier: (run, step) of the tiers (``parts``: of their parts
+    namespaces), fenced by ``epoch`` there; ``ready`` (a multi-rank commit record's)
+    raises :class:`NotYet` until the copy may be made, returns False when it never
+    need be (a newer step is durable)."""
+
+    run: str
+    step: int
+    epoch: int | None = None
+    parts: bool = False
+    ready: Callable[[], bool] | None = None
 
 
 class TieredStore(Store):
     """A local tier in front of a durable one (see the module docstring)."""
 
     def __init__(self, local: Store | str, durable: Store | str, *, durable_every: int = 1,
-                 keep_local: int | None = 2, **options):
+                 keep_local: int | None = 2, keep_local_bytes: int | None = None, replicas: int = 1,
+                 _view: bool = False, **options):
         super().__init__()
         from . import open_store
-        if not isinstance(durable_every, int) or isinstance(durable_every, bool) or durable_every < 1:
-            raise UsageError(f"durable_every must be a positive integer, not {durable_every!r}")
-        if keep_local is not None and (not isinstance(keep_local, int) or isinstance(keep_local, bool)
-                                       or keep_local < 1):
-            raise UsageError(f"keep_local must be a positive integer or None, not {keep_local!r}")
+        for name, value, least, none_ok in (("durable_every", durable_every, 1, False),
+                                            ("keep_local", keep_local, 1, True),
+                                            ("keep_local_bytes", keep_local_bytes, 1, True),
+                                            ("replicas", replicas, 0, False)):
+            if value is None and none_ok:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise UsageError(f"{name} must be an integer of at least {least}{' or None' if none_ok else ''}, "
+                                 f"not {value!r}")
         self.local = local if isinstance(local, Store) else open_store(local, **options)
         self.durable = durable if isinstance(durable, Store) else open_store(durable, **options)
         self.url = f"tiered({self.local.url} -> {self.durable.url})"
         self.durable_every, self.keep_local = durable_every, keep_local
+        self.keep_local_bytes, self.replicas = keep_local_bytes, replicas
         # the journal and AppendLogs are kept in the durable tier: its compression and its key
         self.compression, self.sealer = self.durable.compression, self.durable.sealer
         self._cond = threading.Condition()
-        self._queue: deque[tuple[str, int]] = deque()      # (run, step) to copy, oldest first
-        self._busy: tuple[str, int] | None = None
+        self._queue: deque[Copy] = deque()                  # oldest first
+        self._busy: Copy | None = None
         self._counts: dict[str, int] = {}                   # local puts per run by this object
         self._durable_newest: dict[str, int | None] = {}    # as the copier last saw it
         self._prune: set[str] = set()                       # runs whose local tier may hold too many
         self._failure: str | None = None                    # the durable tier's last error, while it lasts
         self._closing = False
         self.copied = 0
+        self._view = _view      # the parts namespaces' reading view: no copier of its own
+        self._thread = None
+        if _view:
+            return
         for run in self.local.runs():       # after a crash: each run's newest step the durable tier lacks
             newest, durable_newest = self.last_local_step(run), self.last_durable_step(run)
             self._durable_newest[run] = durable_newest
             if newest is not None and newest > (durable_newest if durable_newest is not None else -1):
-                self._queue.append((run, newest))
+                self._queue.append(Copy(run, newest))
         self._thread = threading.Thread(target=self._copier, name="agck-durable-copier", daemon=True)
         self._thread.start()
 
@@ -92,9 +128,10 @@ class TieredStore(Store):
 
     @property
     def pending(self) -> list[tuple[str, int]]:
-        """(run, step) of the copies not yet committed durable, oldest first."""
+        """(run, step) of the copies not yet committed durable, oldest first (a multi-rank
+        run's parts as (part run, step))."""
         with self._cond:
-            return ([self._busy] if self._busy else []) + list(self._queue)
+            return [(c.run, c.step) for c in ([self._busy] if self._busy else []) + list(self._queue)]
 
     @property
     def durable_error(self) -> str | None:
@@ -111,9 +148,9 @@ class TieredStore(Store):
                 wanted.append((run, newest))
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            for item in wanted:
-                if item not in self._queue and item != self._busy:
-                    self._queue.append(item)
+            for run, step in wanted:
+                if (run, step) not in self.pending:
+                    self._queue.append(Copy(run, step))
             self._cond.notify_all()
             while self._queue or self._busy:
                 left = None if deadline is None else deadline - time.monotonic()
@@ -130,29 +167,50 @@ class TieredStore(Store):
         ref = self.local.put(run, step, state, meta=meta, parent=parent, overwrite=overwrite,
                              expect_unchanged=expect_unchanged, epoch=epoch)
         step = check_step(step)
+        if self._view:
+            return ref
         with self._cond:       # the pipeline only queues: the copier copies and prunes
             n = self._counts[run] = self._counts.get(run, 0) + 1
             if n % self.durable_every == 0:
-                self._queue.append((run, step))
-            if self.keep_local is not None:
-                self._prune.add(run)
+                self._queue.append(Copy(run, step, epoch))
+            self._prune.add(run)
             self._cond.notify_all()
         return ref
+
+    def copy_later(self, copy: Copy) -> None:
+        """Queue one copy to the durable tier (the multi-rank commit's: a rank's part, a
+        commit record that waits for its parts)."""
+        with self._cond:
+            self._queue.append(copy)
+            self._prune.add(copy.run)
+            self._cond.notify_all()
 
     def can_confirm_unchanged(self, run: str) -> bool:
         return self.local.can_confirm_unchanged(run)
 
     def begin_epoch(self, run: str) -> int:
-        return self.local.begin_epoch(run)
+        """A new epoch begun in the durable tier (past any the local tier has seen), and
+        the local tier brought to it: a host that lost its local tier never reuses one."""
+        local = self.local.epoch(run) or 0
+        epoch = self.durable.begin_epoch(run)
+        while epoch <= local:
+            epoch = self.durable.begin_epoch(run)
+        self.raise_local_epoch(run, epoch)
+        return epoch
+
+    def raise_local_epoch(self, run: str, epoch: int) -> None:
+        """Begin epochs in the local tier until it is at ``epoch`` (begun in the durable tier)."""
+        while (self.local.epoch(run) or 0) < epoch:
+            self.local.begin_epoch(run)
 
     def epoch(self, run: str) -> int | None:
-        return self.local.epoch(run)
+        return self.durable.epoch(run)
 
     def delete(self, run: str, step: int, *, epoch: int | None = None) -> None:
         """Delete (run, step) from both tiers (and from the copies not yet made)."""
         step = check_step(step)
         with self._cond:
-            self._queue = deque(x for x in self._queue if x != (run, step))
+            self._queue = deque(c for c in self._queue if c.parts or (c.run, c.step) != (run, step))
         found = 0
         for tier in (self.local, self.durable):
             if step in tier.steps(run):
@@ -170,19 +228,40 @@ class TieredStore(Store):
         steps = self.local.steps(run)
         if self.keep_local is None or len(steps) <= self.keep_local:
             return 0
+        return sum(self._drop_local(run, s) for s in steps[:-self.keep_local])
+
+    def _drop_local(self, run: str, step: int) -> bool:
+        """Delete (run, step) from the local tier if the durable tier makes it safe to:
+        not waiting to be copied, and not newer than the durable tier's newest."""
         durable_newest = self._durable_newest.get(run)
-        if durable_newest is None:
+        if durable_newest is None or step > durable_newest:    # another process's copier may have moved it on
             durable_newest = self._durable_newest[run] = self.last_durable_step(run)
-        waiting = {s for r, s in self.pending if r == run}
+        if durable_newest is None or step > durable_newest or (run, step) in self.pending:
+            return False
+        try:
+            self.local.delete(run, step)
+            return True
+        except CheckpointNotFoundError:
+            return False
+
+    def _retain_bytes(self) -> int:
+        """Prune the oldest local checkpoints (each run's newest spared, and what
+        :meth:`_drop_local` spares) while the local tier's listed bytes exceed
+        ``keep_local_bytes``. Returns how many were deleted."""
+        if self.keep_local_bytes is None:
+            return 0
+        infos = self.local.list()
+        total = sum(i.size or 0 for i in infos)
+        newest = {}
+        for i in infos:
+            newest[i.run] = max(newest.get(i.run, i.step), i.step)
         deleted = 0
-        for s in steps[:-self.keep_local]:
-            if s in waiting or durable_newest is None or s > durable_newest:
-                continue
-            try:
-                self.local.delete(run, s)
+        for i in sorted(infos, key=lambda i: (i.created_at or 0, i.step)):
+            if total <= self.keep_local_bytes:
+                break
+            if i.step != newest[i.run] and self._drop_local(i.run, i.step):
+                total -= i.size or 0
                 deleted += 1
-            except CheckpointNotFoundError:
-                pass
         return deleted
 
     # -- the copier -----------------------------------------------------------------------
@@ -203,22 +282,29 @@ class TieredStore(Store):
             if self._busy is None:
                 self._pruned(prune)
                 continue
-            run, step = self._busy
-            gone = False
+            job = self._busy
+            run, step = job.run, job.step
+            gone = waiting = False
             try:
-                self._copy(run, step)
+                self._copy(job)
                 ok = True
+            except NotYet:
+                ok, waiting = False, True
+            except StaleEpochError as e:    # a newer incarnation began: this one's copies are refused
+                ok, gone = False, True
+                log.warning("agck: %s was not copied to the durable tier: %s", self.ref(run, step), e)
             except Exception as e:     # the durable tier down, or the local copy gone: said, then retried
                 ok = False
                 why = f"{type(e).__name__}: {e}"
                 if self._failure != why:
                     log.warning("agck: copying %s to the durable tier failed (%s); retrying", self.ref(run, step), why)
                 self._failure = why
+                source = self._tiers(job)[0]
                 try:
-                    gone = step not in self.local.steps(run)     # deleted or pruned meanwhile: nothing to copy
+                    gone = step not in source.steps(run)     # deleted or pruned meanwhile: nothing to copy
                 except Exception:
                     gone = False
-                if getattr(e, "verdict", False) and not gone and self._local_damaged(run, step):
+                if getattr(e, "verdict", False) and not gone and self._local_damaged(source, run, step):
                     # the local copy is damaged: no retry can copy it (the durable tier keeps what it has)
                     log.warning("agck: %s is damaged in the local tier: not copied", self.ref(run, step))
                     gone = True
@@ -227,40 +313,60 @@ class TieredStore(Store):
                 if ok:
                     self._failure, delay = None, RETRY_FIRST
                     self.copied += 1
-                    before = self._durable_newest.get(run)
-                    self._durable_newest[run] = step if before is None else max(before, step)
+                    if not job.parts:
+                        before = self._durable_newest.get(run)
+                        self._durable_newest[run] = step if before is None else max(before, step)
                 elif not gone:
-                    self._queue.appendleft((run, step))     # oldest first: it stays first
+                    self._queue.appendleft(job)     # oldest first: it stays first
                 self._cond.notify_all()
-                if not ok and not gone and not self._closing:
+                if waiting and not self._closing:
+                    self._cond.wait(WAIT_PARTS)
+                elif not ok and not gone and not self._closing:
                     self._cond.wait(delay)
                     delay = min(delay * 2, RETRY_MOST)
-            if ok and self.keep_local is not None:
+            if ok and not job.parts:
                 self._pruned({run})
 
-    def _local_damaged(self, run: str, step: int) -> bool:
+    def _tiers(self, job: Copy) -> tuple[Store, Store]:
+        """(from, to) for ``job``: the tiers, or their parts namespaces."""
+        if job.parts:
+            return self.local.parts_store(), self.durable.parts_store()
+        return self.local, self.durable
+
+    @staticmethod
+    def _local_damaged(source: Store, run: str, step: int) -> bool:
         """Whether the local tier's copy of (run, step) fails verification (not the durable tier's put)."""
         try:
-            self.local.read(run, step, verify=True)
+            source.read(run, step, verify=True)
             return False
         except AgckError as e:
             return bool(getattr(e, "verdict", False))
 
     def _pruned(self, runs: set[str]) -> None:
-        """:meth:`_retain` each of ``runs``, then collect the local tier's garbage if
-        anything was deleted (on the copier's thread: never the pipeline's)."""
+        """:meth:`_retain` each of ``runs`` and the local tier to its bytes, then collect
+        the local tier's garbage if anything was deleted (on the copier's thread: never
+        the pipeline's)."""
         try:
-            if sum(self._retain(r) for r in sorted(runs)):
+            if sum(self._retain(r) for r in sorted(runs)) + self._retain_bytes():
                 self.local.collect_garbage()
         except Exception as e:      # pruning is housekeeping: said, and tried again after the next put
             log.warning("agck: pruning the local tier of %s failed: %s", self.local.url, e)
 
-    def _copy(self, run: str, step: int) -> None:
-        """(run, step) read back from the local tier, verified, and committed durable."""
-        if step in self.durable.steps(run):
+    def _copy(self, job: Copy) -> None:
+        """(run, step) read back from the local tier, verified, and committed durable;
+        a multi-rank commit record only once its ``ready`` says every part is there."""
+        source, target = self._tiers(job)
+        if job.step in target.steps(job.run):
             return
-        ck = self.local.read(run, step, verify=True)
-        self.durable.put(run, step, ck.state, meta=ck.meta, parent=ck.parent, overwrite=True)
+        if job.ready is not None and not job.ready():
+            return
+        ck = source.read(job.run, job.step, verify=True)
+        if job.ready is None and not job.parts and isinstance(ck.state, dict) and list(ck.state) == [COMMIT_KEY]:
+            # a multi-rank step found by the scan after a crash: its parts are not known
+            # to be durable, so its record is not copied (the job's next checkpoint is)
+            log.info("agck: %s is a multi-rank commit record: copied by its job, not here", self.ref(job.run, job.step))
+            return
+        target.put(job.run, job.step, ck.state, meta=ck.meta, parent=ck.parent, overwrite=True, epoch=job.epoch)
 
     # -- reading --------------------------------------------------------------------------
     def runs(self) -> list[str]:
@@ -316,8 +422,12 @@ class TieredStore(Store):
         return self.durable.log_positions_are_bytes
 
     def _open_parts(self, create: bool):
-        raise UsageError("a tiered store does not hold multi-rank checkpoints yet (replicas on peers are not "
-                         "built)", ref=self.url, hint="give each rank's Snapshotter the durable store")
+        """A reading view of both tiers' parts namespaces (a part from the local tier,
+        else the durable one); multi-rank jobs write parts through :mod:`agck.replicas`."""
+        local, durable = self.local.parts_store(create), self.durable.parts_store(create)
+        if local is None or durable is None:
+            return local or durable
+        return TieredStore(local, durable, keep_local=None, _view=True)
 
     # -- housekeeping: each tier's own -----------------------------------------------------
     def collect_garbage(self):
@@ -331,7 +441,9 @@ class TieredStore(Store):
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._thread.join()
-        self.local.close()
-        self.durable.close()
+        if self._thread is not None:
+            self._thread.join()
+        if not self._view:      # (a view's tiers are its store's parts namespaces: closed with it)
+            self.local.close()
+            self.durable.close()
         super().close()
