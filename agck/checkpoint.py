@@ -40,6 +40,9 @@ class Checkpoint:
     header: format.Header | None = field(default=None, repr=False)
     ref: str | None = None
     nbytes: int = 0
+    # a store's verified read: the container's bytes, its tensors views of them (what a
+    # replica is sent as, without encoding it again); None otherwise
+    container: Any = field(default=None, repr=False, compare=False)
 
 
 def encode(state: Any, *, run: str | None = None, step: int | None = None, parent: int | None = None,

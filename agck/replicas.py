@@ -405,7 +405,9 @@ class TieredShardedRun(ShardedRun):
             if src == self.rank:
                 try:
                     ck = sharded.read_part(self.store, commit, r, parts=self.local_parts)
-                    self._outgoing[r] = dumps(ck.state, run=ck.run, step=step, parent=ck.parent, meta=ck.meta)
+                    # the container as stored and verified here (else encoded again)
+                    self._outgoing[r] = memoryview(ck.container).cast("B") if ck.container is not None else \
+                        dumps(ck.state, run=ck.run, step=step, parent=ck.parent, meta=ck.meta)
                 except AgckError as e:
                     log.warning("agck: %s: the replica of rank %d's part kept here does not verify: %s",
                                 self.store.ref(self.run, step), r, e.reason)

@@ -91,6 +91,7 @@ def rank_work(a) -> int:
     start = snap.start_step or 0
     source = snap._target.sharded.restored_from
     report = {"rank": a.rank, "started": start, "source": source,
+              "rejected": [[r.step, r.reason] for r in (snap.recovery.rejected if snap.recovery else [])],
               "restored_ok": bool(np.array_equal(state["acc"].numpy(), expected(start, a.seed, a.rank))
                                   and state["step"] == max(start - 1, 0))}
     ack = open(a.ack, "a", buffering=1) if a.rank == 0 else None
@@ -220,6 +221,9 @@ def trial(i: int, kind: str, where, root: str, rng: random.Random, seed: int) ->
     damage = rng.random() < 0.25
     how = rng.choice(["time", "time", "point"])
     point = rng.choice(POINTS) if how == "point" else None
+    if os.environ.get("HOSTLOSS_FORCE"):      # reproducing one kind of trial: point,down_for,damage
+        f = os.environ["HOSTLOSS_FORCE"].split(",")
+        point, down_for, damage = f[0] or None, float(f[1]), f[2] == "1"
     args = ["--base", base, "--durable", url, "--durable-options", json.dumps(opts), "--ack", ack,
             "--report", report, "--seed", str(seed), "--steps", str(STEPS),
             "--durable-every", str(rng.choice([1, 1, 2, 4])), "--keep-local", str(rng.choice([2, 3])),
@@ -251,8 +255,15 @@ def trial(i: int, kind: str, where, root: str, rng: random.Random, seed: int) ->
     row = {"trial": i, "durable": kind, "kill": point or "time", "killed_after_s": round(time.monotonic() - t0, 2),
            "codes": codes, "down_for": down_for, "damaged_replicas": 0, "verdict": "ok", "why": "",
            "local_acked": _acked(ack, "local"), "durable_acked": _acked(ack, "durable")}
-    if any(c not in (0, -signal.SIGKILL) for c in codes):
-        bad = next(r for r, c in enumerate(codes) if c not in (0, -signal.SIGKILL))
+    def failed(r: int) -> bool:
+        # host A's ranks may fail first in a collective with the dead host: an exception
+        # (exit 1), or gloo aborting at exit after one ("terminate called...": SIGABRT)
+        return codes[r] not in (0, -signal.SIGKILL) and not (r not in HOST_B and codes[r] in (1, -signal.SIGABRT)
+                                                             and any(w in errs[r] for w in (
+                                                                 b"gloo", b"c10d", b"Connection reset",
+                                                                 b"Connection closed")))
+    if any(failed(r) for r in range(WORLD)):
+        bad = next(r for r in range(WORLD) if failed(r))
         row.update(verdict="error", why=f"rank {bad} exited {codes[bad]}: {errs[bad].decode()[-600:]}")
         return row
     shutil.rmtree(host_dir(base, 2), ignore_errors=True)            # host B lost
@@ -279,13 +290,15 @@ def trial(i: int, kind: str, where, root: str, rng: random.Random, seed: int) ->
     elif restored < row["durable_acked"]:
         row.update(verdict="lost", why=f"restored step {restored}, step {row['durable_acked']} was acknowledged durable")
     elif restored != whole:
-        row.update(verdict="not newest", why=f"restored {restored}, the surviving tiers hold {whole} whole")
+        row.update(verdict="not newest", why=f"restored {restored}, the surviving tiers hold {whole} whole; "
+                                             f"why not {whole}: {[w for s, w in reports[0]['rejected'] if s == whole]}")
     elif not all(x["restored_ok"] for x in reports):
         row.update(verdict="corrupt", why=f"ranks {[x['rank'] for x in reports if not x['restored_ok']]} restored "
                                           f"another state than theirs at step {restored}")
     elif not all(x["final_ok"] for x in reports):
         row.update(verdict="resume", why="a rank ended in another state than an uninterrupted job's")
-    shutil.rmtree(base, ignore_errors=True)
+    if row["verdict"] == "ok":
+        shutil.rmtree(base, ignore_errors=True)
     return row
 
 

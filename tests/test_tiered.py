@@ -187,3 +187,21 @@ def test_bad_settings_and_what_a_tiered_store_refuses(tiers):
     s = TieredStore(local, durable)
     assert s.parts_store(create=False) is None      # no multi-rank part written in either tier
     s.close()
+
+
+def test_a_multi_rank_commit_record_found_after_a_crash_is_not_copied_nor_counted_durable(tiers):
+    """The scan at open queues the local tier's newest step the durable tier lacks; a
+    multi-rank commit record (its parts not known to be durable) is left to its job,
+    and the older local steps are not pruned as if it were durable."""
+    local, durable = tiers
+    loc = open_store(local)
+    for i in (1, 2, 3):
+        loc.put("run", i, state(i))
+    loc.put("run", 4, {"agck.commit": {"version": 1, "kind": "snapshot", "epoch": 1, "world_size": 1,
+                                       "parts": [["run.e1.r0", "00"]]}})
+    loc.close()
+    s = TieredStore(local, durable, keep_local=1)
+    assert s.flush(timeout=60)
+    s.close()
+    assert open_store(durable).steps("run") == []
+    assert open_store(local).steps("run") == [1, 2, 3, 4]

@@ -673,7 +673,9 @@ def decode(buf, fetch: Callable[[bytes, int], object], *, verify: bool, map_loca
     map_location = codec.check_map_location(map_location)   # before anything is read
     c = format.open_container(buf, verify=bool(verify), ref=ref)
     if not format.is_chunked(c.header):
-        return checkpoint.decode(c, copy=False, map_location=map_location)
+        ck = checkpoint.decode(c, copy=False, map_location=map_location)
+        ck.container = buf if verify else None
+        return ck
     listed = format.open_chunked(c)                                  # 12.1, 12.2
     shared = isinstance(verify, chunking.CheckedChunks)
     checked = (verify if shared else chunking.CheckedChunks()) if verify else None
@@ -706,6 +708,7 @@ def decode(buf, fetch: Callable[[bytes, int], object], *, verify: bool, map_loca
             says = "the listing's meta differs from its content's" if name == "meta" else \
                 f"the listing says {name} {getattr(listed, name)!r}, its content {getattr(ck, name)!r}"
             raise MalformedCheckpointError(f"{says} (FORMAT.md 12.5)", ref=ref, section="chunk")
+    ck.container = inner if verify else None
     return ck
 
 

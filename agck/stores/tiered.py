@@ -285,8 +285,9 @@ class TieredStore(Store):
             job = self._busy
             run, step = job.run, job.step
             gone = waiting = False
+            copied = False
             try:
-                self._copy(job)
+                copied = self._copy(job)
                 ok = True
             except NotYet:
                 ok, waiting = False, True
@@ -312,8 +313,8 @@ class TieredStore(Store):
                 self._busy = None
                 if ok:
                     self._failure, delay = None, RETRY_FIRST
-                    self.copied += 1
-                    if not job.parts:
+                    self.copied += copied
+                    if copied and not job.parts:    # (not a record left uncopied: no newer durable step)
                         before = self._durable_newest.get(run)
                         self._durable_newest[run] = step if before is None else max(before, step)
                 elif not gone:
@@ -352,21 +353,23 @@ class TieredStore(Store):
         except Exception as e:      # pruning is housekeeping: said, and tried again after the next put
             log.warning("agck: pruning the local tier of %s failed: %s", self.local.url, e)
 
-    def _copy(self, job: Copy) -> None:
+    def _copy(self, job: Copy) -> bool:
         """(run, step) read back from the local tier, verified, and committed durable;
-        a multi-rank commit record only once its ``ready`` says every part is there."""
+        a multi-rank commit record only once its ``ready`` says every part is there.
+        True when the durable tier holds it now; False when it was left uncopied."""
         source, target = self._tiers(job)
         if job.step in target.steps(job.run):
-            return
+            return True
         if job.ready is not None and not job.ready():
-            return
+            return False
         ck = source.read(job.run, job.step, verify=True)
         if job.ready is None and not job.parts and isinstance(ck.state, dict) and list(ck.state) == [COMMIT_KEY]:
             # a multi-rank step found by the scan after a crash: its parts are not known
             # to be durable, so its record is not copied (the job's next checkpoint is)
             log.info("agck: %s is a multi-rank commit record: copied by its job, not here", self.ref(job.run, job.step))
-            return
+            return False
         target.put(job.run, job.step, ck.state, meta=ck.meta, parent=ck.parent, overwrite=True, epoch=job.epoch)
+        return True
 
     # -- reading --------------------------------------------------------------------------
     def runs(self) -> list[str]:
