@@ -342,7 +342,17 @@ class TieredShardedRun(ShardedRun):
                 "fatal": f"run {self.run!r} step {step} was checkpointed by {commit.world_size} ranks and this job "
                          f"has {self.world_size}: a snapshot's per-rank state cannot be resharded", "usage": True})
         why = "missing"
+        here = False
         if fatal is None:
+            try:
+                here = step in self.local_parts.steps(commit.parts[self.rank].run)
+            except AgckError as e:
+                fatal = {"fatal": _describe(e), "local": e}
+        # the ranks whose part is not here ask its holders first, so a holder reads the
+        # replica while the others read their own parts
+        if any(self.holders):
+            part = self._from_peers(commit, not here and fatal is None, map_location)
+        if part is None and here and fatal is None:
             try:
                 part = sharded.read_part(self.store, commit, self.rank, map_location=map_location,
                                          parts=self.local_parts)
@@ -352,11 +362,12 @@ class TieredShardedRun(ShardedRun):
                     fatal = {"fatal": _describe(e), "local": e}
                 else:
                     why = e.reason
-                    if "missing" not in why:
-                        log.warning("agck: %s: this host's copy of rank %d's part is damaged (%s); asking its "
-                                    "peers", self.store.ref(self.run, step), self.rank, why)
-        if any(self.holders):
-            part = self._from_peers(commit, part if fatal is None else False, map_location)
+                    log.warning("agck: %s: this host's copy of rank %d's part is damaged (%s); asking its "
+                                "peers", self.store.ref(self.run, step), self.rank, why)
+        damaged_here = part is None and here and fatal is None
+        if any(self.holders) and any(self.group.all_gather(damaged_here)):    # a second round, for those
+            got = self._from_peers(commit, damaged_here, map_location)
+            part = got if got is not None else part
         if part is None and fatal is None and self.durable_parts is not None:
             try:
                 part = sharded.read_part(self.store, commit, self.rank, map_location=map_location,
@@ -375,12 +386,12 @@ class TieredShardedRun(ShardedRun):
             mine = {"ok": True, "commit": [commit.epoch, [p.nonce for p in commit.parts]]}
         return self._decide(step, commit, part, mine)
 
-    def _from_peers(self, commit: sharded.Commit, part: Checkpoint | None, map_location) -> Checkpoint | None:
-        """The ranks without their part whole ask a holder with a replica of it (a
-        collective: every rank calls it, whatever it has). The replica is read and
+    def _from_peers(self, commit: sharded.Commit, need: bool, map_location) -> Checkpoint | None:
+        """The ranks that ``need`` their part ask a holder with a replica of it (a
+        collective: every rank calls it, needing or not). The replica is read and
         verified by its holder, sent, verified and checked against the record here,
-        then written back into this host's tier. Returns this rank's part, or None
-        (``part`` False: this rank needs none, it has failed otherwise)."""
+        then written back into this host's tier. Returns this rank's part if it
+        needed one and a peer had it whole, else None."""
         step = commit.step
         holds = []
         for r in self.held:
@@ -389,9 +400,8 @@ class TieredShardedRun(ShardedRun):
                     holds.append(r)
             except AgckError:
                 pass
-        plan = self.group.all_gather({"need": part is None, "holds": holds})
-        if part is False:
-            part = None
+        plan = self.group.all_gather({"need": need, "holds": holds})
+        part = None
         asks = []     # (holder, rank)
         for r in range(self.world_size):
             if plan[r]["need"]:

@@ -126,3 +126,16 @@ def test_a_damaged_replica_is_read_past_to_the_durable_tier(tiers):
     assert [g["started"] for g in got] == [6] * WORLD
     assert [g["source"] for g in got] == ["local", "local", "durable", "durable"]
     assert got[0]["rejected"] and got[0]["rejected"][0]["step"] == 7
+
+
+def test_a_damaged_part_on_its_own_host_is_taken_from_a_peer(tiers, uninterrupted):
+    root, durable, out = tiers
+    run(root, durable, out, 5, durable_every=1000)              # nothing durable
+    parts = open_store(os.path.join(root, "host0")).parts_store(create=False)
+    mine = next(n for n in parts.runs() if sharded.parse_part_run(n)[2] == 0)
+    corrupt_payload(("file",), parts, mine, 5)                  # rank 0's own copy of step 5, on its host
+    got = run(root, durable, out, 9, durable_every=1000)
+    assert [g["started"] for g in got] == [5] * WORLD
+    assert [g["source"] for g in got] == ["peer", "local", "local", "local"]
+    for g, whole in zip(got, uninterrupted):
+        assert g["x"] == whole["x"]
