@@ -257,30 +257,49 @@ class TieredShardedRun(ShardedRun):
         return ready
 
     def _retain(self) -> None:
-        """Prune this host's local tier to ``keep_local`` committed steps (those the
-        durable tier makes safe to) and drop the parts and replicas older than the
-        oldest it keeps that the durable tier holds or a newer one supersedes."""
-        keep = self.store.keep_local
+        """Prune this host's local tier to ``keep_local`` committed steps and to
+        ``keep_local_bytes`` of parts and replicas, oldest first, sparing what the
+        durable tier does not make safe to delete (a step newer than its newest, a copy
+        still queued) and the newest step; then drop the parts and replicas older than
+        the oldest step kept."""
+        keep, budget = self.store.keep_local, self.store.keep_local_bytes
+        if keep is None and budget is None:
+            return
         try:
             steps = self.store.local.steps(self.run)
-            if keep is None or len(steps) <= keep:
-                return
             newest = self.store.last_durable_step(self.run)
-            if newest is None:
+            if len(steps) < 2 or newest is None:
                 return
+            drop = set(steps[:-keep]) if keep is not None and len(steps) > keep else set()
+            mine = [(name, info) for name in self.local_parts.runs()
+                    if (sharded.parse_part_run(name) or ("",))[0] == self.run
+                    for info in self.local_parts.list(name)]
+            if budget is not None:
+                size: dict[int, int] = {}
+                for _, info in mine:
+                    size[info.step] = size.get(info.step, 0) + (info.size or 0)
+                total = sum(n for s, n in size.items() if s not in drop)
+                for s in steps[:-1]:
+                    if total <= budget:
+                        break
+                    if s not in drop:
+                        drop.add(s)
+                        total -= size.get(s, 0)
             pending = set(self.store.pending)
-            for s in steps[:-keep]:
-                if s <= newest and (self.run, s) not in pending:
-                    self.store.local.delete(self.run, s)
+            dropped = False
+            for s in sorted(drop):
+                if s > newest or (self.run, s) in pending:
+                    break          # oldest first: what is older than a step kept is not dropped
+                self.store.local.delete(self.run, s)
+                dropped = True
             oldest = min(self.store.local.steps(self.run) or [steps[-1]])
-            for name in self.local_parts.runs():
-                parsed = sharded.parse_part_run(name)
-                if parsed is None or parsed[0] != self.run:
-                    continue
-                for s in self.local_parts.steps(name):
-                    if s < oldest and s <= newest and (name, s) not in pending:
-                        self.local_parts.delete(name, s)
-            self.store.local.collect_garbage()
+            for name, info in mine:
+                if info.step < oldest and info.step <= newest and (name, info.step) not in pending:
+                    self.local_parts.delete(name, info.step)
+                    dropped = True
+            if dropped:
+                self.store.local.collect_garbage()
+                self.local_parts.collect_garbage()
         except (CheckpointNotFoundError, OSError) as e:    # another rank of this host, or housekeeping
             log.info("agck: run %r: pruning the local tier: %s", self.run, e)
         except AgckError as e:

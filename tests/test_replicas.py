@@ -35,11 +35,12 @@ def host_dir(root: str, rank: int) -> str:
     return os.path.join(root, f"host{rank // 2}")
 
 
-def pipeline(rank, world, root, durable, total, every, durable_every, out):
+def pipeline(rank, world, root, durable, total, every, durable_every, out, keep_bytes=None):
     """Steps that draw from the global RNG into rank-specific state, checkpointed through
     a TieredStore whose local tier is this rank's host's directory."""
     torch.manual_seed(1000 + rank)
-    store = agck.TieredStore(host_dir(root, rank), durable, durable_every=durable_every, keep_local=3)
+    store = agck.TieredStore(host_dir(root, rank), durable, durable_every=durable_every, keep_local=3,
+                             keep_local_bytes=keep_bytes)
     state = {"x": torch.full((50_000,), float(rank)), "log": []}
     snap = agck.Snapshotter(store, "job", every=every, mode="sync")
     state = snap.restore(state)
@@ -57,10 +58,10 @@ def pipeline(rank, world, root, durable, total, every, durable_every, out):
         "x": state["x"].numpy().tobytes(), "log": state["log"]}))
 
 
-def run(root, durable, out, total, *, every=1, durable_every=1) -> list[dict]:
+def run(root, durable, out, total, *, every=1, durable_every=1, keep_bytes=None) -> list[dict]:
     for f in pathlib.Path(out).glob("rank*.bin"):
         f.unlink()
-    codes = launch(TARGET, WORLD, (root, durable, total, every, durable_every, out), timeout=180)
+    codes = launch(TARGET, WORLD, (root, durable, total, every, durable_every, out, keep_bytes), timeout=180)
     assert codes == [0] * WORLD, codes
     return [msgpack.unpackb(pathlib.Path(out, f"rank{r}.bin").read_bytes()) for r in range(WORLD)]
 
@@ -139,3 +140,25 @@ def test_a_damaged_part_on_its_own_host_is_taken_from_a_peer(tiers, uninterrupte
     assert [g["source"] for g in got] == ["peer", "local", "local", "local"]
     for g, whole in zip(got, uninterrupted):
         assert g["x"] == whole["x"]
+
+
+def test_the_local_tier_keeps_to_its_bytes_and_its_chunks_are_collected(tiers):
+    root, durable, out = tiers
+    part = 50_000 * 4           # one rank's part: its tensor's bytes (and a little more)
+    run(root, durable, out, 8, keep_bytes=5 * part)             # about 5 parts: 4 per step on a host
+    for host in (0, 1):
+        local = open_store(os.path.join(root, f"host{host}"))
+        steps = local.steps("job")
+        assert steps[-1] == 8 and len(steps) <= 2               # 2 steps of 4 parts are over the budget
+        parts = local.parts_store(create=False)
+        kept = {s for n in parts.runs() for s in parts.steps(n)}
+        assert kept <= set(steps) and min(kept) >= min(steps)
+        objects = os.path.join(parts.root, ".objects")
+        chunks = sum(len(os.listdir(os.path.join(objects, d))) for d in os.listdir(objects)
+                     if os.path.isdir(os.path.join(objects, d)))
+        held = sum(len(parts.steps(n)) for n in parts.runs())
+        # a 200 KB part is about 6 chunks, none shared between steps (every value changes):
+        # the dropped steps' chunks were collected
+        assert 0 < chunks <= 8 * held, (chunks, held)
+    d = open_store(durable)
+    assert d.steps("job")[-1] == 8 and len(d.steps("job")) == 8  # the durable tier keeps what it keeps
