@@ -96,6 +96,11 @@ def test_each_part_is_on_its_host_and_a_peer_and_the_durable_copy_verifies(tiers
     assert d.steps("job")[-1] == 6
     commit = sharded.as_commit(d.read("job", 6))
     sharded.verify_parts(d, commit)                            # every part durable, bound, verified
+    # one process reading a host's tiers (agck recover): every part verified, from either tier
+    shutil.rmtree(os.path.join(root, "host1"))
+    t = agck.TieredStore(os.path.join(root, "host0"), durable)
+    assert agck.recover(t, "job").step == 6
+    t.close()
 
 
 def test_a_lost_host_restores_from_its_peers_bit_exactly(tiers, uninterrupted):
