@@ -40,7 +40,8 @@ from typing import Any, Collection
 from . import failpoints, sharded
 from .checkpoint import Checkpoint, dumps, loads
 from .distributed import Group, ShardedRun, _describe
-from .errors import AgckError, CheckpointNotFoundError, ContentChangedError, SnapshotError, UsageError
+from .errors import (AgckError, CheckpointNotFoundError, ContentChangedError, SnapshotError, StaleEpochError,
+                     UsageError)
 from .recovery import store_candidates, walk_back
 from .stores.tiered import Copy, NotYet, TieredStore
 
@@ -190,14 +191,18 @@ class TieredShardedRun(ShardedRun):
             try:
                 ref = sharded.commit_step(self.store.local, self.run, step, epoch, nonces, meta=meta, parent=parent)
             except Exception as e:
-                err = _describe(e)
+                err = {"error": _describe(e), "stale": isinstance(e, StaleEpochError)}
         failpoints.hit("tier.after_local_commit")
         errors = self.group.all_gather(err)
         bad = [(r, e) for r, e in enumerate(errors) if e is not None]
         if bad:
+            why = "; ".join(f"rank {r}: {e['error']}" for r, e in bad)
+            if all(e["stale"] for _, e in bad):     # a newer incarnation fenced this one, on every host that said
+                raise StaleEpochError(f"step {step} of run {self.run!r} was not committed: {why}",
+                                      ref=self.store.ref(self.run, step))
             raise SnapshotError(f"step {step} of run {self.run!r}: every part and replica is kept but the "
-                                "commit failed: " + "; ".join(f"rank {r}: {e}" for r, e in bad),
-                                ref=self.store.ref(self.run, step), hint="the previous checkpoint is untouched")
+                                f"commit failed: {why}", ref=self.store.ref(self.run, step),
+                                hint="the previous checkpoint is untouched")
         self._committed.add((epoch, step))
         self._writes += 1
         if self._writes % self.store.durable_every == 0:

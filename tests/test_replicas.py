@@ -167,3 +167,33 @@ def test_the_local_tier_keeps_to_its_bytes_and_its_chunks_are_collected(tiers):
         assert 0 < chunks <= 8 * held, (chunks, held)
     d = open_store(durable)
     assert d.steps("job")[-1] == 8 and len(d.steps("job")) == 8  # the durable tier keeps what it keeps
+
+
+def stale_writer(rank, world, root, durable, out):
+    """A rank of an incarnation that a newer one fenced (its epoch begun meanwhile) writes a step."""
+    from agck.replicas import TieredShardedRun
+    from agck.distributed import Group
+    store = agck.TieredStore(host_dir(root, rank), durable)
+    sr = TieredShardedRun(store, "job", Group())
+    epoch = sr.begin_epoch()
+    sr.group.barrier()
+    if rank == 0:
+        store.begin_epoch("job")        # a newer job, in the durable tier and rank 0's host's tier
+    sr.group.barrier()
+    try:
+        sr.write(7, {"x": rank}, meta=None, parent=None, epoch=epoch)
+        err = None
+    except agck.AgckError as e:
+        err = type(e).__name__
+    sr.close()
+    store.close()
+    pathlib.Path(out, f"rank{rank}.bin").write_bytes(msgpack.packb({"error": err}))
+
+
+def test_a_fenced_incarnation_commits_nothing_over_tiers(tiers):
+    root, durable, out = tiers
+    codes = launch(f"{__name__}:stale_writer", WORLD, (root, durable, out), timeout=120)
+    assert codes == [0] * WORLD
+    got = [msgpack.unpackb(pathlib.Path(out, f"rank{r}.bin").read_bytes())["error"] for r in range(WORLD)]
+    assert got == ["StaleEpochError"] * WORLD
+    assert 7 not in open_store(os.path.join(root, "host0")).steps("job")
