@@ -213,24 +213,14 @@ class TieredShardedRun(ShardedRun):
             self._retain()
         return ref or self.store.local.ref(self.run, step)
 
-    def _transfers(self, pairs: list[tuple[int, int, int]]) -> dict[int, Any]:
-        """Point-to-point sends of (source, destination, size) over agck's group, each
-        rank taking part in its own; returns the received buffers by source rank."""
-        import torch
-        import torch.distributed as dist
-        return _exchange(torch, dist, self.group.pg, self.rank, pairs, self._outgoing)
-
     def _replicate(self, step: int, epoch: int, parent: int | None, outcomes: list, payload: bytes) -> str | None:
         """Send this rank's part to its holders and keep the replicas this rank holds;
         None, or why a replica was not kept."""
-        self._outgoing = {h: payload for h in self.holders[self.rank]}
         pairs = [(r, h, outcomes[r]["size"]) for r in range(self.world_size) for h in self.holders[r]]
         try:
-            got = self._transfers(pairs)
+            got = _exchange(self.group.pg, self.rank, pairs, {h: payload for h in self.holders[self.rank]})
         except Exception as e:
             return f"sending the replicas failed: {_describe(e)}"
-        finally:
-            self._outgoing = {}
         for r, buf in sorted(got.items()):
             want = sharded.part_meta(self.run, step, epoch, r, self.world_size, outcomes[r]["nonce"])
             try:
@@ -290,13 +280,12 @@ class TieredShardedRun(ShardedRun):
                     if s not in drop:
                         drop.add(s)
                         total -= size.get(s, 0)
-            pending = set(self.store.pending)
             dropped = False
             for s in sorted(drop):
-                if s > newest or (self.run, s) in pending:
+                if not self.store.drop_local(self.run, s):
                     break          # oldest first: what is older than a step kept is not dropped
-                self.store.local.delete(self.run, s)
                 dropped = True
+            pending = set(self.store.pending)
             oldest = min(self.store.local.steps(self.run) or [steps[-1]])
             for name, info in mine:
                 if info.step < oldest and info.step <= newest and (name, info.step) not in pending:
@@ -377,30 +366,17 @@ class TieredShardedRun(ShardedRun):
         if any(self.holders):
             part = self._from_peers(commit, not here and fatal is None, map_location)
         if part is None and here and fatal is None:
-            try:
-                part = sharded.read_part(self.store, commit, self.rank, map_location=map_location,
-                                         parts=self.local_parts)
-                self.restored_from = "local"
-            except AgckError as e:
-                if not e.verdict:
-                    fatal = {"fatal": _describe(e), "local": e}
-                else:
-                    why = e.reason
-                    log.warning("agck: %s: this host's copy of rank %d's part is damaged (%s); asking its "
-                                "peers", self.store.ref(self.run, step), self.rank, why)
+            part, fatal, why = self._own_part(commit, self.local_parts, "local", map_location)
+            if part is None and fatal is None:
+                log.warning("agck: %s: this host's copy of rank %d's part is damaged (%s); asking its "
+                            "peers", self.store.ref(self.run, step), self.rank, why)
         damaged_here = part is None and here and fatal is None
         if any(self.holders) and any(self.group.all_gather(damaged_here)):    # a second round, for those
             got = self._from_peers(commit, damaged_here, map_location)
             part = got if got is not None else part
         if part is None and fatal is None and self.durable_parts is not None:
-            try:
-                part = sharded.read_part(self.store, commit, self.rank, map_location=map_location,
-                                         parts=self.durable_parts)
-                self.restored_from = "durable"
-            except AgckError as e:
-                if not e.verdict:
-                    fatal = {"fatal": _describe(e), "local": e}
-                why = f"{why}; no peer's replica; the durable tier's: {e.reason}"
+            part, fatal, durable_why = self._own_part(commit, self.durable_parts, "durable", map_location)
+            why = f"{why}; no peer's replica; the durable tier's: {durable_why}"
         if fatal is not None:
             mine = fatal
         elif part is None:
@@ -409,6 +385,16 @@ class TieredShardedRun(ShardedRun):
         else:
             mine = {"ok": True, "commit": [commit.epoch, [p.nonce for p in commit.parts]]}
         return self._decide(step, commit, part, mine)
+
+    def _own_part(self, commit: sharded.Commit, parts, tier: str, map_location):
+        """(this rank's part read from ``parts`` and verified, None, None); else (None,
+        None, why) for a verdict, (None, the fatal outcome, why) for any other error."""
+        try:
+            part = sharded.read_part(self.store, commit, self.rank, map_location=map_location, parts=parts)
+        except AgckError as e:
+            return None, None if e.verdict else {"fatal": _describe(e), "local": e}, e.reason
+        self.restored_from = tier
+        return part, None, None
 
     def _from_peers(self, commit: sharded.Commit, need: bool, map_location) -> Checkpoint | None:
         """The ranks that ``need`` their part ask a holder with a replica of it (a
@@ -434,25 +420,22 @@ class TieredShardedRun(ShardedRun):
                     asks.append((src, r))
         if not asks:
             return part
-        self._outgoing = {}
+        outgoing = {}
         for src, r in asks:
             if src == self.rank:
                 try:
                     ck = sharded.read_part(self.store, commit, r, parts=self.local_parts)
                     # the container as stored and verified here (else encoded again)
-                    self._outgoing[r] = memoryview(ck.container).cast("B") if ck.container is not None else \
+                    outgoing[r] = memoryview(ck.container).cast("B") if ck.container is not None else \
                         dumps(ck.state, run=ck.run, step=step, parent=ck.parent, meta=ck.meta)
                 except AgckError as e:
                     log.warning("agck: %s: the replica of rank %d's part kept here does not verify: %s",
                                 self.store.ref(self.run, step), r, e.reason)
-                    self._outgoing[r] = b""
-        sizes = self.group.all_gather([[r, len(b)] for r, b in self._outgoing.items()])
+                    outgoing[r] = b""
+        sizes = self.group.all_gather([[r, len(b)] for r, b in outgoing.items()])
         size_of = {(src, r): n for src, got in enumerate(sizes) for r, n in got}
         pairs = [(src, r, size_of.get((src, r), 0)) for src, r in asks]
-        try:
-            got = self._transfers(pairs)
-        finally:
-            self._outgoing = {}
+        got = _exchange(self.group.pg, self.rank, pairs, outgoing)
         buf = next((b for src, b in got.items()), None)
         if buf is None:
             return part
@@ -480,10 +463,14 @@ class TieredShardedRun(ShardedRun):
                         self.local_parts.ref(name, step), self.rank, e)
 
 
-def _exchange(torch, dist, pg, rank: int, pairs: list[tuple[int, int, int]], outgoing: dict[int, bytes]) -> dict:
+def _exchange(pg, rank: int, pairs: list[tuple[int, int, int]], outgoing: dict[int, Any]) -> dict[int, Any]:
     """Post every send and receive of ``pairs`` (source, destination, size) this rank
-    takes part in, then wait for all: gloo pairs each send with its receive, so the
-    order of posting cannot deadlock. Empty transfers are skipped on both sides."""
+    takes part in over the group ``pg`` (``outgoing``: its bytes by destination), then
+    wait for all: gloo pairs each send with its receive, so the order of posting cannot
+    deadlock. Empty transfers are skipped on both sides. Returns the received buffers
+    (uint8 tensors) by source rank."""
+    import torch
+    import torch.distributed as dist
     reqs, got = [], {}
     with warnings.catch_warnings():       # a read-only buffer: the send only reads it
         warnings.simplefilter("ignore", UserWarning)

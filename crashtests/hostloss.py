@@ -230,42 +230,53 @@ def trial(i: int, kind: str, where, base: str, rng: random.Random, seed: int) ->
     return row
 
 
-def campaign(trials: int, kinds: list[str], seed: int, out: str | None = None, quiet: bool = False) -> dict:
+def run_trials(name: str, trials: int, kinds: list[str], seed: int, trial, line, counts: dict,
+               out: str | None = None, quiet: bool = False) -> dict:
+    """A host-loss campaign: ``trials`` trials, the durable ``kinds`` in turn, each
+    ``trial(i, kind, where, root, rng, seed)`` returning its row (``verdict``, ``why``),
+    ``line(row)`` describing it as it ends; the summary counts the verdicts and, for
+    each key of ``counts``, the rows its predicate holds for. Written to
+    ``out/<name>.json`` when ``out`` is given. Servers and tables are removed after."""
     rng = random.Random(seed)
-    base = tempfile.mkdtemp(prefix="agck-hostloss-")
+    root = tempfile.mkdtemp(prefix=f"agck-{name.replace('_', '-')}-")
     dsn = os.environ.get("AGCK_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/test")
-    kinds, s3_url, servers = durable_servers(kinds, "hostloss")
-    where = _durable_urls(kinds, base, dsn, s3_url)
+    kinds, s3_url, servers = durable_servers(kinds, name)
+    where = _durable_urls(kinds, root, dsn, s3_url)
     rows = []
     t0 = time.monotonic()
     try:
         for i in range(trials):
             kind = kinds[i % len(kinds)]
-            row = trial(i, kind, where[kind], base, rng, seed * 1000 + i)
+            row = trial(i, kind, where[kind], root, rng, seed * 1000 + i)
             rows.append(row)
             if not quiet:
-                print(f"[{time.monotonic() - t0:6.1f}s] trial {i} ({kind}, {row['host']}, killed after "
-                      f"{row['killed_after_s']} s): {row['verdict']} {row['why']}", file=sys.stderr, flush=True)
+                print(f"[{time.monotonic() - t0:6.1f}s] trial {i} ({kind}, {line(row)}): {row['verdict']} {row['why']}",
+                      file=sys.stderr, flush=True)
     finally:
         for s in servers:
             s.close()
-        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
         if "postgres" in kinds:
             _drop_prefixes(dsn, f"hl{os.getpid()}_")
     summary = {"seed": seed, "trials": len(rows), "seconds": round(time.monotonic() - t0, 1),
                "verdicts": {v: sum(1 for r in rows if r["verdict"] == v) for v in
                             ("ok", "lost", "corrupt", "not newest", "resume", "error")},
-               "killed": sum(1 for r in rows if r["killed"]),
-               "killed_while_durable_behind": sum(1 for r in rows if r["killed"]
-                                                  and r["durable_acked"] < r["local_acked"]),
-               "durable_down_trials": sum(1 for r in rows if r["down_for"] > 0),
-               "damaged_local_tiers": sum(1 for r in rows if r["host"] == "damage"),
+               **{k: sum(1 for r in rows if holds(r)) for k, holds in counts.items()},
                "rows": rows}
     if out:
         os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "hostloss.json"), "w") as f:
+        with open(os.path.join(out, f"{name}.json"), "w") as f:
             json.dump(summary, f, indent=1)
     return summary
+
+
+def campaign(trials: int, kinds: list[str], seed: int, out: str | None = None, quiet: bool = False) -> dict:
+    return run_trials("hostloss", trials, kinds, seed, trial,
+                      lambda r: f"{r['host']}, killed after {r['killed_after_s']} s", {
+                          "killed": lambda r: r["killed"],
+                          "killed_while_durable_behind": lambda r: r["killed"] and r["durable_acked"] < r["local_acked"],
+                          "durable_down_trials": lambda r: r["down_for"] > 0,
+                          "damaged_local_tiers": lambda r: r["host"] == "damage"}, out, quiet)
 
 
 def _drop_prefixes(dsn: str, prefix: str) -> None:

@@ -32,13 +32,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
 import numpy as np
 
-from crashtests.hostloss import _drop_prefixes, _durable_urls, durable_servers
+from crashtests.hostloss import run_trials
 
 RUN = "job"
 STEPS = 24
@@ -303,44 +302,15 @@ def trial(i: int, kind: str, where, root: str, rng: random.Random, seed: int) ->
 
 
 def campaign(trials: int, kinds: list[str], seed: int, out: str | None = None, quiet: bool = False) -> dict:
-    rng = random.Random(seed)
-    root = tempfile.mkdtemp(prefix="agck-hostloss-ranks-")
-    dsn = os.environ.get("AGCK_TEST_DSN", "postgresql://postgres@127.0.0.1:5432/test")
-    kinds, s3_url, servers = durable_servers(kinds, "hostloss_ranks")
-    where = _durable_urls(kinds, root, dsn, s3_url)
-    rows = []
-    t0 = time.monotonic()
-    try:
-        for i in range(trials):
-            kind = kinds[i % len(kinds)]
-            row = trial(i, kind, where[kind], root, rng, seed * 1000 + i)
-            rows.append(row)
-            if not quiet:
-                print(f"[{time.monotonic() - t0:6.1f}s] trial {i} ({kind}, kill {row['kill']}, down "
-                      f"{row['down_for']}, damaged {row['damaged_replicas']}): local {row['local_acked']} durable "
-                      f"{row['durable_acked']} -> {row.get('restored')} from {row.get('sources')}: "
-                      f"{row['verdict']} {row['why']}", file=sys.stderr, flush=True)
-    finally:
-        for s in servers:
-            s.close()
-        shutil.rmtree(root, ignore_errors=True)
-        if "postgres" in kinds:
-            _drop_prefixes(dsn, f"hl{os.getpid()}_")
-    summary = {"seed": seed, "trials": len(rows), "seconds": round(time.monotonic() - t0, 1),
-               "verdicts": {v: sum(1 for r in rows if r["verdict"] == v) for v in
-                            ("ok", "lost", "corrupt", "not newest", "resume", "error")},
-               "restored_from_peers": sum(1 for r in rows if "peer" in (r.get("sources") or [])),
-               "restored_from_durable": sum(1 for r in rows if "durable" in (r.get("sources") or [])),
-               "killed_at_fail_points": sum(1 for r in rows if r["kill"] != "time"),
-               "durable_behind_at_kill": sum(1 for r in rows if r["durable_acked"] < r["local_acked"]),
-               "durable_down_trials": sum(1 for r in rows if r["down_for"] > 0),
-               "damaged_replica_trials": sum(1 for r in rows if r["damaged_replicas"]),
-               "rows": rows}
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "hostloss_ranks.json"), "w") as f:
-            json.dump(summary, f, indent=1)
-    return summary
+    return run_trials("hostloss_ranks", trials, kinds, seed, trial, lambda r: (
+        f"kill {r['kill']}, down {r['down_for']}, damaged {r['damaged_replicas']}; local {r['local_acked']} "
+        f"durable {r['durable_acked']} -> {r.get('restored')} from {r.get('sources')}"), {
+        "restored_from_peers": lambda r: "peer" in (r.get("sources") or []),
+        "restored_from_durable": lambda r: "durable" in (r.get("sources") or []),
+        "killed_at_fail_points": lambda r: r["kill"] != "time",
+        "durable_behind_at_kill": lambda r: r["durable_acked"] < r["local_acked"],
+        "durable_down_trials": lambda r: r["down_for"] > 0,
+        "damaged_replica_trials": lambda r: r["damaged_replicas"]}, out, quiet)
 
 
 def main(argv=None) -> int:

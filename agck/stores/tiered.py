@@ -228,11 +228,12 @@ class TieredStore(Store):
         steps = self.local.steps(run)
         if self.keep_local is None or len(steps) <= self.keep_local:
             return 0
-        return sum(self._drop_local(run, s) for s in steps[:-self.keep_local])
+        return sum(self.drop_local(run, s) for s in steps[:-self.keep_local])
 
-    def _drop_local(self, run: str, step: int) -> bool:
+    def drop_local(self, run: str, step: int) -> bool:
         """Delete (run, step) from the local tier if the durable tier makes it safe to:
-        not waiting to be copied, and not newer than the durable tier's newest."""
+        not waiting to be copied, and not newer than the durable tier's newest. Whether
+        it was deleted (the retention of this store and of a multi-rank job's host)."""
         durable_newest = self._durable_newest.get(run)
         if durable_newest is None or step > durable_newest:    # another process's copier may have moved it on
             durable_newest = self._durable_newest[run] = self.last_durable_step(run)
@@ -246,7 +247,7 @@ class TieredStore(Store):
 
     def _retain_bytes(self) -> int:
         """Prune the oldest local checkpoints (each run's newest spared, and what
-        :meth:`_drop_local` spares) while the local tier's listed bytes exceed
+        :meth:`drop_local` spares) while the local tier's listed bytes exceed
         ``keep_local_bytes``. Returns how many were deleted."""
         if self.keep_local_bytes is None:
             return 0
@@ -259,7 +260,7 @@ class TieredStore(Store):
         for i in sorted(infos, key=lambda i: (i.created_at or 0, i.step)):
             if total <= self.keep_local_bytes:
                 break
-            if i.step != newest[i.run] and self._drop_local(i.run, i.step):
+            if i.step != newest[i.run] and self.drop_local(i.run, i.step):
                 total -= i.size or 0
                 deleted += 1
         return deleted
