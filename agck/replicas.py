@@ -280,12 +280,14 @@ class TieredShardedRun(ShardedRun):
                     if s not in drop:
                         drop.add(s)
                         total -= size.get(s, 0)
+            # one view of the durable tier for both rules below, so no part outlives its dropped record
+            pending = set(self.store.pending)
             dropped = False
             for s in sorted(drop):
-                if not self.store.drop_local(self.run, s):
+                if s > newest or (self.run, s) in pending:
                     break          # oldest first: what is older than a step kept is not dropped
+                self.store.local.delete(self.run, s)
                 dropped = True
-            pending = set(self.store.pending)
             oldest = min(self.store.local.steps(self.run) or [steps[-1]])
             for name, info in mine:
                 if info.step < oldest and info.step <= newest and (name, info.step) not in pending:

@@ -233,7 +233,7 @@ class TieredStore(Store):
     def drop_local(self, run: str, step: int) -> bool:
         """Delete (run, step) from the local tier if the durable tier makes it safe to:
         not waiting to be copied, and not newer than the durable tier's newest. Whether
-        it was deleted (the retention of this store and of a multi-rank job's host)."""
+        it was deleted."""
         durable_newest = self._durable_newest.get(run)
         if durable_newest is None or step > durable_newest:    # another process's copier may have moved it on
             durable_newest = self._durable_newest[run] = self.last_durable_step(run)
