@@ -85,7 +85,12 @@ RAW_KEY_CONTEXT = "agck 2026-12 raw user key v1"
 
 # scrypt for passphrases (FORMAT.md 18.6): 2^15 x 8 costs 32 MiB and about 0.1 s here
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 1 << 15, 8, 1   # not a threshold: the scrypt cost parameters
-MAX_SCRYPT_N = 1 << 20                           # not a threshold: what a key slot may ask for (1 GiB)
+# what a key slot may ask of scrypt before anything is derived (FORMAT.md 18.6): a slot is
+# not secret and anyone who can write the store can plant one, so its cost is bounded:
+# memory 128·n·r at most 256 MiB (0.7 s here) and work 128·n·r·p at most 1 GiB (about 3 s)
+MAX_SCRYPT_MEMORY = 256 << 20
+MAX_SCRYPT_WORK = 1 << 30
+MAX_KEY_FILE = 64 << 10          # a key file is 64 hex digits or a passphrase: anything larger is not one
 
 
 def _aesgcm():
@@ -126,6 +131,11 @@ class DataKey:
         self.key_id = blake3.blake3(self._key, derive_key_context="agck 2026-12 key id v1").hexdigest()[:16]
         self.slot_id: str | None = None      # the key slot this data key was opened from, if any
         self.made_now = False                # made by this store object: the store became encrypted now
+
+    def adopt(self, other: "DataKey") -> None:
+        """Become ``other``, in place (a store's first key, made by another process while
+        this one sealed nothing yet: everything that holds this object sees the change)."""
+        self.__dict__.update(other.__dict__)
 
     @classmethod
     def new(cls) -> "DataKey":
@@ -243,20 +253,25 @@ class UserKey:
         return f"UserKey({self.kind} from {self.source})"
 
 
-def user_key(key, *, source: str = "the key= argument") -> UserKey:
+def user_key(key, *, source: str = "the key= argument", _called: bool = False) -> UserKey:
     """A :class:`UserKey` from what a user passes: a str (a passphrase), 32 bytes (a raw
     key), a UserKey, or a callable returning one of these (a KMS client)."""
     if isinstance(key, UserKey):
         return key
     if callable(key):
+        if _called:
+            raise UsageError(f"the key callable from {source} returned another callable ({type(key).__name__}), "
+                             "not a key", hint="return a passphrase (str) or 32 raw bytes from the callable")
         try:
             got = key()
         except AgckError:
             raise
         except Exception as e:
-            raise EncryptionKeyError(f"the key callable failed: {type(e).__name__}: {e}"[:300],
-                                     hint="fix the key provider (a KMS client) and open the store again") from None
-        return user_key(got, source=f"{source} (a callable)")
+            # its message is not echoed: a provider's error may hold the secret it was handling
+            raise EncryptionKeyError(f"the key callable from {source} failed with {type(e).__name__}",
+                                     hint="fix the key provider (a KMS client) and open the store again; its "
+                                          "message is not shown, as it may hold key material") from None
+        return user_key(got, source=f"{source} (a callable)", _called=True)
     if isinstance(key, str):
         if not key:
             raise UsageError(f"an empty passphrase from {source}", hint="pass a passphrase of 12 characters or more")
@@ -273,11 +288,29 @@ def user_key(key, *, source: str = "the key= argument") -> UserKey:
 def key_from_file(path) -> UserKey:
     """A user key kept in a file: 64 hex digits (a raw key) or, failing that, a passphrase
     (its text, without the trailing newline)."""
+    import stat
     try:
-        with open(path, "rb") as f:
-            text = f.read(1 << 16)
+        # opened without blocking (a FIFO in its place would wait for a writer forever), then
+        # refused unless it is a regular file of at most MAX_KEY_FILE bytes (never cut short)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise EncryptionKeyError("the key file is not a regular file (a FIFO, a device or a directory)",
+                                         ref=os.fspath(path), hint="keep the key in a plain file")
+            if st.st_size > MAX_KEY_FILE:
+                raise EncryptionKeyError(f"the key file is {st.st_size} bytes: a key file holds 64 hex digits or "
+                                         f"a passphrase, at most {MAX_KEY_FILE} bytes", ref=os.fspath(path),
+                                         hint="check the path: is this the key file?")
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                text = f.read(MAX_KEY_FILE + 1)
+        finally:
+            os.close(fd)
     except OSError as e:
         raise EncryptionKeyError(f"cannot read the key file: {e.strerror}", ref=os.fspath(path)) from None
+    if len(text) > MAX_KEY_FILE:
+        raise EncryptionKeyError(f"the key file grew past {MAX_KEY_FILE} bytes while it was read",
+                                 ref=os.fspath(path))
     text = text.rstrip(b"\r\n")
     try:
         raw = bytes.fromhex(text.decode("ascii"))
@@ -330,8 +363,9 @@ def check_slot(slot) -> dict:
             raise UnsupportedVersionError(f"a key slot of version {slot['agck_key_slot']}",
                                           hint="upgrade agck to open this store")
         raise bad("not a version 1 key slot")
-    if not isinstance(slot.get("id"), str) or not 1 <= len(slot["id"]) <= 64:
-        raise bad("no id")
+    if not isinstance(slot.get("id"), str) or not 1 <= len(slot["id"]) <= 64 or \
+            not all(c in "0123456789abcdef" for c in slot["id"]):
+        raise bad("no id of 1 to 64 hex digits")
     if slot.get("kind") not in ("passphrase", "raw") or not isinstance(slot.get("created"), numbers.Real):
         raise bad("no kind or creation time")
     if not isinstance(slot.get("data_key"), str) or len(slot["data_key"]) != 16:
@@ -342,9 +376,13 @@ def check_slot(slot) -> dict:
         raise bad("an unknown key derivation")
     if kdf["name"] == "scrypt":
         n, r, p = kdf.get("n"), kdf.get("r"), kdf.get("p")
-        if not all(type(v) is int for v in (n, r, p)) or not (2 <= n <= MAX_SCRYPT_N and n & (n - 1) == 0) \
+        if not all(type(v) is int for v in (n, r, p)) or not (2 <= n and n & (n - 1) == 0) \
                 or not 1 <= r <= 32 or not 1 <= p <= 16 or not isinstance(kdf.get("salt"), str):
             raise bad(f"scrypt parameters out of bounds (n={n!r}, r={r!r}, p={p!r})")
+        if 128 * n * r > MAX_SCRYPT_MEMORY or 128 * n * r * p > MAX_SCRYPT_WORK:
+            raise bad(f"scrypt parameters that would cost {128 * n * r >> 20} MiB and {128 * n * r * p >> 20} MiB "
+                      f"of work (n={n}, r={r}, p={p}; at most {MAX_SCRYPT_MEMORY >> 20} MiB and "
+                      f"{MAX_SCRYPT_WORK >> 20} MiB): refused as hostile before deriving anything")
         try:
             bytes.fromhex(kdf["salt"])
         except ValueError:
@@ -377,11 +415,13 @@ def unwrap(slot: dict, user: UserKey) -> DataKey | None:
     return key
 
 
-def open_slots(slots: list[dict], user: UserKey, where: str) -> tuple[DataKey, dict]:
-    """The data key the first of ``slots`` that ``user`` opens wraps, and that slot;
-    EncryptionKeyError naming the key tried when none does. Slots that name different
-    data keys (a store made twice at once, directories merged) are refused: data written
-    under one would not open under the other."""
+def open_slots(slots: list[dict], user: UserKey, where: str, damaged: list = ()) -> DataKey:
+    """The data key the first of ``slots`` that ``user`` opens wraps (its ``slot_id`` set);
+    EncryptionKeyError naming the key tried when none does. ``damaged``: the store's slots
+    that could not be read (each with ``id`` and ``reason``), named in that error; the
+    intact ones are tried all the same. Slots that name different data keys (a store made
+    twice at once, directories merged) are refused: data written under one would not
+    open under the other."""
     ids = sorted({check_slot(s)["data_key"] for s in slots})
     if len(ids) > 1:
         raise EncryptionKeyError(f"the store's key slots wrap {len(ids)} different data keys ({', '.join(ids)}): "
@@ -392,9 +432,15 @@ def open_slots(slots: list[dict], user: UserKey, where: str) -> tuple[DataKey, d
         key = unwrap(slot, user)
         if key is not None:
             key.slot_id = slot["id"]
-            return key, slot
-    raise EncryptionKeyError(f"the {'raw key' if user.kind == 'raw' else 'passphrase'} from {user.source} opens none of the store's {len(slots)} key "
-                             f"slot(s) ({', '.join(s['id'] for s in slots)})", ref=where,
+            return key
+    bad = "; ".join(f"{d.id} ({d.reason})" for d in damaged)[:400]
+    what = "raw key" if user.kind == "raw" else "passphrase"
+    if not slots:
+        raise EncryptionKeyError(f"every key slot of the store is damaged: {bad}", ref=where,
+                                 hint="restore the slots from a backup; without one the data cannot be read")
+    raise EncryptionKeyError(f"the {what} from {user.source} opens none of the store's {len(slots)} intact key "
+                             f"slot(s) ({', '.join(s['id'] for s in slots)})"
+                             + (f"; damaged, not tried: {bad}" if bad else ""), ref=where,
                              hint="pass a key that was added to this store (agck key list STORE shows its "
-                                  "slots); without one its data cannot be read")
-
+                                  "slots); without one its data cannot be read"
+                                  + ("; a damaged slot may be restored from a backup" if bad else ""))

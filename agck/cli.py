@@ -24,8 +24,8 @@ import sys
 from datetime import datetime, timezone
 
 from . import checkpoint, sharded
-from .errors import (AgckError, CorruptCheckpointError, DependencyError, FormatError, InvalidRunNameError,
-                     NoValidCheckpointError, StoreError, UsageError)
+from .errors import (AgckError, CorruptCheckpointError, DependencyError, EncryptionKeyError, FormatError,
+                     InvalidRunNameError, NoValidCheckpointError, StoreError, UsageError)
 from .names import check_run
 
 EXIT_OK, EXIT_WALKED_BACK, EXIT_USAGE, EXIT_NOTHING_VALID, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4
@@ -598,11 +598,14 @@ def _converted(converted: dict) -> str:
 def cmd_key(args) -> int:
     """Key slots of an encrypted store (FORMAT.md 18.6): list, init, add, remove, rotate."""
     from .stores import encryption, open_store
+    if args.slot is not None and args.action != "remove":
+        raise _Exit(EXIT_USAGE, f"agck key {args.action}: takes no slot id (only remove does); nothing was changed")
     if args.action == "init":
         if "://" not in args.store and os.path.exists(args.store) and (not os.path.isdir(args.store)
                                                                       or os.listdir(args.store)):
             raise _Exit(EXIT_USAGE, f"agck key init: {_redact(args.store)} is not an empty directory")
         with open_store(args.store, key=encryption.new_key(args.new_key_file)) as store:
+            encryption.commit_first_slot(store.sealer)     # what a first write would do
             if store.sealer is None or not store.sealer.made_now:
                 raise _Exit(EXIT_USAGE, f"agck key init: {store.where} is encrypted already "
                                         "(agck key add adds a key to it)")
@@ -629,9 +632,11 @@ def cmd_key(args) -> int:
             _emit(args, {"removed": gone, "added": _slot_row(slot) if slot else None},
                   lambda: (f"added key slot {slot['id']}; " if slot else "") + f"removed key slot {gone}")
         else:
-            slots = store.key_slots()
-            _emit(args, [_slot_row(x) for x in slots],
-                  lambda: "\n".join(f"{x['id']}  {x['kind']:10}  created {_time(x['created'])}" for x in slots)
+            slots, damaged = store.key_slots(), store.damaged_key_slots()
+            rows = [_slot_row(x) for x in slots] + [{"id": d.id, "damaged": d.reason} for d in damaged]
+            _emit(args, rows,
+                  lambda: "\n".join([f"{x['id']}  {x['kind']:10}  created {_time(x['created'])}" for x in slots]
+                                    + [f"{d.id}  damaged     {d.reason}" for d in damaged])
                   or f"{store.url}: not encrypted (no key slots)")
     return EXIT_OK
 
@@ -843,7 +848,7 @@ def main(argv=None) -> int:
         return _fail(f"agck: {e}", EXIT_NOTHING_VALID)
     except (UsageError, InvalidRunNameError) as e:
         return _fail(f"agck: {e}", EXIT_USAGE)
-    except (StoreError, FormatError, DependencyError) as e:
+    except (StoreError, FormatError, DependencyError, EncryptionKeyError) as e:     # (a bad key: bad credentials)
         return _fail(f"agck: {e}", EXIT_UNAVAILABLE)
     except AgckError as e:
         return _fail(f"agck: {e}", EXIT_USAGE)

@@ -86,15 +86,15 @@ def test_a_slot_opens_with_its_user_key_only(secret):
     assert cipher.unwrap(slot, wrong) is None
     with pytest.raises(EncryptionKeyError, match="opens none"):
         cipher.open_slots([slot], wrong, "store")
-    got, which = cipher.open_slots([cipher.wrap(k, wrong), slot], user, "store")
-    assert got.raw() == k.raw() and which is slot
+    got = cipher.open_slots([cipher.wrap(k, wrong), slot], user, "store")
+    assert got.raw() == k.raw() and got.slot_id == slot["id"]
 
 
 def test_a_tampered_slot_opens_with_no_key():
     k = DataKey.new()
     user = cipher.user_key(os.urandom(32))
     slot = cipher.wrap(k, user)
-    for field, value in (("id", "other"), ("created", 1.0), ("nonce", os.urandom(12).hex())):
+    for field, value in (("id", "abcdef"), ("created", 1.0), ("nonce", os.urandom(12).hex())):
         assert cipher.unwrap(dict(slot, **{field: value}), user) is None
     raw = bytearray(base64.b64decode(slot["wrapped"]))
     raw[3] ^= 1
@@ -130,7 +130,7 @@ def test_user_keys_from_what_users_pass(tmp_path):
     for bad in ("", b"short", 3, None):
         with pytest.raises(UsageError):
             cipher.user_key(bad)
-    with pytest.raises(EncryptionKeyError, match="callable failed"):
+    with pytest.raises(EncryptionKeyError, match="callable from .* failed"):
         cipher.user_key(lambda: 1 / 0)
     with pytest.raises(EncryptionKeyError, match="cannot read"):
         cipher.key_from_file(tmp_path / "missing")

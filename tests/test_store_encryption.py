@@ -218,17 +218,16 @@ def test_a_damaged_key_slot_or_every_slot_lost_is_said_plainly(tmp_path):
     text = open(slot).read()
     with open(slot, "w") as f:
         f.write(text.replace('"scrypt"', '"argon9"'))
-    with pytest.raises(CorruptCheckpointError, match="key slot"):
+    with pytest.raises(EncryptionKeyError, match="every key slot of the store is damaged.*unknown key derivation"):
         open_store(root, key=KEY)
     os.unlink(slot)
-    # every slot gone: the store opens as unencrypted, its sealed files are no AGCK container
-    # to it (never read as data), and a collection deletes nothing it cannot read
-    s = open_store(root)
-    with pytest.raises(agck.AgckError):
-        s.get("run", 1)
-    found = agck.recover(s, "run")
-    assert found.checkpoint is None and "AGCE" in found.rejected[0].reason
-    assert s.collect_garbage().deleted_chunks == 0
+    # every slot gone: the store knows it is encrypted from what it holds (FORMAT.md 18.9),
+    # and is refused with a key or without one; nothing is read, quarantined or written
+    before = sorted(files(root))
+    for key in (None, KEY):
+        with pytest.raises(EncryptionKeyError, match="sealed .* none of its key slots"):
+            open_store(root, key=key)
+    assert sorted(files(root)) == before
 
 
 def test_the_key_command_inits_lists_adds_rotates_and_removes(tmp_path, monkeypatch, capsys):
@@ -289,9 +288,9 @@ def test_processes_making_one_encrypted_store_at_once_end_with_one_data_key(tmp_
 def test_slots_of_two_data_keys_are_refused(tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     open_store(a, key=KEY).put("run", 1, {"x": 1})
-    open_store(b, key=KEY)
-    other = os.path.join(b, ".keys", "00000000.json")
-    shutil.copyfile(other, os.path.join(a, ".keys", "0000abcd.json"))     # directories merged
+    slot = open_store(b, key=KEY).add_key(os.urandom(32))     # b made encrypted, under another data key
+    other = os.path.join(b, ".keys", f"{slot['id']}.json")
+    shutil.copyfile(other, os.path.join(a, ".keys", f"{slot['id']}.json"))     # directories merged
     with pytest.raises(EncryptionKeyError, match="2 different data keys"):
         open_store(a, key=KEY)
 

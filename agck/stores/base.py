@@ -161,12 +161,12 @@ class Store(ABC):
         self._min_chunked = None if min_chunked is None else int(min_chunked)
         self.verify_reused = check_verify_reused(verify_reused)
 
-    def _set_encryption(self, slots: "encryption.SlotFiles", given, *, empty, where: str) -> None:
+    def _set_encryption(self, slots: "encryption.SlotFiles", given, *, where: str) -> None:
         """Open the store's data key from ``slots`` with the ``given`` user key
         (:func:`encryption.data_key`); an encrypted store writes every checkpoint as a
         sealed listing and sealed chunks: nothing, of any size, in the clear."""
         self._slots = slots
-        self.sealer = encryption.data_key(slots, given, empty=empty, where=where)
+        self.sealer = encryption.data_key(slots, given, sealed_found=self._sealed_found, where=where)
         if self.sealer is not None:
             self._sealed = encryption.SealedObjects(self.sealer)
             if not self.incremental or self.full_every is not None:
@@ -174,9 +174,42 @@ class Store(ABC):
                                  "full_every are not available", ref=where)
             self._min_chunked = 0
 
+    def _stored_head(self, run: str, step: int) -> bytes | None:
+        """The first bytes (at least 8) of (run, step)'s container or listing as stored
+        (sealed or not), or None: what :meth:`_sealed_found` judges by."""
+        return None
+
+    def _sealed_found(self) -> bool | None:
+        """Whether what the store holds is sealed (FORMAT.md rule 18.9), for a store with
+        no key slots: the stored container of the newest step of the first run that has
+        one, else the first record that holds a value in the first journal log. None: the
+        store holds neither (empty, or chunks left by a put that never committed)."""
+        for run in self.runs():
+            for step in self.steps(run, last=1):
+                head = self._stored_head(run, step)
+                if head:
+                    return bytes(head[:4]) == cipher.MAGIC
+        try:
+            log_runs = self.log_runs()
+        except UsageError:      # a store that keeps no journal
+            return None
+        from .. import journalrec
+        for run in log_runs:
+            sealed = journalrec.first_value_sealed(self.log_read(run)[0])
+            if sealed is not None:
+                return sealed
+        return None
+
+    def _before_write(self) -> None:
+        """Before anything is written: an empty store opened with a key becomes encrypted
+        now, by its first slot (FORMAT.md rule 18.11), so that an open that only reads writes nothing."""
+        if self.sealer is not None:
+            encryption.commit_first_slot(self.sealer)
+
     def _refuse_sealed_log(self, ref: str, records) -> None:
         """An encrypted store appends only records whose values are sealed (FORMAT.md 18.8):
         what agck's journal and AppendLogs write there; anything else would be in the clear."""
+        self._before_write()
         if self.sealer is not None:
             from .. import journalrec
             i = journalrec.unsealed(records)
@@ -211,8 +244,13 @@ class Store(ABC):
         return self._sealed.opened({name: data}, {name: name}, quiet=True).get(name, data)
 
     def key_slots(self) -> list[dict]:
-        """The store's key slots (FORMAT.md 18.6; nothing secret in them); [] when not encrypted."""
-        return self._slots.load() if self._slots is not None else []
+        """The store's intact key slots (FORMAT.md 18.6; nothing secret in them); [] when not
+        encrypted (or not yet: an empty store opened with a key until its first write)."""
+        return encryption.split_slots(self._slots.load())[0] if self._slots is not None else []
+
+    def damaged_key_slots(self) -> "list[encryption.DamagedSlot]":
+        """The store's key slots that cannot be read (each with its id, where and why)."""
+        return encryption.split_slots(self._slots.load())[1] if self._slots is not None else []
 
     def add_key(self, key) -> dict:
         """Wrap the store's data key under one more user key (a passphrase, 32 raw bytes,
@@ -257,6 +295,7 @@ class Store(ABC):
         it is written: with the cache to split it with, or None: standalone (not
         incremental, a ``full_every`` put, or smaller than ``min_chunked`` and not
         confirming ``expect_unchanged`` tensors; the cache is then given back)."""
+        self._before_write()
         cache = self._write_cache(run, expect_unchanged, ref)
         w = checkpoint.encode(state, run=run, step=step, parent=parent, meta=meta,
                               memo=cache.encoding if cache else None)

@@ -109,8 +109,7 @@ class FileStore(Store):
             if not os.path.isdir(self.root):
                 raise StoreConnectionError("not a checkpoint directory: a file is in the way", ref=self.root,
                                            hint="pass a directory path")
-        self._set_encryption(KeySlots(self.root, self.fs), given, where=self.root,
-                             empty=lambda: not self.runs() and not os.path.isdir(self.objects.dir))
+        self._set_encryption(KeySlots(self.root, self.fs), given, where=self.root)
         self.objects.sealer = self.sealer
 
     # -- journal logs (agck.journal; stores/file/log.py) ---------------------------
@@ -160,7 +159,14 @@ class FileStore(Store):
         path = os.path.join(self.root, ".parts")   # not a run name: never listed as a run
         if not create and not os.path.isdir(path):
             return None
-        return FileStore(path, fs=self.fs, key=self.sealer, **self._policy())
+        return FileStore(path, fs=self.fs, key=self.sealer and encryption.Inherited(self.sealer), **self._policy())
+
+    def _stored_head(self, run: str, step: int) -> bytes | None:
+        try:
+            with open(self.path(run, step), "rb") as f:
+                return f.read(8)
+        except OSError:
+            return None
 
     def _run_dir(self, run: str) -> str:
         return os.path.join(self.root, check_run(run))

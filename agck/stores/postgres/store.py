@@ -241,15 +241,15 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
             else:
                 self._set_compression(*self._compress_args, local=local, what="Postgres server")
             if init or check_schema:
-                self._set_encryption(PgKeySlots(self), given, where=self.names.where, empty=self._empty)
+                self._set_encryption(PgKeySlots(self), given, where=self.names.where)
         except BaseException:
             self._pool.close()     # refused (no schema, another bucket): its connection closed now, not at a GC
             raise
 
-    def _empty(self) -> bool:
-        n = self.names
-        return not self._query(f"SELECT EXISTS (SELECT 1 FROM {n.manifest}) OR EXISTS (SELECT 1 FROM {n.objects}) "
-                               f"OR EXISTS (SELECT 1 FROM {n.chunks})")[0][0]
+    def _stored_head(self, run: str, step: int) -> bytes | None:
+        rows = self._query(f"SELECT substring(data from 1 for 8) FROM {self.names.chunks} WHERE run = %s AND "
+                           "step = %s AND idx = 0", (run, step))
+        return bytes(rows[0][0]) if rows else None
 
     # what the asyncio methods (aio.AsyncMethods) and the journal logs (log.py) share with the sync ones
     _put_retries = PUT_RETRIES
@@ -368,7 +368,7 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
                                  chunk_size=self.chunk_size, init=create, connect_timeout=self._connect_timeout,
                                  pool=self.pool_size,
                                  objects=self._objects.child("parts") if self._objects is not None else None,
-                                 key=self.sealer, seal_meta=self.seal_meta, **self._policy())
+                                 key=self.sealer and encryption.Inherited(self.sealer), seal_meta=self.seal_meta, **self._policy())
         except SchemaUninitializedError:
             if create:
                 raise
@@ -752,7 +752,7 @@ class PgKeySlots:
         st, n = self.store, self.store.names
         if not st._query("SELECT to_regclass(%s) IS NOT NULL", (n.keys_ref,))[0][0]:
             return []
-        return [encryption.slot_from_json(text, f"{n.keys_ref}(id='{i}')")
+        return [encryption.parse_slot(text, i, f"{n.keys_ref}(id={i!r})")
                 for i, text in st._query(f"SELECT id, slot FROM {n.keys} ORDER BY id")]
 
     def save(self, slot: dict) -> None:
@@ -772,8 +772,16 @@ class PgKeySlots:
         if not made:
             raise CheckpointExistsError(f"key slot {slot['id']} exists", ref=n.keys_ref)
 
-    def remove(self, slot_id: str) -> None:
+    def remove(self, slot_id: str, check) -> None:
+        """In one transaction holding the table's lock from the check to the commit
+        (FORMAT.md rule 18.12): two removals at once run one after the other."""
         st, n = self.store, self.store.names
-        st._transaction("BEGIN; SET LOCAL synchronous_commit = on", None,
-                        lambda cur: cur.execute(f"DELETE FROM {n.keys} WHERE id = %s", (slot_id,)),
+
+        def body(cur):
+            cur.execute(f"LOCK TABLE {n.keys} IN EXCLUSIVE MODE")
+            cur.execute(f"SELECT id, slot FROM {n.keys} ORDER BY id")
+            check([encryption.parse_slot(text, i, f"{n.keys_ref}(id={i!r})") for i, text in cur.fetchall()])
+            cur.execute(f"DELETE FROM {n.keys} WHERE id = %s", (slot_id,))
+
+        st._transaction("BEGIN; SET LOCAL synchronous_commit = on", None, body,
                         "cannot remove a key slot", n.where, DurabilityError)

@@ -112,10 +112,16 @@ class S3Store(JournalLogs, Store):
         self._in_pool = threading.local()
         self._writer = _token()                   # names this store object's records
         self._open(create)
-        self._set_encryption(_KeySlots(self.c), given, where=self.url, empty=self._empty)
+        self._set_encryption(_KeySlots(self), given, where=self.url)
 
-    def _empty(self) -> bool:
-        return next(iter(self.c.list("runs/")), None) is None and next(iter(self.c.list("chunks/")), None) is None
+    def _stored_head(self, run: str, step: int) -> bytes | None:
+        e = self._state(run).steps.get(step)
+        if e is None:
+            return None
+        try:
+            return bytes(memoryview(self._container(run, e, self.ref(run, step), checked=False))[:8])
+        except AgckError:
+            return None
 
     def _ckey(self, address: bytes) -> str:
         """A chunk's object key: by its address, or in an encrypted store by its keyed name (FORMAT.md 18.3)."""
@@ -178,7 +184,7 @@ class S3Store(JournalLogs, Store):
         if not create and sub.get(MARKER) is None:
             return None
         return S3Store(sub.url, client=sub, stale_after=self.stale_after, grace=self.grace,
-                       chunk_grid=self.chunk_grid, key=self.sealer, **self._policy())
+                       chunk_grid=self.chunk_grid, key=self.sealer and encryption.Inherited(self.sealer), **self._policy())
 
     # -- keys ------------------------------------------------------------------
     @staticmethod
@@ -809,19 +815,27 @@ def _quarantined_address(key: str) -> bytes | None:
 
 class _KeySlots:
     """An s3 store's key slots (FORMAT.md 18.6): ``keys/<id>.json``, each created only if
-    absent (``If-None-Match: *``); nothing secret in them."""
+    absent (``If-None-Match: *``); nothing secret in them. A removal holds the store's
+    exclusive lock from its check to its delete (rule 18.12)."""
 
-    def __init__(self, client: ObjectClient):
-        self.c = client
+    def __init__(self, store: "S3Store"):
+        import weakref
+        self.store = weakref.proxy(store)
+        self.c = store.c
 
-    def load(self) -> list[dict]:
+    def load(self) -> "list[dict | encryption.DamagedSlot]":
         out = []
         for o in self.c.list("keys/"):
-            if o.key.endswith(".json"):
+            name = o.key.rsplit("/", 1)[-1]
+            if name.endswith(".json"):
+                if o.size > encryption.MAX_SLOT:
+                    out.append(encryption.DamagedSlot(name[:-5], self.c.ref(o.key), f"{o.size} bytes, more than a "
+                                                      f"key slot's {encryption.MAX_SLOT}"))
+                    continue
                 data = self.c.get(o.key)
                 if data is not None:
-                    out.append(encryption.slot_from_json(bytes(data), self.c.ref(o.key)))
-        return sorted(out, key=lambda x: x["id"])
+                    out.append(encryption.parse_slot(bytes(data), name[:-5], self.c.ref(o.key)))
+        return sorted(out, key=lambda x: x["id"] if isinstance(x, dict) else x.id)
 
     def save(self, slot: dict) -> None:
         try:
@@ -829,5 +843,7 @@ class _KeySlots:
         except ObjectExists:
             raise CheckpointExistsError(f"key slot {slot['id']} exists", ref=self.c.ref("keys/")) from None
 
-    def remove(self, slot_id: str) -> None:
-        self.c.delete(f"keys/{slot_id}.json")
+    def remove(self, slot_id: str, check) -> None:
+        with self.store._locked(exclusive=True):
+            check(self.load())
+            self.c.delete(f"keys/{slot_id}.json")

@@ -195,16 +195,16 @@ class SqliteStore(TransactionalPuts, Store):
             self._conn.close()
             raise
         try:
-            self._set_encryption(_KeySlots(self), given, where=self.path, empty=self._empty)
+            self._set_encryption(_KeySlots(self), given, where=self.path)
         except BaseException:
             self._conn.close()
             raise
 
-    def _empty(self) -> bool:
+    def _stored_head(self, run: str, step: int) -> bytes | None:
         with self._lock:
-            c = self._db()
-            return not any(c.execute(f"SELECT 1 FROM {t} LIMIT 1").fetchone()
-                           for t in (self._t_manifest, self._t_objects, self._t_chunks))
+            row = self._db().execute(f"SELECT substr(data, 1, 8) FROM {self._t_chunks} WHERE run = ? AND step = ? "
+                                     "AND idx = 0", (run, step)).fetchone()
+        return bytes(row[0]) if row else None
 
     # -- schema ----------------------------------------------------------------
     def _version(self) -> int | None:
@@ -749,7 +749,7 @@ class SqliteStore(TransactionalPuts, Store):
                              "its own", ref=self.url, hint="use a database file")
         try:
             return SqliteStore(self.url, prefix=parts_prefix(self.prefix), chunk_size=self.chunk_size,
-                               busy_timeout=self._busy_timeout, create=create, key=self.sealer,
+                               busy_timeout=self._busy_timeout, create=create, key=self.sealer and encryption.Inherited(self.sealer),
                                seal_meta=self.seal_meta, **self._policy())
         except StoreConnectionError:
             if create:
@@ -784,7 +784,7 @@ class _KeySlots:
                 rows = c.execute(f"SELECT id, slot FROM {self.table} ORDER BY id").fetchall()
             except sqlite3.Error as e:
                 raise StoreError(f"cannot read the key slots: {e}", ref=st.path) from None
-        return [encryption.slot_from_json(text, f"{st.path}::{self.table}(id='{i}')") for i, text in rows]
+        return [encryption.parse_slot(text, i, f"{st.path}::{self.table}(id={i!r})") for i, text in rows]
 
     def save(self, slot: dict) -> None:
         st = self.store
@@ -800,12 +800,17 @@ class _KeySlots:
             except sqlite3.Error as e:
                 raise DurabilityError(f"cannot write a key slot: {e}", ref=st.path) from None
 
-    def remove(self, slot_id: str) -> None:
+    def remove(self, slot_id: str, check) -> None:
+        """In one write transaction (BEGIN IMMEDIATE): the check sees the slots no other
+        writer can change before the delete commits (FORMAT.md rule 18.12)."""
         st = self.store
         with st._lock:
             c = st._db()
             try:
                 with _immediate(c):
+                    rows = c.execute(f"SELECT id, slot FROM {self.table} ORDER BY id").fetchall() \
+                        if st._has_table(c, self.table) else []
+                    check([encryption.parse_slot(text, i, f"{st.path}::{self.table}(id={i!r})") for i, text in rows])
                     c.execute(f"DELETE FROM {self.table} WHERE id = ?", (slot_id,))
             except sqlite3.Error as e:
                 raise DurabilityError(f"cannot remove a key slot: {e}", ref=st.path) from None
