@@ -190,18 +190,9 @@ def first_value_sealed(data) -> bool | None:
     """Whether the first record of ``data`` (a log as :meth:`Store.log_read` returns it)
     that holds a value is sealed (enc ``"x"``); None when no such record can be read
     (FORMAT.md rule 18.9: how a store with no key slots knows it is encrypted)."""
-    v, pos = memoryview(data).cast("B"), 0
-    while v.nbytes - pos >= OVERHEAD and bytes(v[pos:pos + 4]) == MAGIC:
-        (n,) = struct.unpack_from("<I", v, pos + 4)
-        if pos + OVERHEAD + n > v.nbytes:
-            return None
-        try:
-            e = parse_body(bytes(v[pos + HEAD_SIZE:pos + HEAD_SIZE + n]))
-        except (ValueError, struct.error):
-            return None
+    for _, e in scan(data).entries:
         if e.kind != "e":
             return e.enc == "x"
-        pos += OVERHEAD + n
     return None
 
 
