@@ -301,7 +301,13 @@ class Journal:
             n = yield from self._replay(key, n)      # what was recorded while this call waited for the key
             if n == self._ends.get(key):
                 return
-            for i, value in enumerate(fn(*args, **kwargs)):
+            items = fn(*args, **kwargs)
+            try:
+                items = iter(items)
+            except TypeError:
+                raise UsageError(f"stream {name!r}: its function returned {type(items).__name__}, not an iterable "
+                                 "of items", ref=self.ref, hint="make it a generator (yield each item)") from None
+            for i, value in enumerate(items):
                 if i < n:
                     continue
                 stored = self._encode(value, f"{name}[{i}]")

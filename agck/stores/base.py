@@ -174,6 +174,16 @@ class Store(ABC):
                                  "full_every are not available", ref=where)
             self._min_chunked = 0
 
+    def location(self) -> tuple:
+        """Where the store's data is, resolved (a real path; a server's identity, database,
+        schema and prefix; a bucket and prefix): two stores with equal locations are one
+        store however they were spelled (STORAGE.md, tiers rule T1)."""
+        return ("url", self.url)
+
+    def _overwrite_epoch(self, run: str, epoch: int) -> None:
+        """Set the run's epoch whatever the store holds (a tier's damaged local copy)."""
+        raise UsageError(f"{type(self).__name__} cannot replace a run's epoch", ref=self.url)
+
     def _stored_head(self, run: str, step: int) -> bytes | None:
         """The first bytes (at least 8) of (run, step)'s container or listing as stored
         (sealed or not), or None: what :meth:`_sealed_found` judges by."""

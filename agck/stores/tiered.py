@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Collection
 
 from ..checkpoint import Checkpoint
-from ..errors import AgckError, CheckpointNotFoundError, StaleEpochError, UsageError
+from ..errors import AgckError, CheckpointNotFoundError, StaleEpochError, StoreError, UsageError
 from ..names import check_run, check_step
 from .base import CheckpointInfo, Store
 
@@ -87,8 +87,14 @@ class TieredStore(Store):
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise UsageError(f"{name} must be an integer of at least {least}{' or None' if none_ok else ''}, "
                                  f"not {value!r}")
+        if options and (isinstance(local, Store) or isinstance(durable, Store)):
+            # the options would be ignored for a Store object: a key among them would leave it in the clear
+            raise UsageError(f"TieredStore's store options ({', '.join(sorted(options))}) apply to tiers given as "
+                             "URLs; a tier given as a Store object was opened with its own",
+                             hint="pass both tiers as URLs with the options, or open each Store with them")
         self.local = local if isinstance(local, Store) else open_store(local, **options)
         self.durable = durable if isinstance(durable, Store) else open_store(durable, **options)
+        _check_tiers(self.local, self.durable)
         self.url = f"tiered({self.local.url} -> {self.durable.url})"
         self.durable_every, self.keep_local = durable_every, keep_local
         self.keep_local_bytes, self.replicas = keep_local_bytes, replicas
@@ -139,14 +145,21 @@ class TieredStore(Store):
         return self._failure
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Queue each run's newest local step the durable tier lacks, then wait until
-        every queued copy is durable (or ``timeout`` seconds pass); True if they are."""
+        """Queue each run's newest local step not known to be durable, then wait until
+        every queued copy is durable (or ``timeout`` seconds pass); True if they are.
+        Only the local tier is asked here: a durable tier that is down or stalled delays
+        the copier, never this call past its ``timeout``."""
+        if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+                                    or not 0 <= timeout < float("inf")):
+            raise UsageError(f"timeout must be a number of seconds >= 0 or None, not {timeout!r}"[:120])
+        self._check_open()
+        deadline = None if timeout is None else time.monotonic() + timeout
         wanted = []
         for run in self.local.runs():
-            newest, durable_newest = self.last_local_step(run), self.last_durable_step(run)
+            newest = self.last_local_step(run)
+            durable_newest = self._durable_newest.get(run)      # the copier skips what is durable already
             if newest is not None and newest > (durable_newest if durable_newest is not None else -1):
                 wanted.append((run, newest))
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             for run, step in wanted:
                 if (run, step) not in self.pending:
@@ -164,6 +177,7 @@ class TieredStore(Store):
             overwrite: bool = True, expect_unchanged: Collection[int] = (), epoch: int | None = None) -> str:
         """Put in the local tier (acknowledged local when it returns); the copy to the
         durable tier follows in the background, every ``durable_every``-th put of a run."""
+        self._check_open()
         ref = self.local.put(run, step, state, meta=meta, parent=parent, overwrite=overwrite,
                              expect_unchanged=expect_unchanged, epoch=epoch)
         step = check_step(step)
@@ -190,18 +204,35 @@ class TieredStore(Store):
 
     def begin_epoch(self, run: str) -> int:
         """A new epoch begun in the durable tier (past any the local tier has seen), and
-        the local tier brought to it: a host that lost its local tier never reuses one."""
-        local = self.local.epoch(run) or 0
+        the local tier brought to it: a host that lost its local tier never reuses one.
+        A local epoch that cannot be read is a damaged local copy: the durable tier's
+        epoch (which fences) is taken, and the local copy written anew."""
+        local = self._local_epoch(run) or 0
         epoch = self.durable.begin_epoch(run)
         while epoch <= local:
             epoch = self.durable.begin_epoch(run)
         self.raise_local_epoch(run, epoch)
         return epoch
 
+    def _local_epoch(self, run: str) -> int | None:
+        """The local tier's epoch of ``run``; None where its copy is damaged (said once)."""
+        try:
+            return self.local.epoch(run)
+        except StoreError as e:
+            log.warning("agck: the local tier's epoch of run %r cannot be read (%s): the durable tier's is used",
+                        run, e.reason)
+            return None
+
     def raise_local_epoch(self, run: str, epoch: int) -> None:
-        """Begin epochs in the local tier until it is at ``epoch`` (begun in the durable tier)."""
-        while (self.local.epoch(run) or 0) < epoch:
-            self.local.begin_epoch(run)
+        """Bring the local tier to ``epoch`` (begun in the durable tier): epochs begun there
+        until it is at ``epoch``, or, where its epoch is damaged, written over."""
+        try:
+            current = self.local.epoch(run) or 0
+        except StoreError:
+            self.local._overwrite_epoch(run, epoch)
+            return
+        while current < epoch:
+            current = self.local.begin_epoch(run)
 
     def epoch(self, run: str) -> int | None:
         return self.durable.epoch(run)
@@ -248,10 +279,14 @@ class TieredStore(Store):
     def _retain_bytes(self) -> int:
         """Prune the oldest local checkpoints (each run's newest spared, and what
         :meth:`drop_local` spares) while the local tier's listed bytes exceed
-        ``keep_local_bytes``. Returns how many were deleted."""
+        ``keep_local_bytes``. Only the runs this store wrote are pruned: another process
+        sharing the local tier has copies queued that this one cannot see (STORAGE.md,
+        tiers rule T2); every byte counts toward the limit. Returns how many were deleted."""
         if self.keep_local_bytes is None:
             return 0
         infos = self.local.list()
+        with self._cond:
+            mine = set(self._counts) | {c.run for c in self._queue}
         total = sum(i.size or 0 for i in infos)
         newest = {}
         for i in infos:
@@ -260,7 +295,7 @@ class TieredStore(Store):
         for i in sorted(infos, key=lambda i: (i.created_at or 0, i.step)):
             if total <= self.keep_local_bytes:
                 break
-            if i.step != newest[i.run] and self.drop_local(i.run, i.step):
+            if i.run in mine and i.step != newest[i.run] and self.drop_local(i.run, i.step):
                 total -= i.size or 0
                 deleted += 1
         return deleted
@@ -438,6 +473,11 @@ class TieredStore(Store):
         self.local.collect_garbage()
         return self.durable.collect_garbage()
 
+    def _check_open(self) -> None:
+        if self._closing:
+            raise UsageError(f"{self.url} is closed: a put now would never be copied to the durable tier",
+                             hint="open a new TieredStore on the tiers")
+
     def close(self) -> None:
         """Stop the copier after the copy in progress (queued copies are made by the
         next store opened on these tiers: it queues what the durable tier lacks), then
@@ -451,3 +491,26 @@ class TieredStore(Store):
             self.local.close()
             self.durable.close()
         super().close()
+
+
+def _check_tiers(local: Store, durable: Store) -> None:
+    """Two tiers are two places (STORAGE.md, tiers rule T1): the same store given twice
+    (a trailing slash, a relative path, ``file://``, another host name for one server)
+    would have retention drop the only copy of what it reports durable; one directory
+    inside the other is refused too. An encrypted local tier over a plain durable one
+    would copy in the clear what it keeps sealed."""
+    a, b = local.location(), durable.location()
+    if a == b:
+        raise UsageError(f"the local and durable tiers are one store ({local.url}): a checkpoint reported durable "
+                         "would be the local copy that retention drops",
+                         hint="give the durable tier another place (another directory, database prefix, bucket "
+                              "prefix)")
+    if a[0] == b[0] == "file":
+        import os
+        inner = [x for x, y in ((a[1], b[1]), (b[1], a[1])) if x.startswith(y.rstrip(os.sep) + os.sep)]
+        if inner:
+            raise UsageError(f"one tier's directory is inside the other's ({a[1]}, {b[1]})",
+                             hint="give the tiers directories side by side")
+    if local.sealer is not None and durable.sealer is None:
+        raise UsageError(f"the local tier is encrypted and the durable tier ({durable.url}) is not: its copies "
+                         "would be in the clear", hint="open the durable tier with a key too")

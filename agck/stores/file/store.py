@@ -161,6 +161,19 @@ class FileStore(Store):
             return None
         return FileStore(path, fs=self.fs, key=self.sealer and encryption.Inherited(self.sealer), **self._policy())
 
+    def location(self) -> tuple:
+        return ("file", os.path.realpath(self.root))
+
+    def _overwrite_epoch(self, run: str, epoch: int) -> None:
+        """Set the run's epoch file to ``epoch`` whatever it holds: only for a tier's local
+        copy of an epoch begun in its durable tier (the durable tier fences)."""
+        path = os.path.join(self._run_dir(run), ".epoch")
+
+        def write() -> None:
+            with self._run_locked(run, exclusive=True):
+                durable.write_atomic(path, [b"%d\n" % epoch], fs=self.fs)
+        self._in_run_dir(path, write)
+
     def _stored_head(self, run: str, step: int) -> bytes | None:
         try:
             with open(self.path(run, step), "rb") as f:

@@ -246,6 +246,17 @@ class PostgresStore(TransactionalPuts, SharedObjects, AsyncMethods, JournalLogs,
             self._pool.close()     # refused (no schema, another bucket): its connection closed now, not at a GC
             raise
 
+    def location(self) -> tuple:
+        """The server's system identifier (the same cluster however its host is spelled),
+        the database, the schema and the prefix."""
+        try:
+            (server,) = self._query("SELECT system_identifier::text FROM pg_control_system()")[0]
+        except AgckError:      # a server that does not say: its address as this connection sees it
+            (server,) = self._query("SELECT coalesce(host(inet_server_addr()), 'socket') || ':' || "
+                                    "current_setting('port')")[0]
+        (db,) = self._query("SELECT current_database()")[0]
+        return ("postgres", server, db, self.schema or "public", self.prefix)
+
     def _stored_head(self, run: str, step: int) -> bytes | None:
         rows = self._query(f"SELECT substring(data from 1 for 8) FROM {self.names.chunks} WHERE run = %s AND "
                            "step = %s AND idx = 0", (run, step))

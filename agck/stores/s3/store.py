@@ -114,6 +114,9 @@ class S3Store(JournalLogs, Store):
         self._open(create)
         self._set_encryption(_KeySlots(self), given, where=self.url)
 
+    def location(self) -> tuple:
+        return ("s3", self.c.url.split("?", 1)[0].rstrip("/"), self.c.bucket, self.c.prefix)
+
     def _stored_head(self, run: str, step: int) -> bytes | None:
         e = self._state(run).steps.get(step)
         if e is None:

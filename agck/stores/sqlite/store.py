@@ -200,6 +200,9 @@ class SqliteStore(TransactionalPuts, Store):
             self._conn.close()
             raise
 
+    def location(self) -> tuple:
+        return ("sqlite", self.path if self.path == ":memory:" else os.path.realpath(self.path), self.prefix)
+
     def _stored_head(self, run: str, step: int) -> bytes | None:
         with self._lock:
             row = self._db().execute(f"SELECT substr(data, 1, 8) FROM {self._t_chunks} WHERE run = ? AND step = ? "
