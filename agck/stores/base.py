@@ -189,12 +189,17 @@ class Store(ABC):
         (sealed or not), or None: what :meth:`_sealed_found` judges by."""
         return None
 
+    def _runs_to_sample(self) -> Iterable[str]:
+        """The runs :meth:`_sealed_found` looks at, in order (a store whose ``runs()``
+        reads every run's state gives its names, read one at a time)."""
+        return self.runs()
+
     def _sealed_found(self) -> bool | None:
         """Whether what the store holds is sealed (FORMAT.md rule 18.9), for a store with
         no key slots: the stored container of the newest step of the first run that has
         one, else the first record that holds a value in the first journal log. None: the
         store holds neither (empty, or chunks left by a put that never committed)."""
-        for run in self.runs():
+        for run in self._runs_to_sample():
             for step in self.steps(run, last=1):
                 head = self._stored_head(run, step)
                 if head:

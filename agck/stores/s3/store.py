@@ -117,6 +117,9 @@ class S3Store(JournalLogs, Store):
     def location(self) -> tuple:
         return ("s3", self.c.url.split("?", 1)[0].rstrip("/"), self.c.bucket, self.c.prefix)
 
+    def _runs_to_sample(self):
+        return self._run_names()      # each run's records read only when it is looked at
+
     def _stored_head(self, run: str, step: int) -> bytes | None:
         e = self._state(run).steps.get(step)
         if e is None:
