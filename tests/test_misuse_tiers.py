@@ -142,3 +142,49 @@ def test_a_stream_whose_function_returns_no_iterable_is_a_usage_error(tmp_path):
     with agck.Journal(str(tmp_path / "j"), "run") as j:
         with pytest.raises(UsageError, match="not an iterable"):
             list(j.stream("x", lambda: None))
+
+
+def test_a_pipeline_restarts_from_its_local_tier_while_the_durable_tier_is_down(tmp_path, pg_dsn):
+    """Rule T4: a TieredStore opens, restores, puts and reads on its local tier alone
+    while the durable tier refuses connections; its epoch, begun locally, is carried to
+    the durable tier when it is back, and the incarnation before it commits no more."""
+    from crashtests.faultproxy import FaultProxy
+    from agck.errors import StaleEpochError
+    proxy = FaultProxy("127.0.0.1", 5432)
+    prefix = f"outage_{os.getpid()}"
+    dsn = pg_dsn.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
+    open_store(dsn, prefix=prefix, init=True).close()
+    durable = dsn + ("&" if "?" in dsn else "?") + f"agck_prefix={prefix}"
+    local = str(tmp_path / "local")
+
+    def run_to(stop: int, store):
+        with agck.Snapshotter(store, "job", every=5, handle_signals=False) as snap:
+            st = snap.restore({"acc": np.zeros(4), "seen": []})
+            for i in snap.steps(stop):
+                st["acc"] += i
+                st["seen"].append(i)
+        return st
+
+    old = TieredStore(local, durable)
+    run_to(20, old)
+    assert old.flush(timeout=60)
+    e_old = old.epoch("job")
+    proxy.cut_for(25)                          # the durable tier refuses every connection for 25 s
+    started = time.monotonic()
+    new = TieredStore(local, durable)          # the pipeline restarted (the host stayed)
+    final = run_to(30, new)                    # restore, steps, puts: the local tier alone
+    took = time.monotonic() - started
+    assert took < 12, took
+    assert new.epoch("job") > e_old and new.durable_error is not None or new._durable is None
+    whole = run_to(30, open_store(str(tmp_path / "alone")))
+    assert np.array_equal(final["acc"], whole["acc"]) and final["seen"] == whole["seen"]
+    with pytest.raises(StaleEpochError):         # the incarnation before it: fenced in the local tier
+        old.put("job", 99, state(99), epoch=e_old)
+    assert new.flush(timeout=90)                 # back: the copier caught up
+    d = open_store(pg_dsn, prefix=prefix)
+    assert d.steps("job")[-1] == new.last_local_step("job") and d.epoch("job") == new.epoch("job")
+    new.close()
+    from_durable = run_to(30, TieredStore(str(tmp_path / "empty-local"), open_store(pg_dsn, prefix=prefix)))
+    assert np.array_equal(from_durable["acc"], whole["acc"]) and from_durable["seen"] == whole["seen"]
+    old.close()
+    proxy.close()

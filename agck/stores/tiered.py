@@ -40,12 +40,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Collection
 
 from ..checkpoint import Checkpoint
-from ..errors import AgckError, CheckpointNotFoundError, StaleEpochError, StoreError, UsageError
+from ..errors import (AgckError, CheckpointNotFoundError, DurabilityError, StaleEpochError, StoreConnectionError,
+                      StoreError, UsageError)
 from ..names import check_run, check_step
 from .base import CheckpointInfo, Store
 
 log = logging.getLogger("agck")
 
+OPEN_WAIT = 2.0         # seconds an open waits for the durable tier before going on with the local tier alone
 RETRY_FIRST = 0.5       # seconds before a failed durable copy is tried again, doubled each time
 RETRY_MOST = 30.0
 WAIT_PARTS = 0.2        # seconds between looks for the parts a multi-rank commit record waits on
@@ -93,13 +95,8 @@ class TieredStore(Store):
                              "URLs; a tier given as a Store object was opened with its own",
                              hint="pass both tiers as URLs with the options, or open each Store with them")
         self.local = local if isinstance(local, Store) else open_store(local, **options)
-        self.durable = durable if isinstance(durable, Store) else open_store(durable, **options)
-        _check_tiers(self.local, self.durable)
-        self.url = f"tiered({self.local.url} -> {self.durable.url})"
         self.durable_every, self.keep_local = durable_every, keep_local
         self.keep_local_bytes, self.replicas = keep_local_bytes, replicas
-        # the journal and AppendLogs are kept in the durable tier: its compression and its key
-        self.compression, self.sealer = self.durable.compression, self.durable.sealer
         self._cond = threading.Condition()
         self._queue: deque[Copy] = deque()                  # oldest first
         self._busy: Copy | None = None
@@ -107,19 +104,113 @@ class TieredStore(Store):
         self._durable_newest: dict[str, int | None] = {}    # as the copier last saw it
         self._prune: set[str] = set()                       # runs whose local tier may hold too many
         self._failure: str | None = None                    # the durable tier's last error, while it lasts
+        self._unfenced: dict[str, int] = {}                 # run -> an epoch begun in the local tier alone
+        self._refused: AgckError | None = None              # why the durable tier can never be used
         self._closing = False
         self.copied = 0
         self._view = _view      # the parts namespaces' reading view: no copier of its own
         self._thread = None
+        # the journal and AppendLogs are kept in the durable tier: its compression and its
+        # key, once it is open (the local tier's until then)
+        self.compression, self.sealer = self.local.compression, self.local.sealer
+        self._durable: Store | None = None
+        self._opened = threading.Event()     # the first attempt to open the durable tier ended
+        if isinstance(durable, Store):
+            self._use_durable(durable)
+            self._opened.set()
+            self.url = f"tiered({self.local.url} -> {durable.url})"
+        else:
+            self._durable_spec = (durable, options)
+            self.url = f"tiered({self.local.url} -> {_shown_url(durable)})"
         if _view:
             return
-        for run in self.local.runs():       # after a crash: each run's newest step the durable tier lacks
-            newest, durable_newest = self.last_local_step(run), self.last_durable_step(run)
-            self._durable_newest[run] = durable_newest
-            if newest is not None and newest > (durable_newest if durable_newest is not None else -1):
-                self._queue.append(Copy(run, newest))
         self._thread = threading.Thread(target=self._copier, name="agck-durable-copier", daemon=True)
         self._thread.start()
+        # a durable tier that is up opens in about a second; one that is down (refused, or a
+        # server that does not answer) is opened by the copier once it is back, and the
+        # local tier alone serves opening, restoring, putting and reading meanwhile (rule T4)
+        self._opened.wait(OPEN_WAIT)
+        if self._refused is not None:
+            self.close()
+            raise self._refused
+
+    def _use_durable(self, durable: Store) -> None:
+        """Take ``durable`` as the durable tier: the tiers checked (rule T1, T3), then each
+        run's newest local step the durable tier lacks queued (a process killed between a
+        local put and its copy left it)."""
+        _check_tiers(self.local, durable)
+        self.compression, self.sealer = durable.compression, durable.sealer
+        if not self._view:
+            for run in self.local.runs():
+                newest = self.last_local_step(run)
+                got = durable.steps(run, last=1)
+                durable_newest = got[0] if got else None
+                with self._cond:
+                    self._durable_newest[run] = durable_newest
+                    if newest is not None and newest > (durable_newest if durable_newest is not None else -1) \
+                            and (run, newest) not in self.pending:
+                        self._queue.append(Copy(run, newest))
+        self._durable = durable
+
+    def _open_durable(self) -> bool:
+        """On the copier's thread: open the durable tier given by URL, retried while it is
+        down; False once the store is closing or the tiers were refused."""
+        from . import open_store
+        url, options = self._durable_spec
+        delay = RETRY_FIRST
+        while not self._closing:
+            try:
+                store = open_store(url, **options)
+            except (StoreConnectionError, DurabilityError) as e:     # down: tried again
+                self._failure = f"{type(e).__name__}: {e}"[:1000]
+                self._opened.set()
+                with self._cond:
+                    self._cond.wait(delay)
+                delay = min(delay * 2, RETRY_MOST)
+                continue
+            except AgckError as e:       # refused for good (a wrong key, no such schema)
+                self._refused = e
+                self._opened.set()
+                return False
+            try:
+                self._use_durable(store)
+            except (StoreConnectionError, DurabilityError) as e:     # went down while its runs were read
+                store.close()
+                self._failure = f"{type(e).__name__}: {e}"[:1000]
+                self._opened.set()
+                with self._cond:
+                    self._cond.wait(delay)
+                delay = min(delay * 2, RETRY_MOST)
+                continue
+            except Exception as e:
+                store.close()
+                self._refused = e if isinstance(e, AgckError) else StoreError(
+                    f"the durable tier could not be taken: {type(e).__name__}: {e}", ref=self.url)
+                self._opened.set()
+                return False
+            self._failure = None
+            self._opened.set()
+            return True
+        return False
+
+    @property
+    def durable(self) -> Store:
+        """The durable tier; StoreConnectionError while it cannot be opened (the first
+        attempt to open it is waited for)."""
+        if self._durable is None:
+            self._opened.wait()
+            if self._refused is not None:
+                raise self._refused
+            if self._durable is None:
+                raise StoreConnectionError(f"the durable tier is not reachable ({self._failure or 'opening'})",
+                                           ref=self.url, hint="its copies are made once it is back; the local "
+                                                              "tier serves reads and puts meanwhile")
+        return self._durable
+
+    def _durable_up(self) -> Store | None:
+        """The durable tier where it is open and copies to it are not failing; None while
+        it is down (the local tier alone is used: rule T4)."""
+        return self._durable if self._durable is not None and self._failure is None else None
 
     # -- what is where ------------------------------------------------------------------
     def last_local_step(self, run: str) -> int | None:
@@ -206,13 +297,49 @@ class TieredStore(Store):
         """A new epoch begun in the durable tier (past any the local tier has seen), and
         the local tier brought to it: a host that lost its local tier never reuses one.
         A local epoch that cannot be read is a damaged local copy: the durable tier's
-        epoch (which fences) is taken, and the local copy written anew."""
-        local = self._local_epoch(run) or 0
-        epoch = self.durable.begin_epoch(run)
-        while epoch <= local:
-            epoch = self.durable.begin_epoch(run)
-        self.raise_local_epoch(run, epoch)
+        epoch (which fences) is taken, and the local copy written anew.
+
+        While the durable tier is down (not open, or its copies failing), the epoch is
+        begun in the local tier alone, past every epoch this host has seen, and carried
+        to the durable tier before this incarnation's first copy there (rule T4): epochs
+        are begun in the durable tier up to it, and if another incarnation got there
+        first (a newer epoch), this one's copies are refused as stale, never committed."""
+        run = check_run(run)
+        durable = self._durable_up()
+        if durable is not None:
+            try:
+                local = self._local_epoch(run) or 0
+                epoch = durable.begin_epoch(run)
+                while epoch <= local:
+                    epoch = durable.begin_epoch(run)
+                self.raise_local_epoch(run, epoch)
+                with self._cond:
+                    self._unfenced.pop(run, None)
+                return epoch
+            except (StoreConnectionError, DurabilityError) as e:
+                log.warning("agck: the durable tier is down (%s): epoch of run %r begun in the local tier", e, run)
+        try:
+            epoch = self.local.begin_epoch(run)
+        except StoreError:       # its epoch damaged: past the newest this store knows of
+            epoch = max([self._unfenced.get(run, 0)] + [0]) + 1
+            self.local._overwrite_epoch(run, epoch)
+        with self._cond:
+            self._unfenced[run] = epoch
         return epoch
+
+    def _fence(self, target: Store, run: str, epoch: int) -> None:
+        """Carry an epoch begun in the local tier alone to the durable tier (rule T4):
+        epochs begun there up to it; StaleEpochError if a newer incarnation is there."""
+        now = target.epoch(run) or 0
+        while now < epoch:
+            now = target.begin_epoch(run)
+        if now != epoch:
+            raise StaleEpochError(f"epoch {epoch} of run {run!r} was begun in the local tier while the durable "
+                                  f"tier was down, and the durable tier is at epoch {now} now: a newer "
+                                  "incarnation runs", ref=self.url)
+        with self._cond:
+            if self._unfenced.get(run) == epoch:
+                del self._unfenced[run]
 
     def _local_epoch(self, run: str) -> int | None:
         """The local tier's epoch of ``run``; None where its copy is damaged (said once)."""
@@ -235,7 +362,12 @@ class TieredStore(Store):
             current = self.local.begin_epoch(run)
 
     def epoch(self, run: str) -> int | None:
-        return self.durable.epoch(run)
+        if run in self._unfenced:
+            return self._unfenced[run]
+        durable = self._durable_up()
+        if durable is None:
+            return self._local_epoch(run)
+        return durable.epoch(run)
 
     def delete(self, run: str, step: int, *, epoch: int | None = None) -> None:
         """Delete (run, step) from both tiers (and from the copies not yet made)."""
@@ -302,6 +434,8 @@ class TieredStore(Store):
 
     # -- the copier -----------------------------------------------------------------------
     def _copier(self) -> None:
+        if self._durable is None and not self._open_durable():
+            return
         delay = RETRY_FIRST
         while True:
             with self._cond:
@@ -394,6 +528,8 @@ class TieredStore(Store):
         a multi-rank commit record only once its ``ready`` says every part is there.
         True when the durable tier holds it now; False when it was left uncopied."""
         source, target = self._tiers(job)
+        if not job.parts and job.epoch is not None and self._unfenced.get(job.run) == job.epoch:
+            self._fence(target, job.run, job.epoch)
         if job.step in target.steps(job.run):
             return True
         if job.ready is not None and not job.ready():
@@ -408,18 +544,30 @@ class TieredStore(Store):
         return True
 
     # -- reading --------------------------------------------------------------------------
+    def _from_durable(self, what: Callable[[Store], Any], default):
+        """``what(durable tier)``, or ``default`` while the durable tier is down (said once
+        per outage): reads go on with the local tier alone (rule T4)."""
+        durable = self._durable_up()
+        if durable is None:
+            return default
+        try:
+            return what(durable)
+        except (StoreConnectionError, DurabilityError) as e:
+            log.warning("agck: the durable tier is down (%s): reading the local tier alone", e)
+            return default
+
     def runs(self) -> list[str]:
-        return sorted(set(self.local.runs()) | set(self.durable.runs()))
+        return sorted(set(self.local.runs()) | set(self._from_durable(lambda d: d.runs(), [])))
 
     def steps(self, run: str, *, last: int | None = None) -> list[int]:
-        both = sorted(set(self.local.steps(run)) | set(self.durable.steps(run)))
+        both = sorted(set(self.local.steps(run)) | set(self._from_durable(lambda d: d.steps(run), [])))
         return both[-last:] if last else both
 
     def list(self, run: str | None = None) -> list[CheckpointInfo]:
         """Every checkpoint of either tier once: the local tier's listing where it has one."""
         seen: dict[tuple[str, int], CheckpointInfo] = {}
-        for tier in (self.durable, self.local):
-            for info in tier.list(run):
+        for infos in (self._from_durable(lambda d: d.list(run), []), self.local.list(run)):
+            for info in infos:
                 seen[(info.run, info.step)] = info
         return [seen[k] for k in sorted(seen)]
 
@@ -431,14 +579,16 @@ class TieredStore(Store):
         except AgckError as e:
             if not isinstance(e, CheckpointNotFoundError) and not getattr(e, "verdict", False):
                 raise
-            if step not in self.durable.steps(run):
+            if step not in self._from_durable(lambda d: d.steps(run), []):
                 raise
             log.warning("agck: %s: the local tier's copy is %s; reading the durable one", self.ref(run, step),
                         "missing" if isinstance(e, CheckpointNotFoundError) else "damaged")
             return self.durable.read(run, step, verify=verify, map_location=map_location)
 
     def ref(self, run: str, step: int) -> str:
-        return f"{self.local.ref(run, step)} (durable: {self.durable.ref(run, step)})"
+        if self._durable is None:
+            return f"{self.local.ref(run, step)} (durable: {self.url}, not open)"
+        return f"{self.local.ref(run, step)} (durable: {self._durable.ref(run, step)})"
 
     # -- journals: in the durable tier (a record is acknowledged once it is there) -------
     def log_append(self, run, records, *, sync: bool = True):
@@ -448,7 +598,9 @@ class TieredStore(Store):
         return self.durable.log_read(run, start)
 
     def log_ref(self, run: str) -> str:
-        return self.durable.log_ref(run)
+        if self._durable is None:      # (for messages: the durable tier not open yet)
+            return f"{self.url} journal of {run}"
+        return self._durable.log_ref(run)
 
     def log_runs(self) -> list[str]:
         return self.durable.log_runs()
@@ -474,6 +626,8 @@ class TieredStore(Store):
         return self.durable.collect_garbage()
 
     def _check_open(self) -> None:
+        if self._refused is not None:
+            raise self._refused
         if self._closing:
             raise UsageError(f"{self.url} is closed: a put now would never be copied to the durable tier",
                              hint="open a new TieredStore on the tiers")
@@ -489,7 +643,8 @@ class TieredStore(Store):
             self._thread.join()
         if not self._view:      # (a view's tiers are its store's parts namespaces: closed with it)
             self.local.close()
-            self.durable.close()
+            if self._durable is not None:
+                self._durable.close()
         super().close()
 
 
@@ -514,3 +669,11 @@ def _check_tiers(local: Store, durable: Store) -> None:
     if local.sealer is not None and durable.sealer is None:
         raise UsageError(f"the local tier is encrypted and the durable tier ({durable.url}) is not: its copies "
                          "would be in the clear", hint="open the durable tier with a key too")
+
+
+def _shown_url(url) -> str:
+    """A tier's URL for messages, without a password."""
+    from .dsn import redact_dsn
+    text = str(url)
+    return redact_dsn(text) if text.startswith(("postgresql:", "postgres:")) or "=" in text else text
+
