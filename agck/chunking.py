@@ -356,10 +356,13 @@ def _covered(starts: list[int], kept: list[tuple[int, int]]) -> list[bool]:
     return out
 
 
+MAX_CHUNK = 64 << 20      # not a threshold: the largest chunk any grid cuts (grid's bound); reads are bounded by it
+
+
 def grid(nbytes: int) -> tuple[int, int, int]:
     """The chunk sizes of a fixed grid of ``nbytes`` (a power of two from 256 KiB to
     64 MiB): what a store that pays per request cuts large blobs with (LARGE is 1 MiB)."""
-    ok = isinstance(nbytes, int) and (256 << 10) <= nbytes <= (64 << 20)   # not a threshold: the grids accepted
+    ok = isinstance(nbytes, int) and (256 << 10) <= nbytes <= MAX_CHUNK   # not a threshold: the grids accepted
     if not ok or nbytes & (nbytes - 1):
         raise ValueError(f"a chunk grid is a power of two from 256 KiB to 64 MiB, not {nbytes!r}")
     return (nbytes, nbytes, nbytes)

@@ -459,3 +459,27 @@ def test_the_key_command_refuses_what_would_rotate_nothing(tmp_path, monkeypatch
     assert cli_main(["ls", root]) == 4          # the old key opens it no more: bad credentials exit 4
     monkeypatch.setenv("AGCK_KEY_FILE", str(k2))
     assert cli_main(["ls", root]) == 0
+
+
+def test_a_huge_sparse_file_in_place_of_a_chunk_is_not_read_whole(tmp_path):
+    """A 2 GiB sparse file where a 1 MiB chunk belongs: get, verify and scrub judge it by
+    its length, reading at most a chunk's bound (64 MiB) of it, never 2 GiB."""
+    import resource
+    import numpy as np
+    root = str(tmp_path / "s")
+    s = open_store(root)
+    s.put("r", 1, {"w": np.random.default_rng(1).random(1 << 21, dtype=np.float32)})     # 8 MiB: 1 MiB chunks
+    objects = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(root, ".objects")) for f in fs
+               if len(f) > 40 and os.path.getsize(os.path.join(d, f)) >= 1 << 19]
+    victim = objects[0]
+    with open(victim, "r+b") as f:
+        f.truncate(2 << 30)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t = time.monotonic()
+    report = open_store(root).scrub(quarantine=False)
+    assert report.damaged
+    assert cli_main(["verify", root, "--run", "r"]) != 0
+    with pytest.raises(agck.AgckError):
+        open_store(root).get("r", 1)
+    assert time.monotonic() - t < 10
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 600 << 10    # KiB: far below 2 GiB

@@ -41,7 +41,7 @@ from typing import Iterable
 
 import numpy as np
 
-from ... import cipher, durable, failpoints, thresholds
+from ... import chunking, cipher, durable, failpoints, thresholds
 from ...errors import (CorruptCheckpointError, DamagedChunkError, DurabilityError, StoreError,
                        UnsupportedVersionError)
 from .. import compression, damage
@@ -306,15 +306,18 @@ class ObjectDir:
         finally:
             os.close(fd)
 
-    def read_whole(self, address: bytes):
-        """The chunk file's bytes, whatever their length (opened, in an encrypted store,
-        if they open); None if there is none."""
-        return self._read_path(self.path(address))
+    def read_whole(self, address: bytes, size: int | None = None):
+        """The chunk file's bytes (opened, in an encrypted store, if they open); None if
+        there is none. Never more than a chunk of ``size`` (else of the largest a store
+        cuts) can be stored as, plus one byte: a file that long is damaged by its length,
+        and a 2 GiB file planted where a 1 MiB chunk belongs is not read whole."""
+        return self._read_path(self.path(address), size)
 
-    def _read_path(self, path: str):
+    def _read_path(self, path: str, size: int | None = None):
+        limit = _stored_limit(size) + (0 if self.sealer is None else cipher.OVERHEAD)
         try:
             with open(path, "rb") as f:
-                data = f.read()
+                data = f.read(limit + 1)
         except (FileNotFoundError, IsADirectoryError):     # a directory where the file should be: no chunk
             return None
         except OSError as e:
@@ -527,7 +530,7 @@ class Batch:
             why = f"holds {held} bytes, {size} expected"
         elif reread or (size is not None and damage.checks_size(mode) and held < size):
             # a shorter file is compressed or cut short: what it decodes to decides
-            why = damage.verdict(address, self.objects.read_whole(address), size)
+            why = damage.verdict(address, self.objects.read_whole(address, size), size)
             if why == "missing":
                 return False
         if why is not None:
@@ -596,3 +599,10 @@ class Batch:
         except OSError as e:
             return e
         return None
+
+
+def _stored_limit(size: int | None) -> int:
+    """The most bytes a chunk of ``size`` raw bytes (None: of the largest any store cuts,
+    chunking.MAX_CHUNK) is stored as: raw, or a frame only where shorter (rule 12.9)."""
+    return chunking.MAX_CHUNK if size is None else size
+
