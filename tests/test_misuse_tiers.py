@@ -88,6 +88,49 @@ def test_flush_checks_its_timeout_and_returns_within_it_while_the_durable_tier_s
     t.close()
 
 
+def test_durable_error_says_so_while_one_copy_stalls(tmp_path, monkeypatch):
+    monkeypatch.setattr("agck.stores.tiered.STALL_NOTICE", 0.5)
+    t = TieredStore(str(tmp_path / "l"), str(tmp_path / "r"))
+    stall = threading.Event()
+    real = t.durable.put
+
+    def stalled(*a, **k):           # a server that accepted the request and does not answer
+        stall.wait(20)
+        return real(*a, **k)
+    t.durable.put = stalled
+    t.put("r", 1, state(1))
+    time.sleep(1.5)
+    assert "has taken" in (t.durable_error or "")
+    stall.set()
+    assert t.flush(timeout=30) and t.durable_error is None
+    t.close()
+
+
+def test_an_outage_backlog_is_copied_newest_first_and_the_local_tier_stays_within_its_limits(tmp_path):
+    t = TieredStore(str(tmp_path / "l"), str(tmp_path / "r"), keep_local=2)
+    real = t.durable.put
+    down = threading.Event()
+    down.set()
+
+    def put(*a, **k):
+        if down.is_set():
+            raise StoreConnectionError("connection refused")
+        return real(*a, **k)
+    t.durable.put = put
+    peak = 0
+    for i in range(1, 31):
+        t.put("r", i, state(i))
+        time.sleep(0.02)
+        peak = max(peak, len(t.local.steps("r")))
+    time.sleep(0.5)
+    assert len(t.local.steps("r")) <= 3 and peak <= 4, (t.local.steps("r"), peak)
+    assert t.local.steps("r")[-1] == 30
+    down.clear()
+    assert t.flush(timeout=60)
+    assert open_store(str(tmp_path / "r")).steps("r")[-1] == 30
+    t.close()
+
+
 def test_a_put_after_close_is_refused(tmp_path):
     t = TieredStore(str(tmp_path / "l"), str(tmp_path / "r"))
     t.put("r", 1, state(1))
@@ -98,7 +141,7 @@ def test_a_put_after_close_is_refused(tmp_path):
 
 def test_two_stores_on_one_local_tier_never_drop_each_others_uncopied_steps(tmp_path):
     local, durable_a, durable_b = (str(tmp_path / n) for n in ("local", "da", "db"))
-    a = TieredStore(local, durable_a)
+    a = TieredStore(local, durable_a, keep_local=None)
     a.put("a", 1, state(1))
     assert a.flush(timeout=30)
 

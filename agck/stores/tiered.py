@@ -47,6 +47,7 @@ from .base import CheckpointInfo, Store
 
 log = logging.getLogger("agck")
 
+STALL_NOTICE = 10.0     # seconds one copy may take before durable_error says so
 OPEN_WAIT = 2.0         # seconds an open waits for the durable tier before going on with the local tier alone
 RETRY_FIRST = 0.5       # seconds before a failed durable copy is tried again, doubled each time
 RETRY_MOST = 30.0
@@ -100,6 +101,7 @@ class TieredStore(Store):
         self._cond = threading.Condition()
         self._queue: deque[Copy] = deque()                  # oldest first
         self._busy: Copy | None = None
+        self._busy_since: float | None = None               # when the copy in progress began
         self._counts: dict[str, int] = {}                   # local puts per run by this object
         self._durable_newest: dict[str, int | None] = {}    # as the copier last saw it
         self._prune: set[str] = set()                       # runs whose local tier may hold too many
@@ -232,8 +234,17 @@ class TieredStore(Store):
 
     @property
     def durable_error(self) -> str | None:
-        """Why the last copy to the durable tier failed, while copies are failing (None: they are not)."""
-        return self._failure
+        """Why the last copy to the durable tier failed, while copies are failing; or, while
+        one copy has taken more than ``STALL_NOTICE`` seconds, that it has (a stalled
+        server holds a request until its read timeout; a large copy takes long too).
+        None: copies go through."""
+        if self._failure is not None:
+            return self._failure
+        busy, since = self._busy, self._busy_since
+        if busy is not None and since is not None and time.monotonic() - since > STALL_NOTICE:
+            return (f"copying step {busy.step} of run {busy.run!r} to the durable tier has taken "
+                    f"{time.monotonic() - since:.0f} s so far (a large copy, or a durable tier that does not answer)")
+        return None
 
     def flush(self, timeout: float | None = None) -> bool:
         """Queue each run's newest local step not known to be durable, then wait until
@@ -391,7 +402,7 @@ class TieredStore(Store):
         steps = self.local.steps(run)
         if self.keep_local is None or len(steps) <= self.keep_local:
             return 0
-        return sum(self.drop_local(run, s) for s in steps[:-self.keep_local])
+        return sum(self.drop_local(run, s) or self._drop_superseded(run, s) for s in steps[:-self.keep_local])
 
     def drop_local(self, run: str, step: int) -> bool:
         """Delete (run, step) from the local tier if the durable tier makes it safe to:
@@ -427,7 +438,8 @@ class TieredStore(Store):
         for i in sorted(infos, key=lambda i: (i.created_at or 0, i.step)):
             if total <= self.keep_local_bytes:
                 break
-            if i.run in mine and i.step != newest[i.run] and self.drop_local(i.run, i.step):
+            if i.run in mine and i.step != newest[i.run] and (self.drop_local(i.run, i.step)
+                                                              or self._drop_superseded(i.run, i.step)):
                 total -= i.size or 0
                 deleted += 1
         return deleted
@@ -443,14 +455,14 @@ class TieredStore(Store):
                     self._cond.wait()
                 if self._closing:
                     return              # the next store opened on these tiers makes what is left
-                if not self._queue:
-                    prune, self._prune = self._prune, set()
-                    self._busy = None
-                else:
-                    prune = set()
-                    self._busy = self._queue.popleft()
-            if self._busy is None:
+                # retention runs while copies wait too (an outage): the local tier stays
+                # within its limits, its newest durable candidates kept (rule T5)
+                prune, self._prune = self._prune, set()
+                self._busy = self._next_copy() if self._queue else None
+                self._busy_since = time.monotonic()
+            if prune:
                 self._pruned(prune)
+            if self._busy is None:
                 continue
             job = self._busy
             run, step = job.run, job.step
@@ -497,6 +509,47 @@ class TieredStore(Store):
                     delay = min(delay * 2, RETRY_MOST)
             if ok and not job.parts:
                 self._pruned({run})
+
+    def _next_copy(self) -> Copy:
+        """The next copy to make (under the lock): the oldest queued, or where newer
+        plain copies of its run wait behind it, the newest of them: after an outage the
+        newest state is made durable first, and the older ones follow unless retention
+        drops them meanwhile (rule T5). Multi-rank parts and records keep their order."""
+        job = self._queue.popleft()
+        if job.parts or job.ready is not None:
+            return job
+        newer = [c for c in self._queue if not c.parts and c.ready is None and c.run == job.run and c.step > job.step]
+        if not newer:
+            return job
+        pick = max(newer, key=lambda c: c.step)
+        self._queue.remove(pick)
+        self._queue.appendleft(job)
+        return pick
+
+    def _drop_superseded(self, run: str, step: int) -> bool:
+        """Delete (run, step) from the local tier, and its queued copy, where a newer step of
+        a run this store wrote is durable or queued to be (the newest durable candidate,
+        never dropped itself): a backlog left by an outage is not kept past the local
+        tier's limits (rule T5). Whether it was deleted."""
+        with self._cond:
+            if run not in self._counts:
+                return False
+            busy = self._busy if self._busy is not None and not self._busy.parts else None
+            if busy is not None and (busy.run, busy.step) == (run, step):
+                return False
+            queued = [c.step for c in self._queue if not c.parts and c.run == run]
+            if busy is not None and busy.run == run:
+                queued.append(busy.step)
+            newest_durable = self._durable_newest.get(run)
+            superseded_by = max(queued + [newest_durable if newest_durable is not None else -1])
+            if step >= superseded_by:
+                return False
+            self._queue = deque(c for c in self._queue if c.parts or (c.run, c.step) != (run, step))
+        try:
+            self.local.delete(run, step)
+            return True
+        except CheckpointNotFoundError:
+            return False
 
     def _tiers(self, job: Copy) -> tuple[Store, Store]:
         """(from, to) for ``job``: the tiers, or their parts namespaces."""

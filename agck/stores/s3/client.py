@@ -271,7 +271,7 @@ class ObjectClient:
         except BaseException as e:       # (a Rust panic is a BaseException)
             if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
                 raise
-            raise StoreConnectionError(f"cannot configure the object store client: {_first_line(e)}",
+            raise StoreConnectionError(f"cannot configure the object store client: {_error_text(e)}",
                                        ref=self.url) from None
 
     def child(self, sub: str) -> "ObjectClient":
@@ -300,7 +300,7 @@ class ObjectClient:
             except BaseException as e:
                 if not isinstance(e, Exception):
                     if type(e).__name__ == "PanicException":     # the client refused its input by panicking
-                        raise StoreError(f"the object store client failed on its input: {_first_line(e)}",
+                        raise StoreError(f"the object store client failed on its input: {_error_text(e)}",
                                          hint="check the URL's parameters and the AWS_* environment") from None
                     raise
                 if attempt == TRANSPORT_RETRIES or not self._unanswered(e) or time.monotonic() >= deadline:
@@ -330,7 +330,7 @@ class ObjectClient:
     def _error(self, e: Exception, key: str, doing: str, *, write: bool = False) -> Exception:
         ex = self._ob.exceptions
         ref = self.ref(key)
-        text = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        text = _error_text(e)
         if "169.254.169.254" in str(e) or "169.254.170.2" in str(e):
             return StoreConnectionError(f"no AWS credentials were found to {doing}: none in the environment, no "
                                         f"profile, and the instance metadata service did not give any", ref=ref,
@@ -446,7 +446,7 @@ class ObjectClient:
             except BaseException as e:
                 if not isinstance(e, Exception):
                     if type(e).__name__ == "PanicException":
-                        raise StoreError(f"the object store client failed on its input: {_first_line(e)}",
+                        raise StoreError(f"the object store client failed on its input: {_error_text(e)}",
                                          hint="check the URL's parameters and the AWS_* environment") from None
                     raise
                 if attempt == TRANSPORT_RETRIES or not self._unanswered(e) or time.monotonic() >= deadline:
@@ -465,9 +465,19 @@ def _seconds(n: float):
     return timedelta(seconds=n)
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__
+def _error_text(e: BaseException) -> str:
+    """An error's text on one line, its cause kept: the client's errors say what failed
+    first and why last ("... Caused by: connection refused"), so a long one keeps its
+    start and its end, each cut at a word."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    text = " | ".join(lines)
+    if len(text) <= 600:
+        return text
+    head = text[:400].rsplit(" ", 1)[0]
+    tail = text[-200:].split(" ", 1)[-1]
+    return f"{head} ... {tail}"
 
 
 def _status(e: BaseException) -> int | None:
