@@ -402,7 +402,17 @@ class TieredStore(Store):
         steps = self.local.steps(run)
         if self.keep_local is None or len(steps) <= self.keep_local:
             return 0
-        return sum(self.drop_local(run, s) or self._drop_superseded(run, s) for s in steps[:-self.keep_local])
+        return sum(self._drop(run, s) for s in steps[:-self.keep_local])
+
+    def _drop(self, run: str, step: int) -> bool:
+        """Retention's one step: :meth:`drop_local`'s rule, else (and while the durable
+        tier cannot be asked) :meth:`_drop_superseded`'s."""
+        try:
+            if self.drop_local(run, step):
+                return True
+        except (StoreConnectionError, DurabilityError):
+            pass
+        return self._drop_superseded(run, step)
 
     def drop_local(self, run: str, step: int) -> bool:
         """Delete (run, step) from the local tier if the durable tier makes it safe to:
@@ -438,8 +448,7 @@ class TieredStore(Store):
         for i in sorted(infos, key=lambda i: (i.created_at or 0, i.step)):
             if total <= self.keep_local_bytes:
                 break
-            if i.run in mine and i.step != newest[i.run] and (self.drop_local(i.run, i.step)
-                                                              or self._drop_superseded(i.run, i.step)):
+            if i.run in mine and i.step != newest[i.run] and self._drop(i.run, i.step):
                 total -= i.size or 0
                 deleted += 1
         return deleted
