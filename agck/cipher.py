@@ -88,9 +88,9 @@ SCRYPT_N, SCRYPT_R, SCRYPT_P = 1 << 15, 8, 1   # not a threshold: the scrypt cos
 # what a key slot may ask of scrypt before anything is derived (FORMAT.md 18.6): a slot is
 # not secret and anyone who can write the store can plant one, so its cost is bounded:
 # memory 128·n·r at most 256 MiB (0.7 s here) and work 128·n·r·p at most 1 GiB (about 3 s)
-MAX_SCRYPT_MEMORY = 256 << 20
-MAX_SCRYPT_WORK = 1 << 30
-MAX_KEY_FILE = 64 << 10          # a key file is 64 hex digits or a passphrase: anything larger is not one
+MAX_SCRYPT_MEMORY = 256 << 20    # not a threshold: a bound on a slot's scrypt memory
+MAX_SCRYPT_WORK = 1 << 30        # not a threshold: a bound on a slot's scrypt work
+MAX_KEY_FILE = 64 << 10          # not a threshold: a key file is 64 hex digits or a passphrase, never larger
 
 
 def _aesgcm():

@@ -181,7 +181,7 @@ def _store_calls(s: Store, run, step, value, extra) -> list:
 
 
 # Store attributes that are values, not calls (read only)
-STORE_VALUES = {"damaged_key_slots", "where", "incremental", "full_every", "min_chunked", "verify_reused", "log_positions_are_bytes",
+STORE_VALUES = {"damaged_key_slots", "location", "where", "incremental", "full_every", "min_chunked", "verify_reused", "log_positions_are_bytes",
                 "policies", "native_async", "compression"}
 
 

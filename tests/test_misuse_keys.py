@@ -122,6 +122,7 @@ def state(i: int) -> dict:
 # -- 1. slots missing: the store knows it is encrypted from what it holds ----------------------
 
 def test_a_store_whose_slots_are_gone_is_refused_and_nothing_is_touched(spec, monkeypatch):
+    """FORMAT.md 18.9: a store knows it is encrypted from what it holds."""
     s = open_spec(spec, key=KEY)
     s.put("r", 1, state(1))
     s.put("r", 2, state(2))
@@ -192,6 +193,7 @@ def _remove_other(spec, mine: str, theirs_id: str, barrier, out) -> None:
 
 @pytest.mark.parametrize("trials", [4 if not FULL else 12])
 def test_two_processes_each_removing_the_others_slot_leave_one(spec, trials):
+    """FORMAT.md 18.12: the last-slot check and the removal are one step on every backend."""
     ctx = mp.get_context("spawn")
     for trial in range(trials):
         kind, url, opts = spec
@@ -290,6 +292,7 @@ def test_key_rotation_killed_at_random_instants_keeps_every_acknowledged_key(bac
 # -- 4. nothing read-only writes -------------------------------------------------------------------
 
 def test_read_only_commands_and_opens_write_no_key_slot(tmp_path, monkeypatch):
+    """FORMAT.md 18.11: an empty store opened with a key becomes encrypted at its first write."""
     root = tmp_path / "empty"
     root.mkdir()
     monkeypatch.setenv("AGCK_KEY", "x" * 12)
@@ -360,6 +363,7 @@ def test_two_processes_making_one_store_encrypted_end_with_one_data_key(tmp_path
 # -- 5 and 6. damaged and hostile slots ------------------------------------------------------------
 
 def test_one_damaged_slot_does_not_lock_out_the_others(tmp_path, capsys):
+    """FORMAT.md 18.10: a damaged slot is set aside and named; the other keys still open."""
     root = str(tmp_path / "s")
     s = open_store(root, key=KEY)
     s.put("r", 1, {"x": 1})
@@ -381,6 +385,7 @@ def test_one_damaged_slot_does_not_lock_out_the_others(tmp_path, capsys):
 
 @pytest.mark.parametrize("n, r, p", [(1 << 20, 32, 1), (1 << 18, 8, 16), (1 << 22, 1, 1)])
 def test_a_planted_slot_of_hostile_cost_is_refused_before_deriving(tmp_path, n, r, p):
+    """FORMAT.md 18.10: a slot whose scrypt would cost over the bounds is damaged, never derived."""
     import resource
     root = str(tmp_path / "s")
     s = open_store(root, key=KEY)
