@@ -206,7 +206,7 @@ class TieredShardedRun(ShardedRun):
         self._committed.add((epoch, step))
         self._writes += 1
         if self._writes % self.store.durable_every == 0:
-            self.store.copy_later(Copy(self.part_run(epoch), step, parts=True))
+            self.store.copy_later(Copy(self.part_run(epoch), step, parts=True, awaits=self.run))
             if self.rank == 0:
                 self.store.copy_later(Copy(self.run, step, epoch, ready=self._parts_durable(step, epoch, nonces)))
         if self.leader:

@@ -52,9 +52,10 @@ def pipeline(rank, world, root, durable, total, every, durable_every, out, keep_
         state["log"].append([i, float(noise[0])])
     snap.close()
     assert store.flush(timeout=60)
+    durable_step = store.last_durable_step("job")     # after flush: the same on every rank
     store.close()
     pathlib.Path(out, f"rank{rank}.bin").write_bytes(msgpack.packb({
-        "started": started, "source": source, "rejected": rejected,
+        "started": started, "source": source, "rejected": rejected, "durable": durable_step,
         "x": state["x"].numpy().tobytes(), "log": state["log"]}))
 
 
@@ -63,7 +64,9 @@ def run(root, durable, out, total, *, every=1, durable_every=1, keep_bytes=None)
         f.unlink()
     codes = launch(TARGET, WORLD, (root, durable, total, every, durable_every, out, keep_bytes), timeout=180)
     assert codes == [0] * WORLD, codes
-    return [msgpack.unpackb(pathlib.Path(out, f"rank{r}.bin").read_bytes()) for r in range(WORLD)]
+    got = [msgpack.unpackb(pathlib.Path(out, f"rank{r}.bin").read_bytes()) for r in range(WORLD)]
+    assert len({g["durable"] for g in got}) == 1, [g["durable"] for g in got]     # flush means one thing
+    return got
 
 
 @pytest.fixture

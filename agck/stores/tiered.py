@@ -71,6 +71,7 @@ class Copy:
     epoch: int | None = None
     parts: bool = False
     ready: Callable[[], bool] | None = None
+    awaits: str | None = None     # a rank's part: the run whose commit record makes its step durable
 
 
 class TieredStore(Store):
@@ -106,6 +107,7 @@ class TieredStore(Store):
         self._durable_newest: dict[str, int | None] = {}    # as the copier last saw it
         self._prune: set[str] = set()                       # runs whose local tier may hold too many
         self._failure: str | None = None                    # the durable tier's last error, while it lasts
+        self._awaited: dict[str, int] = {}                  # multi-rank run -> newest step flush waits for
         self._unfenced: dict[str, int] = {}                 # run -> an epoch begun in the local tier alone
         self._refused: AgckError | None = None              # why the durable tier can never be used
         self._closing = False
@@ -272,6 +274,21 @@ class TieredStore(Store):
                 if left is not None and left <= 0:
                     return False
                 self._cond.wait(1.0 if left is None else min(left, 1.0))
+            awaited = dict(self._awaited)
+        # a rank's parts are durable, and the step is, once rank 0's copier has copied the
+        # commit record that binds them: every rank's flush waits for that (the same answer
+        # on every rank)
+        for run, step in sorted(awaited.items()):
+            while True:
+                newest = self._from_durable(lambda d: d.steps(run, last=1), [])
+                if newest and newest[0] >= step:
+                    with self._cond:
+                        if self._awaited.get(run) == step:
+                            del self._awaited[run]
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                time.sleep(WAIT_PARTS)
         return True
 
     # -- writing --------------------------------------------------------------------------
@@ -299,6 +316,9 @@ class TieredStore(Store):
         with self._cond:
             self._queue.append(copy)
             self._prune.add(copy.run)
+            awaited = copy.awaits or (copy.run if copy.ready is not None else None)
+            if awaited is not None:
+                self._awaited[awaited] = max(self._awaited.get(awaited, copy.step), copy.step)
             self._cond.notify_all()
 
     def can_confirm_unchanged(self, run: str) -> bool:
