@@ -166,11 +166,7 @@ class TieredStore(Store):
             try:
                 store = open_store(url, **options)
             except (StoreConnectionError, DurabilityError) as e:     # down: tried again
-                self._failure = f"{type(e).__name__}: {e}"[:1000]
-                self._opened.set()
-                with self._cond:
-                    self._cond.wait(delay)
-                delay = min(delay * 2, RETRY_MOST)
+                delay = self._still_down(e, delay)
                 continue
             except AgckError as e:       # refused for good (a wrong key, no such schema)
                 self._refused = e
@@ -180,11 +176,7 @@ class TieredStore(Store):
                 self._use_durable(store)
             except (StoreConnectionError, DurabilityError) as e:     # went down while its runs were read
                 store.close()
-                self._failure = f"{type(e).__name__}: {e}"[:1000]
-                self._opened.set()
-                with self._cond:
-                    self._cond.wait(delay)
-                delay = min(delay * 2, RETRY_MOST)
+                delay = self._still_down(e, delay)
                 continue
             except Exception as e:
                 store.close()
@@ -196,6 +188,15 @@ class TieredStore(Store):
             self._opened.set()
             return True
         return False
+
+    def _still_down(self, e: AgckError, delay: float) -> float:
+        """The durable tier could not be opened: said (``durable_error``), waited for, the
+        next wait doubled."""
+        self._failure = f"{type(e).__name__}: {e}"
+        self._opened.set()
+        with self._cond:
+            self._cond.wait(delay)
+        return min(delay * 2, RETRY_MOST)
 
     @property
     def durable(self) -> Store:
