@@ -406,8 +406,12 @@ class ObjectClient:
         caller judges), None if absent. Bytes beyond ``view`` are not kept."""
         self._count("get")
         def read() -> int:
+            got = self._ob.get(self._store, key)
+            size = got.meta.get("size") if isinstance(got.meta, dict) else None
+            if size is not None and size > view.nbytes:
+                return size      # longer than its place: judged by its length, never downloaded whole
             pos = 0
-            for block in self._ob.get(self._store, key).stream(min_chunk_size=thresholds.STREAM_BLOCK):
+            for block in got.stream(min_chunk_size=thresholds.STREAM_BLOCK):
                 b = memoryview(block)
                 take = min(b.nbytes, max(0, view.nbytes - pos))
                 if take:
