@@ -131,6 +131,7 @@ class DataKey:
         self.key_id = blake3.blake3(self._key, derive_key_context="agck 2026-12 key id v1").hexdigest()[:16]
         self.slot_id: str | None = None      # the key slot this data key was opened from, if any
         self.made_now = False                # made by this store object: the store became encrypted now
+        self.before_seal = None              # called before the first seal (a store's first slot: rule 18.11)
 
     def adopt(self, other: "DataKey") -> None:
         """Become ``other``, in place (a store's first key, made by another process while
@@ -145,13 +146,22 @@ class DataKey:
         """The key itself (for wrapping into a slot; never written anywhere else)."""
         return self._key
 
+    def _ready(self) -> None:
+        """Before the key is first used to write (a seal, a name, a journal key): its
+        ``before_seal`` hook (a store's first key slot, rule 18.11), once."""
+        hook = self.before_seal
+        if hook is not None:
+            hook()
+
     def name(self, address: bytes) -> bytes:
         """The name a chunk is stored under: BLAKE3-256 of its address, keyed (FORMAT.md 18.3)."""
+        self._ready()
         return blake3.blake3(address, key=self._names).digest()
 
     def journal_key(self, fingerprint: bytes) -> bytes:
         """The key a journal record is stored under: the 16-byte fingerprint of a step's
         inputs, keyed (FORMAT.md 18.8): nobody without the key can test which inputs ran."""
+        self._ready()
         return blake3.blake3(fingerprint, key=self._journal).digest(16)
 
     def seal(self, kind: int, context: bytes, plaintext, *, salt: bytes | None = None, into=None) -> bytes:
@@ -159,6 +169,7 @@ class DataKey:
         vector only; each object gets fresh random bytes otherwise. ``into``: a writable
         buffer of at least ``len(plaintext) + OVERHEAD`` bytes to seal into (a writer's
         reused page-aligned memory); the sealed object is returned as a view of it."""
+        self._ready()
         salt = os.urandom(24) if salt is None else salt
         if len(salt) != 24:
             raise UsageError("a salt is 24 bytes")

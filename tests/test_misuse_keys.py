@@ -488,3 +488,20 @@ def test_a_huge_sparse_file_in_place_of_a_chunk_is_not_read_whole(tmp_path):
         open_store(root).get("r", 1)
     assert time.monotonic() - t < 10
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 600 << 10    # KiB: far below 2 GiB
+
+
+def test_a_journal_on_an_empty_store_seals_under_the_key_another_process_made_first(tmp_path):
+    """FORMAT.md 18.11: the first slot is written before anything is sealed, whoever seals:
+    a journal seals its records before it appends them, and another store object made the
+    store encrypted first; the journal's records are sealed under that store's data key."""
+    root = str(tmp_path / "s")
+    a = open_store(root, key=KEY)                      # empty: its data key pending
+    j = agck.Journal(a, "run")
+    b = open_store(root, key=KEY)
+    b.put("r", 1, {"x": 1})                            # b made the store encrypted first
+    assert j.step("square", lambda x: x * x, 7) == 49
+    j.close()
+    ran = []
+    with agck.Journal(open_store(root, key=KEY), "run") as again:
+        assert again.step("square", lambda x: ran.append(x) or x * x, 7) == 49
+    assert ran == [] and not again.damaged             # replayed: it opened under the store's key

@@ -142,6 +142,9 @@ def data_key(slots: SlotFiles, key, *, sealed_found: Callable[[], "bool | None"]
                                                   "encrypted store (agck export, then put)")
     new = cipher.DataKey.new()
     new._first_slot = (slots, user, where, sealed_found)   # written by the first write (commit_first_slot)
+    # and before anything is sealed under it, whoever seals (a journal seals its records
+    # before it appends them): never a byte sealed under a key another process replaces
+    new.before_seal = lambda: commit_first_slot(new)
     return new
 
 
@@ -168,12 +171,12 @@ def commit_first_slot(key: "cipher.DataKey | None") -> None:
                                  hint="write encrypted checkpoints to a new, empty store")
             try:
                 slots.save(cipher.wrap(key, user, slot_id=FIRST_SLOT))
-                key.slot_id, key.made_now, key._first_slot = FIRST_SLOT, True, None
+                key.slot_id, key.made_now, key._first_slot, key.before_seal = FIRST_SLOT, True, None, None
                 return
             except CheckpointExistsError:
                 intact, damaged = split_slots(slots.load())
         key.adopt(cipher.open_slots(intact, user, where, damaged))
-        key._first_slot = None
+        key._first_slot = key.before_seal = None
 
 
 def add_key(slots: SlotFiles, current: cipher.DataKey | None, new, where: str) -> dict:
